@@ -1,0 +1,39 @@
+// fp8 (e4m3fn) -> bf16/fp16/fp32 row kernels: dst[i] = round(decode(src[i]) * scale).
+// Plain C++ on raw pointers so the SIMD units include no torch headers.
+//
+// Rounding is IEEE round-to-nearest-even from the exact fp32 product, as in the
+// PyTorch reference. NaN codes (0x7f, 0xff) decode to the fp32 NaN 0x7ff00000
+// with their sign, which narrows to fp16 0x7f80 and bf16 0x7ff0 (sign kept).
+#pragma once
+#include <cstdint>
+
+#include "cpu_features.h"
+
+namespace pyext::cpu {
+
+enum class OutType { kBF16 = 0, kF16 = 1, kF32 = 2 };
+
+using Fp8RowFn = void (*)(const uint8_t* src, void* dst, int64_t n, float scale);
+
+Fp8RowFn fp8_row_kernel_scalar(OutType out);
+Fp8RowFn fp8_row_kernel_avx2(OutType out);
+Fp8RowFn fp8_row_kernel_avx512(OutType out);
+
+inline Fp8RowFn fp8_row_kernel(OutType out, SimdLevel level) {
+  switch (level) {
+    case SimdLevel::kAvx512: return fp8_row_kernel_avx512(out);
+    case SimdLevel::kAvx2: return fp8_row_kernel_avx2(out);
+    default: return fp8_row_kernel_scalar(out);
+  }
+}
+
+// The SIMD kernels multiply by scale * 256, which is exact unless it overflows;
+// rows with a larger (or NaN) scale take the scalar path.
+inline bool scale_is_simd_safe(float scale) { return scale > -1.0e36f && scale < 1.0e36f; }
+
+// Scalar helpers shared by the tails of the SIMD kernels.
+float fp8_decode(uint8_t code);
+uint16_t fp32_to_bf16_bits(float value);
+uint16_t fp32_to_fp16_bits(float value);
+
+}  // namespace pyext::cpu

@@ -1,0 +1,114 @@
+// Torch glue for the fp8 CPU kernels: schemas of the private ops
+// torch.ops.pyext_C.fp8_upcast_out / fp8_linear and their CPU implementations.
+// Input validation with user-facing messages lives in pyext/ops/fp8.py; the
+// TORCH_CHECKs here only guard the raw-pointer kernels.
+#include <ATen/ATen.h>
+#include <ATen/Parallel.h>
+#include <torch/library.h>
+
+#include <algorithm>
+
+#include "fp8_convert.h"
+
+namespace pyext::cpu {
+namespace {
+
+OutType out_type(at::ScalarType dtype) {
+  switch (dtype) {
+    case at::kBFloat16: return OutType::kBF16;
+    case at::kHalf: return OutType::kF16;
+    case at::kFloat: return OutType::kF32;
+    default: TORCH_CHECK(false, "pyext fp8: output dtype must be bfloat16, float16 or float32, got ", dtype);
+  }
+}
+
+void check_fp8_weight(const at::Tensor& w, const at::Tensor& scale) {
+  TORCH_CHECK(w.scalar_type() == at::kFloat8_e4m3fn, "pyext fp8: weight must be float8_e4m3fn, got ",
+              w.scalar_type());
+  TORCH_CHECK(w.dim() >= 1, "pyext fp8: weight must have at least one dimension");
+  TORCH_CHECK(scale.scalar_type() == at::kFloat, "pyext fp8: scale must be float32");
+  TORCH_CHECK(scale.numel() == 1 || scale.numel() == w.size(0),
+              "pyext fp8: scale must have 1 or weight.size(0) elements");
+}
+
+// Upcasts rows [row0, row0 + nrows) of a (rows, cols) fp8 matrix into dst,
+// in parallel. A single (per-tensor) scale is split by element chunks instead.
+void upcast_rows(const uint8_t* src, const float* scale, bool per_row, int64_t row0, int64_t nrows,
+                 int64_t cols, void* dst, at::ScalarType dtype) {
+  const Fp8RowFn fn = fp8_row_kernel(out_type(dtype), simd_level());
+  const int64_t esize = dtype == at::kFloat ? 4 : 2;
+  char* out = static_cast<char*>(dst);
+  constexpr int64_t kGrainElems = 1 << 15;  // enough work per task to amortise the fork
+  if (!per_row) {
+    const int64_t n = nrows * cols;
+    const uint8_t* s = src + row0 * cols;
+    at::parallel_for(0, n, kGrainElems, [&](int64_t b, int64_t e) { fn(s + b, out + b * esize, e - b, scale[0]); });
+    return;
+  }
+  at::parallel_for(0, nrows, std::max<int64_t>(1, kGrainElems / std::max<int64_t>(cols, 1)), [&](int64_t b, int64_t e) {
+    for (int64_t r = b; r < e; ++r)
+      fn(src + (row0 + r) * cols, out + r * cols * esize, cols, scale[row0 + r]);
+  });
+}
+
+void fp8_upcast_out_cpu(const at::Tensor& w, const at::Tensor& scale, at::Tensor& out) {
+  check_fp8_weight(w, scale);
+  TORCH_CHECK(out.is_contiguous() && out.numel() == w.numel(), "pyext fp8: out must be contiguous, with w's size");
+  const at::Tensor wc = w.contiguous(), sc = scale.contiguous();
+  if (w.numel() == 0) return;
+  const int64_t rows = w.size(0), cols = w.numel() / rows;
+  upcast_rows(static_cast<const uint8_t*>(wc.data_ptr()), sc.data_ptr<float>(), sc.numel() != 1, 0, rows, cols,
+              out.data_ptr(), out.scalar_type());
+}
+
+// y = x @ (w * scale)^T + bias, upcasting the weight tile by tile into a buffer
+// that stays in L2, so the full-precision weight never exists in memory and the
+// upcast costs no memory traffic beyond reading the fp8 bytes once.
+at::Tensor fp8_linear_cpu(const at::Tensor& x, const at::Tensor& w, const at::Tensor& scale,
+                          const std::optional<at::Tensor>& bias) {
+  check_fp8_weight(w, scale);
+  TORCH_CHECK(w.dim() == 2 && x.size(-1) == w.size(1), "pyext fp8_linear: shape mismatch");
+  const int64_t K = w.size(1), N = w.size(0);
+  const at::Tensor x2 = x.reshape({-1, K}).contiguous();
+  const at::Tensor wc = w.contiguous(), sc = scale.contiguous();
+  const int64_t M = x2.size(0);
+  std::vector<int64_t> out_shape(x.sizes().begin(), x.sizes().end());
+  out_shape.back() = N;
+  at::Tensor y = at::empty({M, N}, x.options());
+  if (M == 0 || N == 0) return y.view(out_shape);
+  if (K == 0) return (bias ? y.copy_(bias->expand({M, N})) : y.zero_()).view(out_shape);
+
+  const int64_t esize = x.element_size();
+  constexpr int64_t kTileBytes = 512 * 1024;  // half of a 1 MiB L2, leaves room for the GEMM's panels
+  int64_t tile = std::max<int64_t>(16, (kTileBytes / (K * esize)) / 16 * 16);
+  if (M >= 1024) tile = std::max<int64_t>(tile, 128);  // big GEMMs prefer wider panels over L2 residency
+  tile = std::min(tile, N);
+  // One scratch buffer per thread, reused across calls and layers (no page faults per call).
+  thread_local at::Tensor buffer;
+  if (!buffer.defined() || buffer.numel() < tile * K || buffer.scalar_type() != x.scalar_type())
+    buffer = at::empty({tile * K}, x.options());
+  const uint8_t* src = static_cast<const uint8_t*>(wc.data_ptr());
+  for (int64_t n0 = 0; n0 < N; n0 += tile) {
+    const int64_t nb = std::min(tile, N - n0);
+    at::Tensor wt = buffer.narrow(0, 0, nb * K).view({nb, K});
+    upcast_rows(src, sc.data_ptr<float>(), sc.numel() != 1, n0, nb, K, wt.data_ptr(), x.scalar_type());
+    at::Tensor y_tile = y.narrow(1, n0, nb);
+    if (bias) at::addmm_out(y_tile, bias->narrow(0, n0, nb), x2, wt.t());
+    else at::mm_out(y_tile, x2, wt.t());
+  }
+  return y.view(out_shape);
+}
+
+}  // namespace
+
+TORCH_LIBRARY_FRAGMENT(pyext_C, m) {
+  m.def("fp8_upcast_out(Tensor w, Tensor scale, Tensor(a!) out) -> ()");
+  m.def("fp8_linear(Tensor x, Tensor w, Tensor scale, Tensor? bias) -> Tensor");
+}
+
+TORCH_LIBRARY_IMPL(pyext_C, CPU, m) {
+  m.impl("fp8_upcast_out", fp8_upcast_out_cpu);
+  m.impl("fp8_linear", fp8_linear_cpu);
+}
+
+}  // namespace pyext::cpu

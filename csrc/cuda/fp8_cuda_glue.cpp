@@ -1,0 +1,40 @@
+// Torch glue for the CUDA fp8 upcast: registers the CUDA implementation of
+// torch.ops.pyext_C.fp8_upcast_out. Built only when torch has CUDA. It uses the
+// device-generic c10 stream API (no c10/cuda headers) so it also compiles, for a
+// syntax check, against a CPU-only torch.
+#include <c10/core/DeviceGuard.h>
+#include <c10/core/impl/DeviceGuardImplInterface.h>
+#include <torch/library.h>
+
+#include "fp8_upcast.h"
+
+namespace {
+
+void fp8_upcast_out_cuda(const at::Tensor& w, const at::Tensor& scale, at::Tensor& out) {
+  TORCH_CHECK(w.scalar_type() == at::kFloat8_e4m3fn, "pyext fp8_upcast (CUDA): weight must be float8_e4m3fn");
+  TORCH_CHECK(scale.scalar_type() == at::kFloat && (scale.numel() == 1 || scale.numel() == w.size(0)),
+              "pyext fp8_upcast (CUDA): scale must be float32 with 1 or weight.size(0) elements");
+  TORCH_CHECK(out.is_contiguous() && out.numel() == w.numel(), "pyext fp8_upcast (CUDA): bad out");
+  TORCH_CHECK(w.device() == out.device() && scale.device() == w.device(),
+              "pyext fp8_upcast (CUDA): weight, scale and out must be on one device");
+  int out_type;
+  switch (out.scalar_type()) {
+    case at::kBFloat16: out_type = 0; break;
+    case at::kHalf: out_type = 1; break;
+    case at::kFloat: out_type = 2; break;
+    default: TORCH_CHECK(false, "pyext fp8_upcast (CUDA): out must be bfloat16, float16 or float32");
+  }
+  if (w.numel() == 0) return;
+  const c10::DeviceGuard guard(w.device());
+  const at::Tensor wc = w.contiguous(), sc = scale.contiguous();
+  const c10::Stream stream = c10::impl::getDeviceGuardImpl(w.device().type())->getStream(w.device());
+  const int64_t rows = w.size(0), cols = w.numel() / rows;
+  const cudaError_t err = pyext_fp8_upcast_cuda(static_cast<const uint8_t*>(wc.data_ptr()), out.data_ptr(),
+                                                sc.data_ptr<float>(), rows, cols, sc.numel() != 1, out_type,
+                                                static_cast<cudaStream_t>(stream.native_handle()));
+  TORCH_CHECK(err == cudaSuccess, "pyext fp8_upcast (CUDA): kernel launch failed: ", cudaGetErrorString(err));
+}
+
+}  // namespace
+
+TORCH_LIBRARY_IMPL(pyext_C, CUDA, m) { m.impl("fp8_upcast_out", fp8_upcast_out_cuda); }

@@ -1,0 +1,107 @@
+// fp8 (e4m3fn) -> bf16/fp16/fp32 upcast on the GPU with 16-byte vector loads:
+// each thread decodes 16 codes (one uint4) and writes them with vector stores.
+// Decoding and rounding mirror csrc/cpu/fp8_convert_scalar.cpp bit for bit.
+#include <cuda_fp16.h>
+
+#include "fp8_upcast.h"
+
+namespace {
+
+__device__ __forceinline__ float decode(uint32_t code) {
+  const uint32_t sign = (code & 0x80u) << 8;
+  if ((code & 0x7fu) == 0x7fu) return __uint_as_float((sign << 16) | 0x7ff00000u);
+  // The magnitude bits shifted left by 7 are the fp16 encoding of value / 256.
+  return __half2float(__ushort_as_half(static_cast<unsigned short>(sign | ((code & 0x7fu) << 7)))) * 256.0f;
+}
+
+__device__ __forceinline__ uint16_t to_bf16(float v) {
+  const uint32_t u = __float_as_uint(v);
+  if ((u & 0x7fffffffu) > 0x7f800000u) return static_cast<uint16_t>(u >> 16);
+  return static_cast<uint16_t>((u + 0x7fffu + ((u >> 16) & 1u)) >> 16);
+}
+
+__device__ __forceinline__ uint16_t to_fp16(float v) {
+  const uint32_t u = __float_as_uint(v);
+  if ((u & 0x7fffffffu) > 0x7f800000u)  // NaN: keep sign and payload as the CPU path does
+    return static_cast<uint16_t>(((u >> 16) & 0x8000u) | 0x7e00u | ((u >> 13) & 0x3ffu));
+  return __half_as_ushort(__float2half_rn(v));
+}
+
+template <int kOut>
+__device__ __forceinline__ void store(void* dst, int64_t i, float v) {
+  if (kOut == 2) static_cast<float*>(dst)[i] = v;
+  else static_cast<uint16_t*>(dst)[i] = kOut == 0 ? to_bf16(v) : to_fp16(v);
+}
+
+// Vector path: cols % 16 == 0 (or one scale), 16-byte aligned pointers.
+template <int kOut>
+__global__ void upcast_vec16(const uint4* __restrict__ src, void* __restrict__ dst, const float* __restrict__ scale,
+                             int64_t chunks, int64_t chunks_per_row, int per_row) {
+  for (int64_t c = blockIdx.x * static_cast<int64_t>(blockDim.x) + threadIdx.x; c < chunks;
+       c += static_cast<int64_t>(gridDim.x) * blockDim.x) {
+    const float s = scale[per_row ? c / chunks_per_row : 0];
+    const uint4 packed = src[c];
+    const uint32_t words[4] = {packed.x, packed.y, packed.z, packed.w};
+    if (kOut == 2) {
+      float4* out = reinterpret_cast<float4*>(dst) + c * 4;
+#pragma unroll
+      for (int w = 0; w < 4; ++w)
+        out[w] = make_float4(decode(words[w] & 0xff) * s, decode((words[w] >> 8) & 0xff) * s,
+                             decode((words[w] >> 16) & 0xff) * s, decode(words[w] >> 24) * s);
+    } else {
+      uint32_t halves[8];
+#pragma unroll
+      for (int w = 0; w < 4; ++w) {
+        uint16_t h[4];
+#pragma unroll
+        for (int b = 0; b < 4; ++b) {
+          const float v = decode((words[w] >> (8 * b)) & 0xff) * s;
+          h[b] = kOut == 0 ? to_bf16(v) : to_fp16(v);
+        }
+        halves[2 * w] = h[0] | (static_cast<uint32_t>(h[1]) << 16);
+        halves[2 * w + 1] = h[2] | (static_cast<uint32_t>(h[3]) << 16);
+      }
+      uint4* out = reinterpret_cast<uint4*>(dst) + c * 2;
+      out[0] = make_uint4(halves[0], halves[1], halves[2], halves[3]);
+      out[1] = make_uint4(halves[4], halves[5], halves[6], halves[7]);
+    }
+  }
+}
+
+template <int kOut>
+__global__ void upcast_scalar(const uint8_t* __restrict__ src, void* __restrict__ dst, const float* __restrict__ scale,
+                              int64_t n, int64_t cols, int per_row) {
+  for (int64_t i = blockIdx.x * static_cast<int64_t>(blockDim.x) + threadIdx.x; i < n;
+       i += static_cast<int64_t>(gridDim.x) * blockDim.x)
+    store<kOut>(dst, i, decode(src[i]) * scale[per_row ? i / cols : 0]);
+}
+
+template <int kOut>
+cudaError_t launch(const uint8_t* src, void* dst, const float* scale, int64_t rows, int64_t cols, int per_row,
+                   cudaStream_t stream) {
+  const int64_t n = rows * cols;
+  if (n == 0) return cudaSuccess;
+  constexpr int kThreads = 256;
+  const bool aligned = (reinterpret_cast<uintptr_t>(src) % 16 == 0) && (reinterpret_cast<uintptr_t>(dst) % 16 == 0);
+  const bool vec = aligned && n % 16 == 0 && (!per_row || cols % 16 == 0);
+  const int64_t work = vec ? n / 16 : n;
+  const unsigned blocks = static_cast<unsigned>(work < 65535LL * kThreads ? (work + kThreads - 1) / kThreads : 65535LL * 8);
+  if (vec)
+    upcast_vec16<kOut><<<blocks, kThreads, 0, stream>>>(reinterpret_cast<const uint4*>(src), dst, scale, n / 16,
+                                                       cols / 16, per_row);
+  else
+    upcast_scalar<kOut><<<blocks, kThreads, 0, stream>>>(src, dst, scale, n, cols, per_row);
+  return cudaGetLastError();
+}
+
+}  // namespace
+
+extern "C" cudaError_t pyext_fp8_upcast_cuda(const uint8_t* src, void* dst, const float* scale, int64_t rows,
+                                             int64_t cols, int per_row, int out_type, cudaStream_t stream) {
+  switch (out_type) {
+    case 0: return launch<0>(src, dst, scale, rows, cols, per_row, stream);
+    case 1: return launch<1>(src, dst, scale, rows, cols, per_row, stream);
+    case 2: return launch<2>(src, dst, scale, rows, cols, per_row, stream);
+    default: return cudaErrorInvalidValue;
+  }
+}

@@ -1,0 +1,24 @@
+// The Python module pyext._C: build facts for `python -m pyext info`. The kernels
+// themselves are registered as torch.ops.pyext_C.* by each family's file.
+#include <torch/extension.h>
+
+#include "cpu/cpu_features.h"
+
+TORCH_LIBRARY(pyext_C, m) {}  // each kernel family adds its ops with TORCH_LIBRARY_FRAGMENT
+
+PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
+  using pyext::cpu::SimdLevel;
+  m.def("cpu_capabilities", [] {
+    std::vector<std::string> levels;
+    for (SimdLevel l : {SimdLevel::kScalar, SimdLevel::kAvx2, SimdLevel::kAvx512})
+      if (static_cast<int>(l) <= static_cast<int>(pyext::cpu::simd_level())) levels.push_back(pyext::cpu::simd_name(l));
+    return levels;
+  }, "SIMD levels the CPU kernels use on this machine (PYEXT_CPU_SIMD caps them).");
+  m.def("built_with_cuda", [] {
+#ifdef PYEXT_WITH_CUDA
+    return true;
+#else
+    return false;
+#endif
+  });
+}

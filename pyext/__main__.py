@@ -1,0 +1,62 @@
+"""`python -m pyext info [--json]`: the build, the device, and every op's backends with reasons."""
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+
+
+def collect() -> dict:
+    import torch
+
+    import pyext
+    from pyext import _ext, dispatch
+
+    cuda = torch.cuda.is_available()  # only here, on request: importing pyext never queries the GPU
+    devices = ["cpu"] + (["cuda"] if cuda else [])
+    return {
+        "pyext": pyext.__version__,
+        "torch": torch.__version__,
+        "extension": "loaded" if _ext.EXT is not None else "missing",
+        "extension_error": _ext.EXT_ERROR or "",
+        "build": _ext.BUILD_INFO,
+        "cpu_simd": _ext.cpu_capabilities(),
+        "torch_threads": torch.get_num_threads(),
+        "cuda_available": cuda,
+        "cuda_device": torch.cuda.get_device_name(0) if cuda else "",
+        "ops": {dev: dispatch.status(dev) for dev in devices},
+    }
+
+
+def print_text(info: dict) -> None:
+    print(f"pyext {info['pyext']}  torch {info['torch']}  threads {info['torch_threads']}")
+    print(f"extension: {info['extension']} {info['extension_error']}")
+    print(f"build: {info['build']}")
+    print(f"cpu simd (run time): {', '.join(info['cpu_simd']) or 'n/a'}")
+    print(f"cuda: {info['cuda_device'] or 'not available'}")
+    for dev, ops in info["ops"].items():
+        print(f"\nbackends on {dev} (in order of preference):")
+        for op, rows in ops.items():
+            for row in rows:
+                mark = "yes" if row["available"] else "no "
+                why = f"  ({row['reason']})" if row["reason"] else ""
+                print(f"  {op:<14} {row['backend']:<10} {mark}{why}")
+
+
+def main(argv=None) -> int:
+    parser = argparse.ArgumentParser(prog="python -m pyext")
+    sub = parser.add_subparsers(dest="command", required=True)
+    info = sub.add_parser("info", help="build, device and backends")
+    info.add_argument("--json", action="store_true")
+    args = parser.parse_args(argv)
+    data = collect()
+    if args.json:
+        json.dump(data, sys.stdout, indent=2, default=str)
+        print()
+    else:
+        print_text(data)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,90 @@
+"""Triton GEMM y = x @ (w_fp8 * scale)^T + bias that dequantises weight tiles in its main loop.
+
+The fp8 bytes are decoded arithmetically (the e4m3 magnitude bits shifted left by
+7 are the fp16 encoding of value/256), so the kernel needs no hardware fp8 and
+runs on sm_80 as on sm_90; the factor 256 and the per-channel scale are applied
+once to the fp32 accumulator. No upcast copy of the weight ever exists in memory.
+"""
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+from pyext.kernels import interpreting
+
+
+@triton.jit
+def _decode_fp8_div256(u8, OUT_DTYPE: tl.constexpr):
+    u = u8.to(tl.int16)
+    mag = u & 0x7F
+    bits = ((u & 0x80) << 8) | (mag << 7)
+    bits = tl.where(mag == 0x7F, (u & 0x80) << 8 | 0x7E00, bits)  # NaN codes stay NaN
+    return bits.to(tl.float16, bitcast=True).to(OUT_DTYPE)  # value/256 is exact in fp16 and bf16
+
+
+@triton.jit
+def _fp8_linear_kernel(
+    x_ptr, w_ptr, s_ptr, b_ptr, y_ptr, M, N, K,
+    stride_xm, stride_xk, stride_wn, stride_wk, stride_ym, stride_yn,
+    PER_CHANNEL: tl.constexpr, HAS_BIAS: tl.constexpr,
+    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr,
+):
+    pid = tl.program_id(0)
+    num_m = tl.cdiv(M, BLOCK_M)
+    num_n = tl.cdiv(N, BLOCK_N)
+    # Grouped ordering: neighbouring programs share weight tiles in L2.
+    group = pid // (GROUP_M * num_n)
+    first_m = group * GROUP_M
+    size_m = min(num_m - first_m, GROUP_M)
+    pid_m = first_m + (pid % (GROUP_M * num_n)) % size_m
+    pid_n = (pid % (GROUP_M * num_n)) // size_m
+
+    offs_m = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
+    offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+    offs_k = tl.arange(0, BLOCK_K)
+    x_ptrs = x_ptr + offs_m[:, None] * stride_xm + offs_k[None, :] * stride_xk
+    w_ptrs = w_ptr + offs_n[None, :] * stride_wn + offs_k[:, None] * stride_wk  # (BLOCK_K, BLOCK_N) view
+    acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+    for k in range(0, tl.cdiv(K, BLOCK_K)):
+        k_left = K - k * BLOCK_K
+        a = tl.load(x_ptrs, mask=(offs_m[:, None] < M) & (offs_k[None, :] < k_left), other=0.0)
+        w = tl.load(w_ptrs, mask=(offs_n[None, :] < N) & (offs_k[:, None] < k_left), other=0)
+        acc += tl.dot(a, _decode_fp8_div256(w, a.dtype))
+        x_ptrs += BLOCK_K * stride_xk
+        w_ptrs += BLOCK_K * stride_wk
+
+    if PER_CHANNEL:
+        scale = tl.load(s_ptr + offs_n, mask=offs_n < N, other=1.0)
+        acc = acc * (scale * 256.0)[None, :]
+    else:
+        acc = acc * (tl.load(s_ptr) * 256.0)
+    if HAS_BIAS:
+        acc += tl.load(b_ptr + offs_n, mask=offs_n < N, other=0.0).to(tl.float32)[None, :]
+    y_ptrs = y_ptr + offs_m[:, None] * stride_ym + offs_n[None, :] * stride_yn
+    tl.store(y_ptrs, acc.to(y_ptr.dtype.element_ty), mask=(offs_m[:, None] < M) & (offs_n[None, :] < N))
+
+
+def _blocks(M: int) -> dict:
+    if interpreting():  # the interpreter is slow: small tiles, and it has no warps
+        return dict(BLOCK_M=16, BLOCK_N=32, BLOCK_K=32, GROUP_M=4)
+    if M <= 64:  # token counts of the low-resolution UNet levels and small batches
+        return dict(BLOCK_M=32, BLOCK_N=128, BLOCK_K=128, GROUP_M=8, num_warps=4, num_stages=4)
+    return dict(BLOCK_M=128, BLOCK_N=128, BLOCK_K=64, GROUP_M=8, num_warps=8, num_stages=3)
+
+
+def fp8_linear_triton(x: torch.Tensor, w: torch.Tensor, scale: torch.Tensor, bias) -> torch.Tensor:
+    K = x.shape[-1]
+    x2 = x.reshape(-1, K)
+    M, N = x2.shape[0], w.shape[0]
+    y = torch.empty((M, N), dtype=x.dtype, device=x.device)
+    if M and N:
+        w_u8 = w.view(torch.uint8)
+        cfg = _blocks(M)
+        grid = (triton.cdiv(M, cfg["BLOCK_M"]) * triton.cdiv(N, cfg["BLOCK_N"]),)
+        _fp8_linear_kernel[grid](
+            x2, w_u8, scale, bias if bias is not None else scale, y, M, N, K,
+            x2.stride(0), x2.stride(1), w_u8.stride(0), w_u8.stride(1), y.stride(0), y.stride(1),
+            PER_CHANNEL=scale.numel() != 1, HAS_BIAS=bias is not None, **cfg,
+        )
+    return y.reshape(*x.shape[:-1], N)

@@ -1,0 +1,203 @@
+"""FP8Linear / FP8Conv2d: nn.Linear / nn.Conv2d whose weight is stored in fp8 (e4m3).
+
+The layers stay instances of nn.Linear / nn.Conv2d, so diffusers, accelerate and
+PEFT still recognise them. The fp8 weight is held as a uint8 view and the fp32
+scales as int32 bits: `module.to(torch.bfloat16)` casts floating tensors only, so
+neither the codes nor the scales can be destroyed by a dtype cast, while device
+moves (offload hooks) move the fp8 bytes: half of what bf16 weights would move.
+`compute_dtype` follows the module's dtype casts.
+"""
+from __future__ import annotations
+
+import re
+from dataclasses import dataclass, field
+
+import torch
+import torch.nn as nn
+import torch.nn.functional as F
+
+from pyext.ops.fp8 import FP8, fp8_linear, fp8_quantize, fp8_upcast
+
+# Names (regexes, searched in the module's qualified name) kept in full precision by
+# default: norms, embeddings/modulation and the first and last layers, where fp8
+# error shows in images (the same families diffusers' layerwise casting skips).
+DEFAULT_SKIP = (
+    r"norm", r"time_embed", r"add_embed", r"pos_embed", r"patch_embed", r"x_embedder",
+    r"context_embedder", r"time_text_embed", r"class_embed",
+    r"^conv_in$", r"^conv_out$", r"^proj_in$", r"^proj_out$",
+)
+MIN_NUMEL = 4096  # smaller weights save nothing worth the upcast
+
+
+class _FP8Storage:
+    """Shared by both layers: fp8 codes + fp32 scales in cast-proof integer buffers."""
+
+    def _store(self, weight: torch.Tensor, per_channel: bool, keep_original: bool) -> None:
+        q, scale = fp8_quantize(weight, per_channel)
+        self.compute_dtype = weight.dtype
+        self.per_channel = per_channel
+        self.weight = nn.Parameter(q.view(torch.uint8), requires_grad=False)
+        self.register_buffer("weight_scale", scale.view(torch.int32))
+        self.original_weight = weight.detach().clone().cpu() if keep_original else None
+
+    @property
+    def fp8_weight(self) -> torch.Tensor:
+        return self.weight.view(FP8)
+
+    @property
+    def scale(self) -> torch.Tensor:
+        return self.weight_scale.view(torch.float32)
+
+    def dequantized_weight(self, dtype=None) -> torch.Tensor:
+        return fp8_upcast(self.fp8_weight, self.scale, dtype or self.compute_dtype)
+
+    def _apply(self, fn, recurse=True):
+        # Learn the dtype the cast asks for from a probe tensor, then let the module move.
+        self.compute_dtype = fn(torch.empty(0, dtype=self.compute_dtype)).dtype
+        out = super()._apply(fn, recurse)
+        if not self.weight.is_contiguous():  # e.g. .to(memory_format=channels_last): the kernels want rows
+            self.weight.data = self.weight.data.contiguous()
+        return out
+
+    def _fp8_extra_repr(self) -> str:
+        return f"fp8=e4m3, {'per-channel' if self.per_channel else 'per-tensor'} scale, compute={self.compute_dtype}"
+
+
+class FP8Linear(_FP8Storage, nn.Linear):
+    @classmethod
+    def from_linear(cls, linear: nn.Linear, per_channel: bool = True, keep_original: bool = False) -> "FP8Linear":
+        new = cls.__new__(cls)
+        nn.Module.__init__(new)
+        new.in_features, new.out_features = linear.in_features, linear.out_features
+        new._store(linear.weight.detach(), per_channel, keep_original)
+        new.bias = linear.bias
+        return new
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        bias = self.bias
+        if x.dtype != self.compute_dtype:
+            x = x.to(self.compute_dtype)
+        if bias is not None and bias.dtype != x.dtype:
+            bias = bias.to(x.dtype)
+        return fp8_linear(x, self.fp8_weight, self.scale, bias)
+
+    def extra_repr(self) -> str:
+        return super().extra_repr() + ", " + self._fp8_extra_repr()
+
+
+# One upcast buffer per (device, dtype), shared by all FP8Conv2d layers and grown
+# to the largest: reusing it avoids page faults for every fresh multi-MB weight.
+_WORKSPACE: dict[tuple, torch.Tensor] = {}
+
+
+def _workspace(numel: int, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
+    key = (device, dtype)
+    buf = _WORKSPACE.get(key)
+    if buf is None or buf.numel() < numel:
+        buf = _WORKSPACE[key] = torch.empty(numel, dtype=dtype, device=device)
+    return buf[:numel]
+
+
+class FP8Conv2d(_FP8Storage, nn.Conv2d):
+    @classmethod
+    def from_conv(cls, conv: nn.Conv2d, per_channel: bool = True, keep_original: bool = False) -> "FP8Conv2d":
+        new = cls.__new__(cls)
+        nn.Module.__init__(new)
+        for attr in ("in_channels", "out_channels", "kernel_size", "stride", "padding", "dilation",
+                     "transposed", "output_padding", "groups", "padding_mode"):
+            setattr(new, attr, getattr(conv, attr))
+        new._reversed_padding_repeated_twice = conv._reversed_padding_repeated_twice
+        new._store(conv.weight.detach(), per_channel, keep_original)
+        new.bias = conv.bias
+        return new
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if x.dtype != self.compute_dtype:
+            x = x.to(self.compute_dtype)
+        w8 = self.fp8_weight
+        if torch.compiler.is_compiling():  # let the compiler own the buffer
+            weight = fp8_upcast(w8, self.scale, x.dtype)
+        else:
+            weight = fp8_upcast(w8, self.scale, x.dtype, out=_workspace(w8.numel(), x.dtype, x.device).view(w8.shape))
+        bias = self.bias if self.bias is None or self.bias.dtype == x.dtype else self.bias.to(x.dtype)
+        return self._conv_forward(x, weight, bias)
+
+    def extra_repr(self) -> str:
+        return super().extra_repr() + ", " + self._fp8_extra_repr()
+
+
+@dataclass
+class FP8Report:
+    converted: list[str] = field(default_factory=list)
+    skipped: dict[str, str] = field(default_factory=dict)
+    bytes_before: int = 0
+    bytes_after: int = 0
+
+    def __str__(self) -> str:
+        return (f"fp8: {len(self.converted)} layers converted, {len(self.skipped)} kept, weights "
+                f"{self.bytes_before / 2**20:.1f} MiB -> {self.bytes_after / 2**20:.1f} MiB")
+
+
+def _skip_reason(name: str, module: nn.Module, skip: tuple[str, ...]) -> str | None:
+    for pattern in skip:
+        if re.search(pattern, name):
+            return f"name matches skip pattern {pattern!r}"
+    if module.weight.numel() < MIN_NUMEL:
+        return f"weight has {module.weight.numel()} < {MIN_NUMEL} elements"
+    if not module.weight.is_floating_point() or module.weight.dtype == FP8:
+        return f"weight dtype {module.weight.dtype} is not a float to quantize"
+    if isinstance(module, nn.Conv2d) and module.padding_mode != "zeros":
+        return f"padding_mode {module.padding_mode!r}"
+    if module.weight.device.type == "meta":
+        return "weight is on the meta device (not loaded)"
+    return None
+
+
+def quantize_fp8(model: nn.Module, skip: tuple[str, ...] = DEFAULT_SKIP, per_channel: bool = True,
+                 keep_original: bool = False) -> FP8Report:
+    """Replace the model's nn.Linear / nn.Conv2d layers by fp8-stored ones, in place.
+
+    `skip` holds regexes searched in each layer's qualified name. Returns what was
+    converted, what was kept and why, and the weight bytes before and after.
+    """
+    report = FP8Report()
+    for name, module in list(model.named_modules()):
+        if type(module) not in (nn.Linear, nn.Conv2d):
+            if isinstance(module, (FP8Linear, FP8Conv2d)):
+                report.skipped[name] = "already fp8"
+            continue
+        reason = _skip_reason(name, module, skip)
+        if reason:
+            report.skipped[name] = reason
+            continue
+        report.bytes_before += module.weight.numel() * module.weight.element_size()
+        new = (FP8Linear.from_linear(module, per_channel, keep_original) if isinstance(module, nn.Linear)
+               else FP8Conv2d.from_conv(module, per_channel, keep_original))
+        report.bytes_after += new.weight.numel() + new.weight_scale.numel() * 4
+        parent_name, _, child = name.rpartition(".")
+        setattr(model.get_submodule(parent_name) if parent_name else model, child, new)
+        report.converted.append(name)
+    return report
+
+
+def restore_fp8(model: nn.Module) -> list[str]:
+    """Turn fp8 layers back into plain ones: exact where the originals were kept, else dequantised."""
+    restored = []
+    for name, module in list(model.named_modules()):
+        if not isinstance(module, (FP8Linear, FP8Conv2d)):
+            continue
+        weight = module.original_weight if module.original_weight is not None else module.dequantized_weight()
+        weight = weight.to(device=module.weight.device, dtype=module.compute_dtype)
+        if isinstance(module, FP8Linear):
+            plain = nn.Linear(module.in_features, module.out_features, bias=module.bias is not None,
+                              device="meta")
+        else:
+            plain = nn.Conv2d(module.in_channels, module.out_channels, module.kernel_size, module.stride,
+                              module.padding, module.dilation, module.groups, module.bias is not None,
+                              module.padding_mode, device="meta")
+        plain.weight = nn.Parameter(weight, requires_grad=False)
+        plain.bias = module.bias
+        parent_name, _, child = name.rpartition(".")
+        setattr(model.get_submodule(parent_name) if parent_name else model, child, plain)
+        restored.append(name)
+    return restored

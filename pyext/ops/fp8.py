@@ -1,0 +1,235 @@
+"""fp8 (e4m3fn) weight storage: quantize, upcast and a linear that dequantises on the fly.
+
+Public functions validate their inputs (clear errors naming the op) and call the
+`torch.ops.pyext.*` custom ops, which pick a backend through `pyext.dispatch`.
+The reference backend is the semantics every other backend must match bit for
+bit (upcast) or to bf16 rounding (linear).
+"""
+from __future__ import annotations
+
+from typing import Optional
+
+import torch
+import torch.nn.functional as F
+
+from pyext import dispatch
+from pyext._ext import EXT_ERROR, has_kernel
+from pyext.dispatch import Backend, PyextError
+from pyext.kernels import triton_devices, triton_unavailable
+
+FP8 = torch.float8_e4m3fn
+FP8_MAX = 448.0
+COMPUTE_DTYPES = (torch.bfloat16, torch.float16, torch.float32)
+
+
+# ----------------------------------------------------------------------------- validation
+
+def _fail(op: str, msg: str) -> None:
+    raise PyextError(f"pyext.{op}: {msg}")
+
+
+def _check_weight(op: str, w: torch.Tensor, scale: torch.Tensor) -> None:
+    if not isinstance(w, torch.Tensor) or w.dtype != FP8:
+        _fail(op, f"weight must be a torch.float8_e4m3fn tensor (from fp8_quantize), got "
+              f"{getattr(w, 'dtype', type(w).__name__)}")
+    if w.dim() < 1:
+        _fail(op, "weight must have at least one dimension (output channels first)")
+    if not isinstance(scale, torch.Tensor) or scale.dtype != torch.float32:
+        _fail(op, f"scale must be a float32 tensor, got {getattr(scale, 'dtype', type(scale).__name__)}")
+    if scale.numel() not in (1, w.shape[0]) or scale.dim() > 1:
+        _fail(op, f"scale must hold 1 (per-tensor) or weight.shape[0]={w.shape[0]} (per-channel) values, "
+              f"got shape {tuple(scale.shape)}")
+    if scale.device != w.device:
+        _fail(op, f"weight is on {w.device} but scale is on {scale.device}")
+
+
+def _check_dtype(op: str, dtype, what: str) -> None:
+    if dtype not in COMPUTE_DTYPES:
+        _fail(op, f"{what} must be one of bfloat16, float16, float32; got {dtype}")
+
+
+# ----------------------------------------------------------------------------- quantize
+
+def fp8_quantize(w: torch.Tensor, per_channel: bool = True) -> tuple[torch.Tensor, torch.Tensor]:
+    """Quantize a weight to e4m3 with per-output-channel (dim 0) or per-tensor fp32 scales.
+
+    Returns (w_fp8, scale) with w ~= w_fp8 * scale. Non-finite weights are an error:
+    fp8 storage of NaN/inf would turn into silent garbage at inference.
+    """
+    if not isinstance(w, torch.Tensor) or not w.is_floating_point() or w.dtype == FP8:
+        _fail("fp8_quantize", f"expected a floating-point weight (fp32/fp16/bf16), got "
+              f"{getattr(w, 'dtype', type(w).__name__)}")
+    if w.dim() < 1 or w.numel() == 0:
+        _fail("fp8_quantize", f"expected a non-empty weight with at least one dimension, got shape {tuple(w.shape)}")
+    wf = w.detach().float()
+    finite = torch.isfinite(wf)
+    if not bool(finite.all()):
+        bad = (~finite).nonzero()[0].tolist()
+        _fail("fp8_quantize", f"weight has {int((~finite).sum())} non-finite values (first at index {bad}); "
+              "fp8 storage needs finite weights")
+    amax = wf.abs().reshape(wf.shape[0], -1).amax(1) if per_channel else wf.abs().amax().reshape(1)
+    scale = torch.where(amax > 0, amax / FP8_MAX, torch.ones_like(amax))
+    q = (wf / scale.reshape(-1, *[1] * (w.dim() - 1))).clamp(-FP8_MAX, FP8_MAX).to(FP8)
+    return q, scale
+
+
+# ----------------------------------------------------------------------------- reference
+
+def _round_fp32_to(f: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """IEEE round-to-nearest-even narrowing that keeps NaN sign/payload bits on every device.
+
+    PyTorch's own fp32 -> bf16 NaN bits differ between its scalar and vector paths
+    (0x7fc0 vs 0xffff), so the reference spells the rounding out in integer ops.
+    """
+    if dtype == torch.float32:
+        return f
+    bits = f.view(torch.int32)
+    nan = torch.isnan(f)
+    if dtype == torch.bfloat16:
+        rounded = (bits + 0x7FFF + ((bits >> 16) & 1)) >> 16
+        return torch.where(nan, bits >> 16, rounded).to(torch.int16).view(torch.bfloat16)
+    nan_bits = ((bits >> 16) & 0x8000) | 0x7E00 | ((bits >> 13) & 0x3FF)
+    return torch.where(nan, nan_bits.to(torch.int16), f.to(torch.float16).view(torch.int16)).view(torch.float16)
+
+
+def fp8_upcast_reference(w: torch.Tensor, scale: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """The semantics of fp8_upcast: round(fp32(w) * scale) to dtype."""
+    f = w.float() * scale.reshape(-1, *[1] * (w.dim() - 1))
+    return _round_fp32_to(f, dtype)
+
+
+def fp8_linear_reference(x, w, scale, bias=None):
+    return F.linear(x, fp8_upcast_reference(w, scale, x.dtype), bias)
+
+
+# ----------------------------------------------------------------------------- backends
+
+def _ext_missing(kernel: str):
+    def unavailable():
+        if has_kernel(kernel):
+            return None
+        return EXT_ERROR or f"pyext._C was built without the {kernel} kernel"
+    return unavailable
+
+
+def _cuda_kernel_missing() -> Optional[str]:
+    from pyext._ext import cuda_kernels_built
+    if not has_kernel("fp8_upcast_out"):
+        return EXT_ERROR or "pyext._C has no fp8 kernels"
+    return None if cuda_kernels_built() else "pyext._C was built without CUDA kernels (CPU torch or no nvcc)"
+
+
+def _no_reasons(*args) -> list[str]:
+    return []
+
+
+def _upcast_ext(w, scale, out):
+    torch.ops.pyext_C.fp8_upcast_out(w, scale, out)
+
+
+def _upcast_ref(w, scale, out):
+    out.copy_(fp8_upcast_reference(w, scale, out.dtype))
+
+
+dispatch.register("fp8_upcast", Backend(
+    "cuda", _upcast_ext, _no_reasons, _cuda_kernel_missing, devices=("cuda",),
+    doc="CUDA C++ kernel, 16-byte vector loads"))
+dispatch.register("fp8_upcast", Backend(
+    "cpp", _upcast_ext, _no_reasons, _ext_missing("fp8_upcast_out"), devices=("cpu",),
+    doc="C++ AVX-512/AVX2/scalar kernel chosen at run time, at::parallel_for"))
+dispatch.register("fp8_upcast", Backend(
+    "reference", _upcast_ref, _no_reasons, doc="PyTorch ops; the semantics and test oracle"))
+
+
+def _linear_triton_reasons(x, w, scale, bias):
+    if x.dtype == torch.float32:
+        return ["float32 activations are not supported by the Triton kernel (bf16/fp16 only)"]
+    return []
+
+
+def _linear_triton(x, w, scale, bias):
+    from pyext.kernels.fp8_linear import fp8_linear_triton
+    return fp8_linear_triton(x, w, scale, bias)
+
+
+def _linear_cpp(x, w, scale, bias):
+    return torch.ops.pyext_C.fp8_linear(x, w, scale, bias)
+
+
+dispatch.register("fp8_linear", Backend(
+    "cpp", _linear_cpp, _no_reasons, _ext_missing("fp8_linear"), devices=("cpu",),
+    doc="C++: upcasts weight tiles into an L2-sized buffer, oneDNN/MKL GEMM per tile"))
+dispatch.register("fp8_linear", Backend(
+    "triton", _linear_triton, _linear_triton_reasons, triton_unavailable, devices=triton_devices(),
+    doc="Triton GEMM that dequantises fp8 weight tiles in its main loop"))
+dispatch.register("fp8_linear", Backend(
+    "reference", fp8_linear_reference, _no_reasons, doc="F.linear on the upcast weight"))
+
+
+# ----------------------------------------------------------------------------- custom ops
+
+@torch.library.custom_op("pyext::fp8_upcast_out", mutates_args=("out",))
+def _fp8_upcast_out_op(w: torch.Tensor, scale: torch.Tensor, out: torch.Tensor, backend: Optional[str] = None) -> None:
+    dispatch.select("fp8_upcast", (w, scale, out), backend).run(w, scale, out)
+
+
+@torch.library.custom_op("pyext::fp8_upcast", mutates_args=())
+def _fp8_upcast_op(w: torch.Tensor, scale: torch.Tensor, dtype: torch.dtype,
+                   backend: Optional[str] = None) -> torch.Tensor:
+    out = torch.empty(w.shape, dtype=dtype, device=w.device)
+    dispatch.select("fp8_upcast", (w, scale, out), backend).run(w, scale, out)
+    return out
+
+
+@_fp8_upcast_op.register_fake
+def _(w, scale, dtype, backend=None):
+    return torch.empty(w.shape, dtype=dtype, device=w.device)
+
+
+@torch.library.custom_op("pyext::fp8_linear", mutates_args=())
+def _fp8_linear_op(x: torch.Tensor, w: torch.Tensor, scale: torch.Tensor, bias: Optional[torch.Tensor] = None,
+                   backend: Optional[str] = None) -> torch.Tensor:
+    return dispatch.select("fp8_linear", (x, w, scale, bias), backend).run(x, w, scale, bias)
+
+
+@_fp8_linear_op.register_fake
+def _(x, w, scale, bias=None, backend=None):
+    return x.new_empty((*x.shape[:-1], w.shape[0]))
+
+
+# ----------------------------------------------------------------------------- public API
+
+def fp8_upcast(w: torch.Tensor, scale: torch.Tensor, dtype: torch.dtype = torch.bfloat16,
+               out: Optional[torch.Tensor] = None, backend: Optional[str] = None) -> torch.Tensor:
+    """Decode an fp8 weight to `dtype` (or into `out`): round(fp32(w) * scale), exact.
+
+    NaN codes stay NaN with their sign. Pass `out` (contiguous, same shape) to
+    reuse a buffer: a fresh large output costs page faults on every call.
+    """
+    _check_weight("fp8_upcast", w, scale)
+    if out is None:
+        _check_dtype("fp8_upcast", dtype, "dtype")
+        return torch.ops.pyext.fp8_upcast(w, scale, dtype, backend)
+    if out.shape != w.shape or not out.is_contiguous() or out.device != w.device:
+        _fail("fp8_upcast", f"out must be a contiguous tensor of shape {tuple(w.shape)} on {w.device}, got "
+              f"{dispatch.describe(out)}")
+    _check_dtype("fp8_upcast", out.dtype, "out.dtype")
+    torch.ops.pyext.fp8_upcast_out(w, scale, out, backend)
+    return out
+
+
+def fp8_linear(x: torch.Tensor, w: torch.Tensor, scale: torch.Tensor, bias: Optional[torch.Tensor] = None,
+               backend: Optional[str] = None) -> torch.Tensor:
+    """F.linear(x, fp8_upcast(w, scale, x.dtype), bias) without materialising the upcast weight."""
+    _check_weight("fp8_linear", w, scale)
+    if not isinstance(x, torch.Tensor):
+        _fail("fp8_linear", f"x must be a tensor, got {type(x).__name__}")
+    _check_dtype("fp8_linear", x.dtype, "x.dtype")
+    if w.dim() != 2 or x.dim() < 1 or x.shape[-1] != w.shape[1]:
+        _fail("fp8_linear", f"x.shape[-1] must equal weight.shape[1] for a 2-D weight; got x {tuple(x.shape)}, "
+              f"weight {tuple(w.shape)}")
+    if x.device != w.device:
+        _fail("fp8_linear", f"x is on {x.device} but weight is on {w.device}")
+    if bias is not None and (bias.shape != (w.shape[0],) or bias.dtype != x.dtype or bias.device != x.device):
+        _fail("fp8_linear", f"bias must be {x.dtype}[{w.shape[0]}] on {x.device}, got {dispatch.describe(bias)}")
+    return torch.ops.pyext.fp8_linear(x, w, scale, bias, backend)
