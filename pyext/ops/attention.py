@@ -1,0 +1,99 @@
+"""Memory-efficient attention: softmax(q @ k^T * scale) @ v, SDPA's (batch, heads, seq, head_dim) layout.
+
+Self- and cross-attention (k/v length may differ from q length), no mask, fp16 /
+bf16 / fp32. The reference computes in fp32 and is the test oracle; the fast
+backends never materialise the (seq_q, seq_kv) score matrix.
+"""
+from __future__ import annotations
+
+import importlib.util
+import math
+from typing import Optional
+
+import torch
+import torch.nn.functional as F
+
+from pyext import dispatch
+from pyext.dispatch import Backend, PyextError
+
+DTYPES = (torch.bfloat16, torch.float16, torch.float32)
+
+
+def _fail(msg: str) -> None:
+    raise PyextError(f"pyext.attention: {msg}")
+
+
+def check_inputs(q, k, v, scale) -> None:
+    for name, t in (("q", q), ("k", k), ("v", v)):
+        if not isinstance(t, torch.Tensor):
+            _fail(f"{name} must be a tensor, got {type(t).__name__}")
+        if t.dim() != 4:
+            _fail(f"{name} must be 4-D (batch, heads, seq, head_dim), got shape {tuple(t.shape)}")
+        if t.dtype not in DTYPES:
+            _fail(f"{name} has dtype {t.dtype}; supported: bfloat16, float16, float32")
+    if not (q.dtype == k.dtype == v.dtype):
+        _fail(f"q, k, v must share one dtype, got {q.dtype}, {k.dtype}, {v.dtype}")
+    if not (q.device == k.device == v.device):
+        _fail(f"q, k, v must be on one device, got {q.device}, {k.device}, {v.device}")
+    if k.shape != v.shape:
+        _fail(f"k and v must have the same shape, got {tuple(k.shape)} and {tuple(v.shape)}")
+    if q.shape[0] != k.shape[0] or q.shape[1] != k.shape[1] or q.shape[3] != k.shape[3]:
+        _fail(f"q {tuple(q.shape)} and k {tuple(k.shape)} must agree in batch, heads and head_dim")
+    if k.shape[2] == 0 and q.shape[2] > 0:
+        _fail("k/v have zero length: softmax over no keys is undefined")
+    if scale is not None and not (isinstance(scale, (int, float)) and math.isfinite(scale)):
+        _fail(f"scale must be a finite float or None, got {scale!r}")
+
+
+def attention_reference(q, k, v, scale: Optional[float] = None) -> torch.Tensor:
+    """Naive attention in fp32 (materialises the scores): the oracle, not a fast path."""
+    scale = q.shape[-1] ** -0.5 if scale is None else scale
+    s = torch.matmul(q.float(), k.float().transpose(-1, -2)) * scale
+    return torch.matmul(torch.softmax(s, dim=-1), v.float()).to(q.dtype)
+
+
+def _sdpa(q, k, v, scale):
+    return F.scaled_dot_product_attention(q, k, v, scale=scale)
+
+
+def _xformers_unavailable():
+    return None if importlib.util.find_spec("xformers") is not None else "xformers is not installed"
+
+
+def _xformers(q, k, v, scale):
+    import xformers.ops as xops
+
+    out = xops.memory_efficient_attention(q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2), scale=scale)
+    return out.transpose(1, 2)
+
+
+def _no_reasons(*args):
+    return []
+
+
+dispatch.register("attention", Backend(
+    "sdpa", _sdpa, _no_reasons, doc="torch.nn.functional.scaled_dot_product_attention"))
+dispatch.register("attention", Backend(
+    "xformers", _xformers, _no_reasons, _xformers_unavailable, devices=("cuda",),
+    doc="xformers.ops.memory_efficient_attention"))
+dispatch.register("attention", Backend(
+    "reference", attention_reference, _no_reasons, doc="naive fp32 math; O(seq^2) memory; the test oracle"))
+
+
+@torch.library.custom_op("pyext::attention", mutates_args=())
+def _attention_op(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: Optional[float] = None,
+                  backend: Optional[str] = None) -> torch.Tensor:
+    out = dispatch.select("attention", (q, k, v, scale), backend).run(q, k, v, scale)
+    return out.contiguous() if out.data_ptr() in (q.data_ptr(), k.data_ptr(), v.data_ptr()) else out
+
+
+@_attention_op.register_fake
+def _(q, k, v, scale=None, backend=None):
+    return q.new_empty((*q.shape[:3], v.shape[-1]))
+
+
+def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: Optional[float] = None,
+              backend: Optional[str] = None) -> torch.Tensor:
+    """softmax(q @ k^T * scale) @ v with scale defaulting to head_dim ** -0.5; returns q's layout."""
+    check_inputs(q, k, v, scale)
+    return torch.ops.pyext.attention(q, k, v, None if scale is None else float(scale), backend)
