@@ -23,7 +23,9 @@ OutType out_type(at::ScalarType dtype) {
 }
 
 void check_fp8_weight(const at::Tensor& w, const at::Tensor& scale) {
-  TORCH_CHECK(w.scalar_type() == at::kFloat8_e4m3fn, "pyext fp8: weight must be float8_e4m3fn, got ",
+  // The weight arrives as a uint8 view of the e4m3 codes: the kernels read bytes, and
+  // torch's op checkers cannot compare float8 tensors.
+  TORCH_CHECK(w.scalar_type() == at::kByte, "pyext fp8: weight must be the uint8 view of float8_e4m3fn codes, got ",
               w.scalar_type());
   TORCH_CHECK(w.dim() >= 1, "pyext fp8: weight must have at least one dimension");
   TORCH_CHECK(scale.scalar_type() == at::kFloat, "pyext fp8: scale must be float32");

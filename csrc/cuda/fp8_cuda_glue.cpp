@@ -11,7 +11,7 @@
 namespace {
 
 void fp8_upcast_out_cuda(const at::Tensor& w, const at::Tensor& scale, at::Tensor& out) {
-  TORCH_CHECK(w.scalar_type() == at::kFloat8_e4m3fn, "pyext fp8_upcast (CUDA): weight must be float8_e4m3fn");
+  TORCH_CHECK(w.scalar_type() == at::kByte, "pyext fp8_upcast (CUDA): weight must be the uint8 view of e4m3 codes");
   TORCH_CHECK(scale.scalar_type() == at::kFloat && (scale.numel() == 1 || scale.numel() == w.size(0)),
               "pyext fp8_upcast (CUDA): scale must be float32 with 1 or weight.size(0) elements");
   TORCH_CHECK(out.is_contiguous() && out.numel() == w.numel(), "pyext fp8_upcast (CUDA): bad out");

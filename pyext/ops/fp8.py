@@ -92,9 +92,25 @@ def _round_fp32_to(f: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
     return torch.where(nan, nan_bits.to(torch.int16), f.to(torch.float16).view(torch.int16)).view(torch.float16)
 
 
+def _decode_table() -> torch.Tensor:
+    """fp32 value of every e4m3 code, from PyTorch's own cast; NaN codes -> 0x7ff00000 with their sign."""
+    table = torch.arange(256, dtype=torch.uint8).view(FP8).float()
+    table[0x7F] = torch.tensor(0x7FF00000, dtype=torch.int32).view(torch.float32)
+    table[0xFF] = torch.tensor(-(2**31) | 0x7FF00000, dtype=torch.int32).view(torch.float32)
+    return table
+
+
+_DECODE = _decode_table()
+
+
+def decode_codes(codes: torch.Tensor) -> torch.Tensor:
+    """fp32 values of a uint8 tensor of e4m3 codes (a table lookup: works on any device)."""
+    return _DECODE.to(codes.device)[codes.long()]
+
+
 def fp8_upcast_reference(w: torch.Tensor, scale: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
-    """The semantics of fp8_upcast: round(fp32(w) * scale) to dtype."""
-    f = w.float() * scale.reshape(-1, *[1] * (w.dim() - 1))
+    """The semantics of fp8_upcast: round(fp32(w) * scale) to dtype. `w` is fp8 or its uint8 codes."""
+    f = decode_codes(w.view(torch.uint8)) * scale.reshape(-1, *[1] * (w.dim() - 1))
     return _round_fp32_to(f, dtype)
 
 
@@ -167,6 +183,8 @@ dispatch.register("fp8_linear", Backend(
 
 
 # ----------------------------------------------------------------------------- custom ops
+# The ops take the weight as its uint8 codes (`w_fp8.view(torch.uint8)`): kernels read
+# bytes, and torch's op checkers (opcheck, schema checks) cannot compare float8 tensors.
 
 @torch.library.custom_op("pyext::fp8_upcast_out", mutates_args=("out",))
 def _fp8_upcast_out_op(w: torch.Tensor, scale: torch.Tensor, out: torch.Tensor, backend: Optional[str] = None) -> None:
@@ -209,12 +227,12 @@ def fp8_upcast(w: torch.Tensor, scale: torch.Tensor, dtype: torch.dtype = torch.
     _check_weight("fp8_upcast", w, scale)
     if out is None:
         _check_dtype("fp8_upcast", dtype, "dtype")
-        return torch.ops.pyext.fp8_upcast(w, scale, dtype, backend)
+        return torch.ops.pyext.fp8_upcast(w.view(torch.uint8), scale, dtype, backend)
     if out.shape != w.shape or not out.is_contiguous() or out.device != w.device:
         _fail("fp8_upcast", f"out must be a contiguous tensor of shape {tuple(w.shape)} on {w.device}, got "
               f"{dispatch.describe(out)}")
     _check_dtype("fp8_upcast", out.dtype, "out.dtype")
-    torch.ops.pyext.fp8_upcast_out(w, scale, out, backend)
+    torch.ops.pyext.fp8_upcast_out(w.view(torch.uint8), scale, out, backend)
     return out
 
 
@@ -232,4 +250,4 @@ def fp8_linear(x: torch.Tensor, w: torch.Tensor, scale: torch.Tensor, bias: Opti
         _fail("fp8_linear", f"x is on {x.device} but weight is on {w.device}")
     if bias is not None and (bias.shape != (w.shape[0],) or bias.dtype != x.dtype or bias.device != x.device):
         _fail("fp8_linear", f"bias must be {x.dtype}[{w.shape[0]}] on {x.device}, got {dispatch.describe(bias)}")
-    return torch.ops.pyext.fp8_linear(x, w, scale, bias, backend)
+    return torch.ops.pyext.fp8_linear(x, w.view(torch.uint8), scale, bias, backend)

@@ -1,0 +1,130 @@
+"""FP8Linear / FP8Conv2d and quantize_fp8 on layers and a tiny offline UNet."""
+import io
+
+import pytest
+import torch
+import torch.nn as nn
+import torch.nn.functional as F
+
+import pyext
+from pyext.nn import FP8Conv2d, FP8Linear, quantize_fp8, restore_fp8
+from pyext.ops.fp8 import fp8_upcast_reference
+
+
+def test_linear_layer_keeps_interface_and_matches_dequantized():
+    lin = nn.Linear(64, 48).to(torch.bfloat16)
+    f = FP8Linear.from_linear(lin)
+    assert isinstance(f, nn.Linear) and f.in_features == 64 and f.out_features == 48
+    assert f.weight.dtype == torch.uint8 and f.weight.shape == lin.weight.shape
+    x = torch.randn(3, 5, 64, dtype=torch.bfloat16)
+    w = fp8_upcast_reference(f.fp8_weight, f.scale, torch.bfloat16)
+    torch.testing.assert_close(f(x), F.linear(x, w, lin.bias), rtol=1.6e-2, atol=1e-2)
+    # fp8 storage error vs the original layer stays small for this well-scaled layer
+    assert ((f(x) - lin(x)).float().norm() / lin(x).float().norm()) < 0.06
+
+
+@pytest.mark.parametrize("cfg", [dict(kernel_size=3, padding=1), dict(kernel_size=1),
+                                 dict(kernel_size=3, stride=2, padding=1, groups=2)])
+def test_conv_layer_matches_dequantized(cfg):
+    conv = nn.Conv2d(8, 16, **cfg)
+    f = FP8Conv2d.from_conv(conv)
+    assert isinstance(f, nn.Conv2d) and f.stride == conv.stride and f.groups == conv.groups
+    x = torch.randn(2, 8, 9, 11)
+    w = fp8_upcast_reference(f.fp8_weight, f.scale, torch.float32)
+    torch.testing.assert_close(f(x), conv._conv_forward(x, w, conv.bias))
+
+
+def test_dtype_casts_keep_codes_and_scales():
+    f = FP8Linear.from_linear(nn.Linear(32, 16))
+    codes, scale = f.weight.clone(), f.scale.clone()
+    f.to(torch.bfloat16)
+    assert f.compute_dtype == torch.bfloat16 and f.bias.dtype == torch.bfloat16
+    assert torch.equal(f.weight, codes) and torch.equal(f.scale, scale)
+    assert f(torch.randn(2, 32, dtype=torch.bfloat16)).dtype == torch.bfloat16
+    f.half()
+    assert f.compute_dtype == torch.float16 and torch.equal(f.scale, scale)
+
+
+def test_channels_last_conv():
+    conv = FP8Conv2d.from_conv(nn.Conv2d(4, 8, 3, padding=1))
+    x = torch.randn(1, 4, 6, 6)
+    ref = conv(x)
+    conv.to(memory_format=torch.channels_last)
+    assert conv.weight.is_contiguous()
+    torch.testing.assert_close(conv(x.to(memory_format=torch.channels_last)), ref)
+
+
+def test_state_dict_round_trip_without_requantizing():
+    f = FP8Linear.from_linear(nn.Linear(32, 16))
+    buf = io.BytesIO()
+    torch.save(f.state_dict(), buf)
+    g = FP8Linear.from_linear(nn.Linear(32, 16))
+    g.load_state_dict(torch.load(io.BytesIO(buf.getvalue())))
+    x = torch.randn(3, 32)
+    assert torch.equal(f(x), g(x))
+
+
+def tiny_unet():
+    from diffusers import UNet2DConditionModel
+
+    torch.manual_seed(0)
+    return UNet2DConditionModel(
+        sample_size=8, block_out_channels=(32, 64), layers_per_block=1, cross_attention_dim=32,
+        down_block_types=("CrossAttnDownBlock2D", "DownBlock2D"), up_block_types=("UpBlock2D", "CrossAttnUpBlock2D"),
+        attention_head_dim=8, norm_num_groups=8,
+    ).eval()
+
+
+def unet_inputs(dtype):
+    g = torch.Generator().manual_seed(1)
+    return (torch.randn(2, 4, 8, 8, generator=g, dtype=dtype), torch.tensor([10]),
+            torch.randn(2, 7, 32, generator=g, dtype=dtype))
+
+
+@torch.no_grad()
+def test_quantize_tiny_unet():
+    unet = tiny_unet()
+    before = sum(p.numel() * p.element_size() for p in unet.parameters())
+    ref = unet(*unet_inputs(torch.float32)).sample
+    report = quantize_fp8(unet)
+    assert report.converted and report.bytes_after < 0.3 * report.bytes_before
+    names = dict(unet.named_modules())
+    # defaults keep first/last layers, norms and the time embedding in full precision
+    for kept in ("conv_in", "conv_out", "time_embedding.linear_1"):
+        assert type(names[kept]) in (nn.Conv2d, nn.Linear) and kept in report.skipped
+    assert all(isinstance(names[n], (FP8Linear, FP8Conv2d)) for n in report.converted)
+    after = sum(p.numel() * p.element_size() for p in unet.parameters())
+    assert after < before
+    out = unet(*unet_inputs(torch.float32)).sample
+    assert torch.isfinite(out).all()
+    assert ((out - ref).norm() / ref.norm()) < 0.1
+    assert unet.dtype == torch.float32  # diffusers still sees the compute dtype
+    assert quantize_fp8(unet).converted == []  # idempotent
+
+
+@torch.no_grad()
+def test_quantize_skip_patterns_and_restore():
+    unet = tiny_unet()
+    ref = unet(*unet_inputs(torch.float32)).sample
+    report = quantize_fp8(unet, skip=(r"attn",), keep_original=True)
+    assert not any("attn" in n for n in report.converted)
+    assert any("attn" in n for n in report.skipped)
+    restored = restore_fp8(unet)
+    assert sorted(restored) == sorted(report.converted)
+    assert not any(isinstance(m, (FP8Linear, FP8Conv2d)) for m in unet.modules())
+    torch.testing.assert_close(unet(*unet_inputs(torch.float32)).sample, ref)  # originals were kept: exact
+
+
+@torch.no_grad()
+def test_tiny_unet_bf16_channels_last():
+    unet = tiny_unet().to(torch.bfloat16)
+    ref = unet(*unet_inputs(torch.bfloat16)).sample.float()
+    quantize_fp8(unet)
+    unet.to(memory_format=torch.channels_last)
+    x, t, e = unet_inputs(torch.bfloat16)
+    out = unet(x.to(memory_format=torch.channels_last), t, e).sample.float()
+    assert ((out - ref).norm() / ref.norm()) < 0.1
+
+
+def test_package_exports():
+    assert pyext.quantize_fp8 is quantize_fp8 and pyext.FP8Linear is FP8Linear

@@ -1,0 +1,197 @@
+"""fp8 ops: exactness against the reference, errors, dispatch and opcheck."""
+import pytest
+import torch
+import torch.nn.functional as F
+
+from pyext import PyextError, dispatch
+from pyext.ops import fp8_linear, fp8_quantize, fp8_upcast
+from pyext.ops.fp8 import FP8, fp8_linear_reference, fp8_upcast_reference
+from pyext._ext import EXT
+from tests.conftest import needs_ext
+
+DTYPES = [torch.bfloat16, torch.float16, torch.float32]
+INT_VIEW = {torch.bfloat16: torch.int16, torch.float16: torch.int16, torch.float32: torch.int32}
+
+
+def all_codes(rows=3, repeat=3):
+    """Every e4m3 code (NaN included), repeated to odd row lengths so SIMD tails are exercised."""
+    codes = torch.arange(256, dtype=torch.uint8).repeat(rows, repeat)[:, : 256 * repeat - 5]
+    return codes.view(FP8)
+
+
+def same_bits(a, b):
+    return torch.equal(a.view(INT_VIEW[a.dtype]), b.view(INT_VIEW[b.dtype]))
+
+
+@needs_ext
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("scale_kind", ["one", "per_channel", "per_tensor", "tiny", "huge"])
+def test_upcast_bit_exact_all_codes(simd, dtype, scale_kind):
+    w = all_codes()
+    scale = {
+        "one": torch.ones(3),
+        "per_channel": torch.rand(3) * 4 + 1e-3,
+        "per_tensor": torch.tensor([0.37]),
+        "tiny": torch.full((3,), 1e-40),  # products land in fp32 subnormals
+        "huge": torch.full((3,), 3e37),  # past the SIMD kernels' exact range: scalar path, overflow to inf
+    }[scale_kind]
+    out = fp8_upcast(w, scale, dtype, backend="cpp")
+    assert same_bits(out, fp8_upcast_reference(w, scale, dtype))
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_reference_matches_pytorch_cast_except_nan_bits(dtype):
+    w = torch.arange(256, dtype=torch.uint8).view(FP8)
+    ref = fp8_upcast_reference(w, torch.ones(1), dtype)
+    torch_cast = w.to(dtype)
+    nan = w.float().isnan()
+    assert nan.sum() == 2 and ref[nan].isnan().all()
+    assert same_bits(ref[~nan], torch_cast[~nan])
+    # NaN codes keep their sign, which PyTorch's bf16 path does not always do
+    assert (ref[nan].view(INT_VIEW[dtype]) < 0).tolist() == [False, True]
+
+
+@needs_ext
+@pytest.mark.parametrize("shape", [(1,), (7,), (33, 1), (5, 300), (64, 3, 3, 3), (130, 17), (4, 1031)])
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_upcast_shapes_and_out(simd, shape, dtype):
+    w, scale = fp8_quantize(torch.randn(shape) * 3)
+    ref = fp8_upcast_reference(w, scale, dtype)
+    assert same_bits(fp8_upcast(w, scale, dtype, backend="cpp"), ref)
+    out = torch.full(shape, float("nan"), dtype=dtype)
+    assert fp8_upcast(w, scale, out=out, backend="cpp") is out
+    assert same_bits(out, ref)
+
+
+@needs_ext
+def test_upcast_non_contiguous_weight():
+    w, scale = fp8_quantize(torch.randn(40, 64))
+    wt = w.t()  # per-channel scale follows dim 0 of the tensor passed in
+    s = torch.rand(64) + 0.1
+    assert not wt.is_contiguous()
+    assert same_bits(fp8_upcast(wt, s, torch.bfloat16, backend="cpp"), fp8_upcast_reference(wt, s, torch.bfloat16))
+
+
+def test_quantize_round_trip_error_and_scales():
+    w = torch.randn(96, 80) * torch.logspace(-3, 1, 96)[:, None]  # rows of very different magnitude
+    for per_channel in (True, False):
+        q, s = fp8_quantize(w, per_channel)
+        assert q.dtype == FP8 and s.dtype == torch.float32 and s.shape == ((96,) if per_channel else (1,))
+        back = fp8_upcast_reference(q, s, torch.float32)
+        rel = (back - w).norm(dim=1) / w.norm(dim=1)
+        if per_channel:  # e4m3 has 3 mantissa bits: < 2^-4 relative error per element
+            assert rel.max() < 0.0625
+    assert (fp8_quantize(w, True)[1] < fp8_quantize(w, False)[1]).any()
+    q, s = fp8_quantize(torch.zeros(4, 8))
+    assert torch.equal(s, torch.ones(4)) and (q.float() == 0).all()
+
+
+@pytest.mark.parametrize("bad", [float("nan"), float("inf")])
+def test_quantize_rejects_non_finite(bad):
+    w = torch.randn(4, 8)
+    w[2, 3] = bad
+    with pytest.raises(PyextError, match=r"pyext.fp8_quantize: weight has 1 non-finite.*\[2, 3\]"):
+        fp8_quantize(w)
+
+
+def test_upcast_errors_name_op_and_support():
+    w, s = fp8_quantize(torch.randn(4, 8))
+    with pytest.raises(PyextError, match="pyext.fp8_upcast: weight must be a torch.float8_e4m3fn"):
+        fp8_upcast(torch.randn(4, 8), s)
+    with pytest.raises(PyextError, match="scale must hold 1 .* or weight.shape\\[0\\]=4"):
+        fp8_upcast(w, torch.ones(3))
+    with pytest.raises(PyextError, match="scale must be a float32"):
+        fp8_upcast(w, s.half())
+    with pytest.raises(PyextError, match="dtype must be one of bfloat16, float16, float32"):
+        fp8_upcast(w, s, torch.int32)
+    with pytest.raises(PyextError, match="out must be a contiguous tensor of shape"):
+        fp8_upcast(w, s, out=torch.empty(8, 4).t())
+    with pytest.raises(PyextError, match="weight is on cpu but scale is on meta"):
+        fp8_upcast(w, s.to("meta"))
+
+
+def test_forced_backend_reasons():
+    w, s = fp8_quantize(torch.randn(4, 8))
+    with pytest.raises(PyextError, match="backend 'cuda' cannot run this input: .*(cuda|CUDA)"):
+        fp8_upcast(w, s, backend="cuda")
+    with pytest.raises(PyextError, match="unknown backend 'nope'; backends are: cuda, cpp, reference"):
+        fp8_upcast(w, s, backend="nope")
+    assert same_bits(fp8_upcast(w, s, backend="reference"), fp8_upcast_reference(w, s, torch.bfloat16))
+
+
+def test_no_backend_error_lists_every_reason():
+    def never(*args):
+        return ["never takes anything"]
+
+    dispatch.register("_test_op", dispatch.Backend("a", None, never))
+    dispatch.register("_test_op", dispatch.Backend("b", None, never, lambda: "not built"))
+    with pytest.raises(PyextError, match=r"(?s)pyext._test_op: no backend.*float32\[2\].*a: never takes.*b: not built"):
+        dispatch.select("_test_op", (torch.zeros(2),))
+    dispatch._OPS.pop("_test_op")
+
+
+def rel_err(a, b):
+    return ((a.float() - b.float()).norm() / b.float().norm().clamp_min(1e-12)).item()
+
+
+@needs_ext
+@pytest.mark.parametrize("x_shape", [(1, 33), (7, 64), (2, 5, 96), (300, 130)])
+@pytest.mark.parametrize("n", [1, 17, 520])
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("bias", [False, True])
+def test_linear_cpp_matches_reference(simd, x_shape, n, dtype, bias):
+    k = x_shape[-1]
+    x = torch.randn(x_shape, dtype=dtype)
+    w, s = fp8_quantize(torch.randn(n, k) / k**0.5)
+    b = torch.randn(n, dtype=dtype) if bias else None
+    y = fp8_linear(x, w, s, b, backend="cpp")
+    ref = fp8_linear_reference(x, w, s, b)
+    assert y.shape == (*x_shape[:-1], n) and y.dtype == dtype
+    exact = F.linear(x.double(), fp8_upcast_reference(w, s, torch.float32).double(), None if b is None else b.double())
+    # Our error vs float64 must be on the order of plain F.linear's own error in this dtype.
+    tol = {torch.float32: 1e-5, torch.float16: 2e-3, torch.bfloat16: 1.6e-2}[dtype]
+    assert rel_err(y, exact) <= 2 * rel_err(ref, exact) + tol
+
+
+@needs_ext
+def test_linear_cpp_tiles_wide_weights():
+    """N and K large enough for several weight tiles, per-tensor scale."""
+    x = torch.randn(3, 2048, dtype=torch.bfloat16)
+    w, s = fp8_quantize(torch.randn(1000, 2048) / 45, per_channel=False)
+    y = fp8_linear(x, w, s, backend="cpp")
+    assert rel_err(y, fp8_linear_reference(x, w, s)) < 1e-2
+
+
+def test_linear_errors():
+    w, s = fp8_quantize(torch.randn(16, 8))
+    with pytest.raises(PyextError, match=r"pyext.fp8_linear: x.shape\[-1\] must equal weight.shape\[1\]"):
+        fp8_linear(torch.randn(2, 9), w, s)
+    with pytest.raises(PyextError, match="pyext.fp8_linear: x.dtype must be one of"):
+        fp8_linear(torch.randn(2, 8).double(), w, s)
+    with pytest.raises(PyextError, match=r"bias must be torch.float32\[16\]"):
+        fp8_linear(torch.randn(2, 8), w, s, torch.randn(15))
+    with pytest.raises(PyextError, match="backend 'triton' cannot run this input"):
+        fp8_linear(torch.randn(2, 8), w, s, backend="triton")
+
+
+@pytest.mark.parametrize("backend", ["cpp", "reference"])
+def test_opcheck(backend):
+    if backend == "cpp" and EXT is None:
+        pytest.skip("pyext._C is not built")
+    w, s = fp8_quantize(torch.randn(24, 40))
+    x = torch.randn(3, 40, dtype=torch.bfloat16)
+    codes = w.view(torch.uint8)
+    torch.library.opcheck(torch.ops.pyext.fp8_upcast, (codes, s, torch.bfloat16, backend))
+    torch.library.opcheck(torch.ops.pyext.fp8_upcast_out, (codes, s, torch.empty(24, 40), backend))
+    torch.library.opcheck(torch.ops.pyext.fp8_linear, (x, codes, s, torch.randn(24, dtype=torch.bfloat16), backend))
+
+
+def test_compiles_fullgraph():
+    w, s = fp8_quantize(torch.randn(24, 40))
+
+    def f(x):
+        return fp8_linear(x, w, s) + fp8_upcast(w, s, torch.float32).sum()
+
+    x = torch.randn(5, 40)
+    compiled = torch.compile(f, fullgraph=True, backend="aot_eager")
+    torch.testing.assert_close(compiled(x), f(x))

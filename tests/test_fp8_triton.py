@@ -1,0 +1,52 @@
+"""The Triton fp8 linear kernel, run by Triton's interpreter on CPU in a subprocess
+(TRITON_INTERPRET must be set before triton is imported). fp16/fp32 activations:
+the interpreter's bf16 dot is broken, the bf16 path is for GPUs."""
+import json
+import os
+import subprocess
+import sys
+import textwrap
+
+import pytest
+
+SCRIPT = textwrap.dedent("""
+    import json, torch
+    from pyext.ops import fp8_linear, fp8_quantize
+    from pyext.ops.fp8 import fp8_upcast_reference
+    import torch.nn.functional as F
+    torch.manual_seed(0)
+    out = []
+    for (m, n, k) in [(1, 7, 16), (5, 33, 40), (70, 48, 96), (3, 130, 72)]:
+        for per_channel in (True, False):
+            for bias in (False, True):
+                x = torch.randn(m, k, dtype=torch.float16)
+                w, s = fp8_quantize(torch.randn(n, k) / k ** 0.5, per_channel)
+                b = torch.randn(n, dtype=torch.float16) if bias else None
+                y = fp8_linear(x, w, s, b, backend="triton")
+                exact = F.linear(x.double(), fp8_upcast_reference(w, s, torch.float32).double(),
+                                 None if b is None else b.double())
+                ref16 = F.linear(x.float(), fp8_upcast_reference(w, s, torch.float16).float(),
+                                 None if b is None else b.float()).half()
+                err = lambda a: ((a.double() - exact).norm() / exact.norm()).item()
+                out.append(dict(shape=[m, n, k], err=err(y), torch_err=err(ref16), shape_ok=list(y.shape) == [m, n]))
+    x = torch.randn(2, 3, 40, dtype=torch.float32)
+    w, s = fp8_quantize(torch.randn(8, 40))
+    try:
+        fp8_linear(x, w, s, backend="triton")
+        f32 = "accepted"
+    except ValueError as e:
+        f32 = str(e)
+    print(json.dumps(dict(cases=out, f32=f32)))
+""")
+
+
+def test_triton_fp8_linear_in_interpreter():
+    pytest.importorskip("triton")
+    env = dict(os.environ, TRITON_INTERPRET="1")
+    proc = subprocess.run([sys.executable, "-c", SCRIPT], capture_output=True, text=True, env=env, timeout=600)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    result = json.loads(proc.stdout.strip().splitlines()[-1])
+    for case in result["cases"]:
+        assert case["shape_ok"], case
+        assert case["err"] <= 2 * case["torch_err"] + 1e-3, case
+    assert "float32 activations are not supported by the Triton kernel" in result["f32"]
