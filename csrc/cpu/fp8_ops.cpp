@@ -80,10 +80,12 @@ at::Tensor fp8_linear_cpu(const at::Tensor& x, const at::Tensor& w, const at::Te
   if (M == 0 || N == 0) return y.view(out_shape);
   if (K == 0) return (bias ? y.copy_(bias->expand({M, N})) : y.zero_()).view(out_shape);
 
+  // Tile width: small GEMMs (few tokens) are bound by reading the weight, so the
+  // upcast tile should stay in L2 while the GEMM consumes it; large GEMMs are
+  // compute bound and prefer few wide calls, so their tile is sized for L3.
   const int64_t esize = x.element_size();
-  constexpr int64_t kTileBytes = 512 * 1024;  // half of a 1 MiB L2, leaves room for the GEMM's panels
-  int64_t tile = std::max<int64_t>(16, (kTileBytes / (K * esize)) / 16 * 16);
-  if (M >= 1024) tile = std::max<int64_t>(tile, 128);  // big GEMMs prefer wider panels over L2 residency
+  const int64_t tile_bytes = M >= 512 ? (4 << 20) : (512 << 10);
+  int64_t tile = std::max<int64_t>(16, (tile_bytes / (K * esize)) / 16 * 16);
   tile = std::min(tile, N);
   // One scratch buffer per thread, reused across calls and layers (no page faults per call).
   thread_local at::Tensor buffer;

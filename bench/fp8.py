@@ -1,0 +1,202 @@
+"""fp8 weight storage benchmarks: upcast throughput, linear layers, the SD1.5 UNet, accuracy.
+
+    python -m bench.fp8 [--json PATH] [--skip-unet]
+
+Compared on the same inputs in one process: bf16 weights, pyext fp8 storage, and
+diffusers' layerwise casting (fp8 storage, cast back to bf16 per layer call).
+Latency is the median of repeats after a warm-up. Weights are random.
+"""
+from __future__ import annotations
+
+import argparse
+import copy
+import json
+import statistics
+import time
+
+import torch
+import torch.nn as nn
+import torch.nn.functional as F
+
+import pyext
+from pyext.nn import FP8Linear, quantize_fp8
+from pyext.ops import fp8_quantize, fp8_upcast
+
+# (name, tokens M, in K, out N): SD1.5 at the cpu preset's 256x256 (latents 32x32, batch 2 for CFG), Flux scaled
+LINEAR_SHAPES = [
+    ("sd15 attn q 320 (32x32 latents)", 2048, 320, 320),
+    ("sd15 geglu 320->2560", 2048, 320, 2560),
+    ("sd15 cross k 768->640 (77 tok)", 154, 768, 640),
+    ("sd15 geglu 1280->10240 (8x8)", 128, 1280, 10240),
+    ("sd15 ff out 5120->1280 (8x8)", 128, 5120, 1280),
+    ("flux qkv 3072->9216 (1024 tok)", 1024, 3072, 9216),
+    ("flux mlp 3072->12288 (1024 tok)", 1024, 3072, 12288),
+]
+
+
+def median_time(fn, repeats: int = 7, warmup: int = 2) -> float:
+    return compare({"x": fn}, repeats, warmup)["x"]
+
+
+def compare(fns: dict, repeats: int = 7, warmup: int = 2) -> dict:
+    """Median seconds of each function, run round-robin so machine noise hits all of them alike."""
+    for _ in range(warmup):
+        for fn in fns.values():
+            fn()
+    times = {name: [] for name in fns}
+    for _ in range(repeats):
+        for name, fn in fns.items():
+            t0 = time.perf_counter()
+            fn()
+            times[name].append(time.perf_counter() - t0)
+    return {name: statistics.median(ts) for name, ts in times.items()}
+
+
+def weight_bytes(module: nn.Module) -> int:
+    return sum(t.numel() * t.element_size() for t in list(module.parameters()) + list(module.buffers()))
+
+
+def bench_upcast(rows=4096, cols=4096) -> list[dict]:
+    """Both write into a preallocated output: a fresh 32 MB one costs ~10 ms of page faults whoever fills it."""
+    w, scale = fp8_quantize(torch.randn(rows, cols))
+    out = []
+    for dtype in (torch.bfloat16, torch.float16, torch.float32):
+        buf = torch.empty(rows, cols, dtype=dtype)
+        t = compare({"pyext": lambda: fp8_upcast(w, scale, out=buf), "torch": lambda: buf.copy_(w)}, repeats=9)
+        t_pyext, t_torch = t["pyext"], t["torch"]
+        n = rows * cols
+        out.append(dict(bench="fp8_upcast", dtype=str(dtype).removeprefix("torch."), elements=n,
+                        pyext_ms=t_pyext * 1e3, torch_ms=t_torch * 1e3,
+                        pyext_gelem_s=n / t_pyext / 1e9, torch_gelem_s=n / t_torch / 1e9, speedup=t_torch / t_pyext))
+    return out
+
+
+def _layerwise_cast(module: nn.Module) -> nn.Module:
+    from diffusers.hooks import apply_layerwise_casting
+
+    apply_layerwise_casting(module, storage_dtype=torch.float8_e4m3fn, compute_dtype=torch.bfloat16,
+                            skip_modules_pattern=None)
+    return module
+
+
+@torch.no_grad()
+def bench_linear(shapes=LINEAR_SHAPES) -> list[dict]:
+    out = []
+    for name, m, k, n in shapes:
+        lin = nn.Linear(k, n).to(torch.bfloat16)
+        x = torch.randn(m, k, dtype=torch.bfloat16)
+        fp8 = FP8Linear.from_linear(lin)
+        diff = _layerwise_cast(copy.deepcopy(lin))
+        t = compare({"bf16": lambda: lin(x), "fp8": lambda: fp8(x), "diff": lambda: diff(x)})
+        t_bf16, t_fp8, t_diff = t["bf16"], t["fp8"], t["diff"]
+        out.append(dict(bench="fp8_linear", shape=name, M=m, K=k, N=n, bf16_ms=t_bf16 * 1e3, pyext_fp8_ms=t_fp8 * 1e3,
+                        diffusers_fp8_ms=t_diff * 1e3, pyext_vs_bf16=t_fp8 / t_bf16, diffusers_vs_bf16=t_diff / t_bf16))
+    return out
+
+
+def sd15_unet(dtype=torch.bfloat16) -> nn.Module:
+    from diffusers import UNet2DConditionModel
+
+    from pyext.offline import load_config
+
+    torch.manual_seed(0)
+    config = load_config("sd15", "full")["components"]["unet"]["config"]
+    return UNet2DConditionModel.from_config(config).to(dtype).eval()
+
+
+@torch.no_grad()
+def bench_unet(latent=32, batch=2, repeats=3) -> list[dict]:
+    """SD1.5-architecture UNet step, bf16 on CPU: bf16 vs diffusers layerwise fp8 vs pyext fp8."""
+    base = sd15_unet()
+    g = torch.Generator().manual_seed(0)
+    args = (torch.randn(batch, 4, latent, latent, generator=g, dtype=torch.bfloat16), torch.tensor([500]),
+            torch.randn(batch, 77, 768, generator=g, dtype=torch.bfloat16))
+    ref = base(*args).sample.float()
+    variants = {"bf16": lambda u: u,
+                "diffusers_layerwise_fp8": lambda u: (u.enable_layerwise_casting(
+                    storage_dtype=torch.float8_e4m3fn, compute_dtype=torch.bfloat16), u)[1],
+                "pyext_fp8": lambda u: (quantize_fp8(u), u)[1]}
+    unets = {name: make(copy.deepcopy(base)) for name, make in variants.items()}
+    del base
+    t = compare({name: (lambda u=u: u(*args)) for name, u in unets.items()}, repeats=repeats, warmup=1)
+    rows = []
+    for name, unet in unets.items():
+        y = unet(*args).sample.float()
+        rows.append(dict(bench="sd15_unet_step", variant=name, latents=f"{batch}x4x{latent}x{latent}",
+                         step_s=t[name], weight_mib=weight_bytes(unet) / 2**20,
+                         rel_err_vs_bf16=((y - ref).norm() / ref.norm()).item()))
+    for r in rows:
+        r["latency_vs_bf16"] = r["step_s"] / rows[0]["step_s"]
+        r["weights_vs_bf16"] = r["weight_mib"] / rows[0]["weight_mib"]
+    return rows
+
+
+def sqnr_db(y, ref) -> float:
+    return (10 * torch.log10(ref.float().pow(2).sum() / (y.float() - ref.float()).pow(2).sum())).item()
+
+
+@torch.no_grad()
+def bench_sqnr() -> list[dict]:
+    """Output SQNR of an fp8 layer vs the bf16 layer: per-channel scaled (pyext) vs plain cast (layerwise casting).
+
+    Real checkpoints have rows of very different magnitude; the synthetic weight
+    reproduces that with log-normal row scales, the random-init one has none.
+    """
+    torch.manual_seed(0)
+    k, n = 1280, 1280
+    weights = {"random init (uniform rows)": nn.Linear(k, n).weight.detach(),
+               "log-normal row scales around 0.005": torch.randn(n, k) * torch.exp(torch.randn(n, 1)) * 0.005}
+    x = torch.randn(256, k, dtype=torch.bfloat16)
+    rows = []
+    for name, w in weights.items():
+        w = w.to(torch.bfloat16)
+        ref = F.linear(x, w)
+        q, s = fp8_quantize(w, per_channel=True)
+        qt, st = fp8_quantize(w, per_channel=False)
+        outs = {"per_channel": F.linear(x, fp8_upcast(q, s, torch.bfloat16)),
+                "per_tensor": F.linear(x, fp8_upcast(qt, st, torch.bfloat16)),
+                "plain_cast": F.linear(x, w.to(torch.float8_e4m3fn).to(torch.bfloat16))}
+        row = dict(bench="fp8_sqnr", weight=name)
+        for key, y in outs.items():
+            row[f"{key}_db"] = sqnr_db(y, ref)
+            # each output channel matters on its own (the next norm rescales it): mean of per-channel SQNR
+            row[f"{key}_chan_db"] = statistics.mean(sqnr_db(y[:, j], ref[:, j]) for j in range(0, n, 8))
+        rows.append(row)
+    return rows
+
+
+def run(skip_unet: bool = False) -> list[dict]:
+    rows = bench_upcast() + bench_linear() + bench_sqnr()
+    if not skip_unet:
+        rows += bench_unet()
+    return rows
+
+
+def print_rows(rows: list[dict]) -> None:
+    by = {}
+    for r in rows:
+        by.setdefault(r["bench"], []).append(r)
+    for bench, items in by.items():
+        print(f"\n## {bench}")
+        keys = list(items[0])[1:]
+        print("| " + " | ".join(keys) + " |")
+        print("|" + "---|" * len(keys))
+        for r in items:
+            print("| " + " | ".join(f"{r[k]:.3g}" if isinstance(r[k], float) else str(r[k]) for k in keys) + " |")
+
+
+def main(argv=None) -> None:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--json", help="write the rows here")
+    ap.add_argument("--skip-unet", action="store_true", help="skip the full SD1.5 UNet (about a minute on 2 cores)")
+    args = ap.parse_args(argv)
+    print(f"pyext {pyext.__version__}, torch {torch.__version__}, {torch.get_num_threads()} threads, weights random")
+    rows = run(args.skip_unet)
+    print_rows(rows)
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump(rows, f, indent=1)
+
+
+if __name__ == "__main__":
+    main()
