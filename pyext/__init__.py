@@ -10,10 +10,11 @@ from pyext import ops
 from pyext._ext import EXT, EXT_ERROR
 from pyext.dispatch import PyextError
 from pyext.nn import FP8Conv2d, FP8Linear, quantize_fp8, restore_fp8
+from pyext.optimize import OptimizeOptions, optimize, report, restore
 
 __version__ = "0.1.0"
 
 if EXT is None:
     warnings.warn(EXT_ERROR, stacklevel=2)
 
-__all__ = ["ops", "PyextError", "FP8Conv2d", "FP8Linear", "quantize_fp8", "restore_fp8", "__version__"]
+__all__ = ["ops", "PyextError", "OptimizeOptions", "optimize", "report", "restore", "FP8Conv2d", "FP8Linear", "quantize_fp8", "restore_fp8", "__version__"]
