@@ -258,6 +258,9 @@ def _step_compile(pipe, opts, state, ctx):
 def _step_offload(pipe, opts, state, ctx):
     mode, device = ctx["offload"], ctx["device"]
     existing = offload.detect(pipe).mode
+    if existing == "device_map":
+        state.entries.append(Entry("*", "offload", "skipped", ctx["offload_reason"]))
+        return
     if existing != "none":
         state.entries.append(Entry("*", "offload", "already", f"pipeline already uses {existing}; kept as it is"))
         return

@@ -33,10 +33,15 @@ class _FP8Storage:
     """Shared by both layers: fp8 codes + fp32 scales in cast-proof integer buffers."""
 
     def _store(self, weight: torch.Tensor, per_channel: bool, keep_original: bool) -> None:
-        q, scale = fp8_quantize(weight, per_channel)
+        if weight.device.type == "meta":  # a skeleton with the right shapes, filled later by load_state_dict
+            codes = torch.empty(weight.shape, dtype=torch.uint8, device="meta")
+            scale = torch.empty(weight.shape[0] if per_channel else 1, device="meta")
+        else:
+            q, scale = fp8_quantize(weight, per_channel)
+            codes = q.view(torch.uint8)
         self.compute_dtype = weight.dtype
         self.per_channel = per_channel
-        self.weight = nn.Parameter(q.view(torch.uint8), requires_grad=False)
+        self.weight = nn.Parameter(codes, requires_grad=False)
         self.register_buffer("weight_scale", scale.view(torch.int32))
         self.original_weight = weight.detach().clone().cpu() if keep_original else None
 

@@ -1,0 +1,275 @@
+"""pyext.optimize on tiny offline pipelines: same images, report/restore, planner, composition."""
+import numpy as np
+import pytest
+import torch
+
+import pyext
+import pyext.nn.fp8 as fp8_module
+from pyext import offload, planner
+from pyext.offline import build_pipeline
+
+ARCHS = ["sd15", "sdxl", "sd3", "flux"]
+
+
+def generate(pipe, size=64, steps=2):
+    return pipe(prompt="a photo of an astronaut", num_inference_steps=steps, height=size, width=size,
+                output_type="np", generator=torch.Generator().manual_seed(0)).images
+
+
+def psnr(a, b):
+    mse = float(np.mean((a.astype(np.float64) - b) ** 2))
+    return 99.0 if mse == 0 else 10 * np.log10(1.0 / mse)
+
+
+@pytest.fixture(autouse=True)
+def small_layers_in_fp8(monkeypatch):
+    """Tiny models' layers are below the fp8 size floor; convert them anyway so fp8 is exercised."""
+    monkeypatch.setattr(fp8_module, "MIN_NUMEL", 0)
+
+
+@pytest.fixture(scope="module")
+def references():
+    return {arch: generate(build_pipeline(arch, "tiny")) for arch in ARCHS}
+
+
+# Lossless options keep fp32: images must match to float rounding. Lossy ones (bf16
+# compute, fp8 storage) are held to a PSNR floor against the fp32 images.
+LOSSLESS = dict(dtype="keep", fp8="off")
+COMBOS = {
+    "lossless": (LOSSLESS, 1e-3),
+    "lossless_channels_last": (dict(LOSSLESS, channels_last=True), 1e-3),
+    "lossless_no_attention": (dict(LOSSLESS, attention="off"), 1e-3),
+    "default_bf16": ({}, 25.0),
+    "fp8_denoiser": (dict(dtype="keep", fp8="denoiser"), 25.0),
+    "fp8_all_bf16": (dict(fp8="all"), 22.0),
+}
+
+
+@pytest.mark.parametrize("arch", ARCHS)
+@pytest.mark.parametrize("combo", list(COMBOS))
+def test_images_match_unoptimized(arch, combo, references):
+    options, tol = COMBOS[combo]
+    pipe = pyext.optimize(build_pipeline(arch, "tiny"), **options)
+    out = generate(pipe)
+    assert np.isfinite(out).all()
+    if tol < 1:
+        assert np.abs(out - references[arch]).max() <= tol, str(pyext.report(pipe))
+    else:
+        assert psnr(out, references[arch]) >= tol, str(pyext.report(pipe))
+
+
+def test_trace_matches_and_falls_back_on_other_shapes(references):
+    pipe = pyext.optimize(build_pipeline("sd15", "tiny"), compile="trace", height=64, width=64, **LOSSLESS)
+    assert type(pipe.unet).__name__ == "TracedUNet"
+    assert np.abs(generate(pipe) - references["sd15"]).max() <= 1e-3
+    assert pipe.unet.hits == 2 and pipe.unet.misses == 0
+    generate(pipe, size=96)  # another resolution: runs the eager UNet, never the baked trace
+    assert pipe.unet.misses == 2
+    assert "trace" in " ".join(n for n in pyext.restore(pipe)) and type(pipe.unet).__name__ == "UNet2DConditionModel"
+
+
+def test_trace_skips_sdxl_with_reason():
+    pipe = pyext.optimize(build_pipeline("sdxl", "tiny"), compile="trace")
+    entry = next(e for e in pyext.report(pipe).entries if e.technique == "compile")
+    assert entry.status == "skipped" and "added conditioning" in entry.detail
+
+
+@pytest.mark.parametrize("arch", ["sd15", "flux"])
+def test_report_restore_and_idempotence(arch, references):
+    pipe = build_pipeline(arch, "tiny")
+    original_types = {n: type(m) for n, m in pipe.unet.named_modules()} if arch == "sd15" else None
+    pyext.optimize(pipe, fp8="denoiser", keep_original_weights=True)
+    first = str(pyext.report(pipe))
+    assert "fp8" in first and "applied" in first and "weights:" in first
+    once = generate(pipe)
+    pyext.optimize(pipe, fp8="denoiser", keep_original_weights=True)  # second call: nothing new
+    statuses = {(e.technique, e.status) for e in pyext.report(pipe).entries[len(first.splitlines()) - 3:]}
+    assert ("fp8", "applied") not in statuses and ("dtype", "applied") not in statuses
+    np.testing.assert_array_equal(generate(pipe), once)
+    notes = pyext.restore(pipe)
+    assert any("exact" in n for n in notes)
+    np.testing.assert_array_equal(generate(pipe), references[arch])  # originals were kept: bit-exact
+    if original_types:
+        assert {n: type(m) for n, m in pipe.unet.named_modules()} == original_types
+    assert pyext.report(pipe).plan == "not optimized by pyext"
+
+
+def test_restore_without_originals_says_lossy(references):
+    pipe = pyext.optimize(build_pipeline("sd15", "tiny"), fp8="denoiser")
+    notes = " ".join(pyext.restore(pipe))
+    assert "dequantised" in notes and "rounding" in notes
+    assert psnr(generate(pipe), references["sd15"]) > 25
+
+
+def test_unsupported_pipeline_left_untouched():
+    from diffusers import DDPMPipeline, DDPMScheduler, UNet2DModel
+
+    torch.manual_seed(0)
+    unet = UNet2DModel(sample_size=16, block_out_channels=(16, 32), down_block_types=("DownBlock2D", "DownBlock2D"),
+                       up_block_types=("UpBlock2D", "UpBlock2D"), norm_num_groups=8, layers_per_block=1)
+    pipe = DDPMPipeline(unet=unet, scheduler=DDPMScheduler(num_train_timesteps=10))
+    before = {k: v.clone() for k, v in unet.state_dict().items()}
+    pyext.optimize(pipe)
+    entries = pyext.report(pipe).entries
+    assert len(entries) == 1 and entries[0].status == "skipped" and "UNet2DModel" in entries[0].detail
+    assert all(torch.equal(v, unet.state_dict()[k]) for k, v in before.items())
+
+
+def test_unknown_option_is_an_error():
+    with pytest.raises(TypeError, match="unknown option 'fp9'"):
+        pyext.optimize(build_pipeline("sd15", "tiny"), fp9=True)
+
+
+# ----------------------------------------------------------------------------- planner
+
+def plan_index(name):
+    base = name.removesuffix("+vae_tiling")
+    return [c[0] for c in planner.CANDIDATES].index(base)
+
+
+@pytest.mark.parametrize("arch,res", [("sd15", 512), ("sdxl", 1024), ("flux", 1024)])
+def test_planner_choices_over_budgets(arch, res):
+    pipe = build_pipeline(arch, "full", dtype=torch.bfloat16, device="meta")
+    plans = [planner.plan(pipe, gb * planner.GB, res, res) for gb in (4, 8, 16, 24, 80)]
+    for p, gb in zip(plans, (4, 8, 16, 24, 80)):
+        assert not p.fits or p.peak_bytes <= gb * planner.GB
+    indices = [plan_index(p.name) for p in plans]
+    assert indices == sorted(indices, reverse=True)  # more memory never picks a slower plan
+    assert plans[-1].name == "resident"
+    if arch == "sd15":
+        assert all(p.name == "resident" for p in plans)
+    if arch == "flux":  # 12B transformer + T5-XXL: 31 GB of bf16 weights
+        assert plans[0].offload != "none" and plans[1].offload != "none" and plans[3].fp8 == "all"
+
+
+def test_parse_bytes():
+    assert planner.parse_bytes("8GB") == 8 << 30 and planner.parse_bytes("512 MiB") == 512 << 20
+    assert planner.parse_bytes(123) == 123
+    with pytest.raises(ValueError, match="memory_budget 'lots'"):
+        planner.parse_bytes("lots")
+
+
+def test_budget_on_cpu_picks_fp8_not_offload():
+    pipe = build_pipeline("sd15", "tiny")
+    sizes = planner.component_sizes(pipe, 64, 64)
+    resident = planner._peak(sizes, "off", "none", False)
+    pyext.optimize(pipe, memory_budget=int(resident * 0.8), height=64, width=64, dtype="keep")
+    rep = pyext.report(pipe)
+    assert "fp8" in rep.plan
+    assert any(e.technique == "fp8" and e.status == "applied" for e in rep.entries)
+    off = next(e for e in rep.entries if e.technique == "offload")
+    assert off.status == "skipped" and "CPU" in off.detail
+
+
+# ----------------------------------------------------------------------------- composition
+
+def sequential_offload_is_broken_here() -> bool:
+    """Plain diffusers + accelerate: sequential offload with the CPU as execution device fails on the
+    first call (accelerate's tied-parameter cache hands back a plain tensor for a Parameter)."""
+    pipe = build_pipeline("sd15", "tiny")
+    pipe.enable_sequential_cpu_offload(device="cpu")
+    try:
+        generate(pipe, steps=1)
+    except TypeError:
+        return True
+    return False
+
+
+@pytest.mark.parametrize("mode", ["model", "sequential", "group"])
+@pytest.mark.parametrize("order", ["offload_first", "optimize_first"])
+def test_offload_either_order(mode, order, references):
+    if mode == "sequential" and sequential_offload_is_broken_here():
+        pytest.xfail("sequential offload to a CPU execution device fails in plain diffusers/accelerate too; "
+                     "this composition needs a GPU to be tested")
+    pipe = build_pipeline("sd15", "tiny")
+
+    def enable():
+        if mode == "model":
+            pipe.enable_model_cpu_offload(device="cpu")
+        elif mode == "sequential":
+            pipe.enable_sequential_cpu_offload(device="cpu")
+        else:
+            pipe.unet.enable_group_offload(onload_device="cpu", offload_device="cpu", offload_type="block_level",
+                                           num_blocks_per_group=1)
+
+    if order == "offload_first":
+        enable()
+        pyext.optimize(pipe, dtype="keep", fp8="denoiser")
+    else:
+        pyext.optimize(pipe, dtype="keep", fp8="denoiser")
+        enable()
+    assert offload.detect(pipe).mode == mode
+    assert any(isinstance(m, pyext.FP8Linear) for m in pipe.unet.modules())
+    assert psnr(generate(pipe), references["sd15"]) > 25
+
+
+def test_device_map_pipelines_never_move(monkeypatch, references):
+    pipe = build_pipeline("sd15", "tiny")
+    pipe.hf_device_map = {"unet": "cpu", "text_encoder": "cpu", "vae": "cpu"}  # as device_map="balanced" leaves it
+    monkeypatch.setattr(type(pipe), "to", lambda *a, **k: pytest.fail("optimize moved a device-mapped pipeline"))
+    pyext.optimize(pipe, device="cpu", dtype="keep")
+    off = next(e for e in pyext.report(pipe).entries if e.technique == "offload")
+    assert "several devices" in off.detail
+
+
+def test_torch_compile_with_model_offload_and_new_resolution(references):
+    pipe = build_pipeline("sd15", "tiny")
+    pipe.enable_model_cpu_offload(device="cpu")
+    pyext.optimize(pipe, dtype="keep", compile="compile", compile_backend="aot_eager")
+    assert np.abs(generate(pipe) - references["sd15"]).max() <= 1e-3
+    assert generate(pipe, size=96).shape == (1, 96, 96, 3)  # a new resolution recompiles, does not break
+    assert offload.detect(pipe).mode == "model"
+
+
+def make_lora(tmp_path):
+    from diffusers import StableDiffusionPipeline
+    from peft import LoraConfig
+    from peft.utils import get_peft_model_state_dict
+
+    src = build_pipeline("sd15", "tiny")
+    src.unet.add_adapter(LoraConfig(r=4, lora_alpha=4, target_modules=["to_q", "to_k", "to_v", "to_out.0"]))
+    torch.manual_seed(1)
+    for name, p in src.unet.named_parameters():
+        if "lora_B" in name:
+            torch.nn.init.normal_(p, std=0.2)
+    StableDiffusionPipeline.save_lora_weights(str(tmp_path), unet_lora_layers=get_peft_model_state_dict(src.unet))
+    return str(tmp_path)
+
+
+def test_lora_load_set_unload_on_fp8(tmp_path):
+    lora = make_lora(tmp_path)
+    pipe = pyext.optimize(build_pipeline("sd15", "tiny"), dtype="keep", fp8="denoiser")
+    # the same fp8-rounded weights as plain layers: what LoRA on fp8 layers must reproduce
+    twin = pyext.optimize(build_pipeline("sd15", "tiny"), dtype="keep", fp8="denoiser")
+    pyext.restore(twin)
+    plain = generate(pipe)
+    pipe.load_lora_weights(lora, adapter_name="a")
+    twin.load_lora_weights(lora, adapter_name="a")
+    with_lora = generate(pipe)
+    assert np.abs(with_lora - plain).max() > 0.01  # the LoRA really acts
+    assert np.abs(with_lora - generate(twin)).max() <= 1e-3
+    pipe.set_adapters(["a"], adapter_weights=[0.0])
+    assert np.abs(generate(pipe) - plain).max() <= 1e-5
+    pipe.unload_lora_weights()
+    assert np.abs(generate(pipe) - plain).max() <= 1e-5
+    assert any(isinstance(m, pyext.FP8Linear) for m in pipe.unet.modules())
+
+
+def test_fp8_shards_save_and_load(tmp_path):
+    from diffusers import UNet2DConditionModel
+
+    from pyext import checkpoint
+
+    unet = build_pipeline("sd15", "tiny").unet.to(torch.bfloat16)
+    pyext.quantize_fp8(unet)
+    names = checkpoint.save_pretrained(unet, str(tmp_path), max_shard_size="300KB")
+    assert len(list(tmp_path.glob("*.safetensors"))) > 1 and names
+    loaded = checkpoint.from_pretrained(UNet2DConditionModel, str(tmp_path))
+    fp8_layers = [n for n, m in loaded.named_modules() if isinstance(m, (pyext.FP8Linear, pyext.FP8Conv2d))]
+    assert sorted(fp8_layers) == sorted(names)
+    for n in names:  # the saved codes, not a re-quantization
+        assert torch.equal(loaded.get_submodule(n).weight, unet.get_submodule(n).weight)
+    x = torch.randn(2, 4, 8, 8, dtype=torch.bfloat16)
+    e = torch.randn(2, 77, unet.config.cross_attention_dim, dtype=torch.bfloat16)
+    with torch.no_grad():
+        assert torch.equal(unet(x, 10, e).sample, loaded(x, 10, e).sample)
