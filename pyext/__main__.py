@@ -43,12 +43,37 @@ def print_text(info: dict) -> None:
                 print(f"  {op:<14} {row['backend']:<10} {mark}{why}")
 
 
+def print_plans(archs, budgets) -> None:
+    """Plans for the full architectures (built on the meta device: shapes only, nothing allocated)."""
+    import torch
+
+    from pyext import offline, planner
+
+    print("| arch | resolution | weights bf16 | " + " | ".join(budgets) + " |")
+    print("|---|---|---|" + "---|" * len(budgets))
+    for arch in archs:
+        pipe = offline.build_pipeline(arch, "full", dtype=torch.bfloat16, device="meta")
+        res = 512 if arch == "sd15" else 1024
+        weights = sum(c.weight_bytes for c in planner.component_sizes(pipe, res, res)) / planner.GB
+        cells = []
+        for budget in budgets:
+            p = planner.plan(pipe, planner.parse_bytes(budget), res, res)
+            cells.append(f"{p.name} ({p.peak_bytes / planner.GB:.1f} GB{'' if p.fits else ', over'})")
+        print(f"| {arch} | {res}x{res} | {weights:.1f} GB | " + " | ".join(cells) + " |")
+
+
 def main(argv=None) -> int:
     parser = argparse.ArgumentParser(prog="python -m pyext")
     sub = parser.add_subparsers(dest="command", required=True)
     info = sub.add_parser("info", help="build, device and backends")
     info.add_argument("--json", action="store_true")
+    plan = sub.add_parser("plan", help="what the memory planner picks per architecture and budget")
+    plan.add_argument("--arch", nargs="+", default=["sd15", "sdxl", "sd3", "flux"])
+    plan.add_argument("--budgets", nargs="+", default=["4GB", "8GB", "16GB", "24GB"])
     args = parser.parse_args(argv)
+    if args.command == "plan":
+        print_plans(args.arch, args.budgets)
+        return 0
     data = collect()
     if args.json:
         json.dump(data, sys.stdout, indent=2, default=str)

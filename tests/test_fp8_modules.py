@@ -128,3 +128,25 @@ def test_tiny_unet_bf16_channels_last():
 
 def test_package_exports():
     assert pyext.quantize_fp8 is quantize_fp8 and pyext.FP8Linear is FP8Linear
+
+
+def test_conv_workspace_is_per_thread():
+    """Two threads running fp8 convs at once must not overwrite each other's upcast weights."""
+    import threading
+
+    convs = [FP8Conv2d.from_conv(nn.Conv2d(16, 16, 3, padding=1)) for _ in range(2)]
+    x = torch.randn(1, 16, 12, 12)
+    refs = [c(x) for c in convs]
+    errors = []
+
+    def work(i):
+        for _ in range(30):
+            if not torch.equal(convs[i](x), refs[i]):
+                errors.append(i)
+
+    threads = [threading.Thread(target=work, args=(i,)) for i in range(2)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    assert not errors

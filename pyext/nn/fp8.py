@@ -10,6 +10,7 @@ moves (offload hooks) move the fp8 bytes: half of what bf16 weights would move.
 from __future__ import annotations
 
 import re
+import threading
 from dataclasses import dataclass, field
 
 import torch
@@ -90,16 +91,17 @@ class FP8Linear(_FP8Storage, nn.Linear):
         return super().extra_repr() + ", " + self._fp8_extra_repr()
 
 
-# One upcast buffer per (device, dtype), shared by all FP8Conv2d layers and grown
-# to the largest: reusing it avoids page faults for every fresh multi-MB weight.
-_WORKSPACE: dict[tuple, torch.Tensor] = {}
+# One upcast buffer per thread and (device, dtype), shared by all FP8Conv2d layers
+# and grown to the largest: reusing it avoids page faults for every fresh multi-MB
+# weight. Per thread, so two pipelines running in two threads never share one.
+_WORKSPACE = threading.local()
 
 
 def _workspace(numel: int, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
-    key = (device, dtype)
-    buf = _WORKSPACE.get(key)
+    buffers = _WORKSPACE.__dict__.setdefault("buffers", {})
+    buf = buffers.get((device, dtype))
     if buf is None or buf.numel() < numel:
-        buf = _WORKSPACE[key] = torch.empty(numel, dtype=dtype, device=device)
+        buf = buffers[(device, dtype)] = torch.empty(numel, dtype=dtype, device=device)
     return buf[:numel]
 
 
