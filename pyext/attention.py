@@ -51,6 +51,9 @@ from pyext.dispatch import PyextError
 _SDPA = torch._C._nn.scaled_dot_product_attention  # what F.scaled_dot_product_attention is
 _STATE = "_pyext_attention"  # attribute holding a _Layer on each patched attention module
 _pyext_attention = ops.attention  # module-level so tests can observe the calls
+# diffusers dispatcher backends whose (non context-parallel) path calls torch SDPA; pyext then
+# replaces the SDPA kernel they would have picked.
+_SDPA_DISPATCH_BACKENDS = {"native", "_native_cudnn", "_native_efficient", "_native_flash", "_native_math"}
 
 
 def _sdpa_args(query, key, value, attn_mask=None, dropout_p=0.0, is_causal=False, scale=None, enable_gqa=False):
@@ -194,8 +197,9 @@ def _route_problem(module) -> str | None:
         from diffusers.models.attention_dispatch import AttentionBackendName, _AttentionBackendRegistry
 
         backend = getattr(processor, "_attention_backend", None) or _AttentionBackendRegistry.get_active_backend()[0]
-        if AttentionBackendName(backend) != AttentionBackendName.NATIVE:
-            return f"diffusers attention backend {AttentionBackendName(backend).value!r} does not call SDPA"
+        name = AttentionBackendName(backend).value
+        if name not in _SDPA_DISPATCH_BACKENDS:
+            return f"diffusers attention backend {name!r} does not call SDPA"
     return None
 
 
