@@ -30,9 +30,11 @@ Why this way:
   tensor subclass, or an input the op or a forced backend refuses) runs torch's SDPA unchanged
   and is counted with its reason.
 
-Cost: while a patched layer runs, every torch call in it passes through the mode's Python
-handler (about 2 us each on a Zen 4 core; ~20 calls per AttnProcessor2_0 layer).
-Not for concurrent use: do not call apply()/remove() on a model while it runs in another thread.
+Cost: in eager mode every torch call inside a patched layer passes through the mode's Python
+handler (~20 calls per AttnProcessor2_0 layer; see the README for the measured overhead).
+torch.compile traces hooks and mode: the graph holds torch.ops.pyext.attention and no break
+(fullgraph=True works); compiled calls are not counted in status().
+Do not call apply()/remove() on a model while it runs in another thread.
 """
 from __future__ import annotations
 
@@ -103,8 +105,8 @@ class _Layer:
         self.fallbacks = Counter()  # reason -> attention computations left to torch
         self._fresh()
         self.handles = [
-            # The pre-hook runs last of the pre-hooks and the exit hook first of the forward
-            # hooks, so the mode covers the layer's forward and nothing else.
+            # The mode should cover the layer's forward only: the pre-hook goes after the
+            # pre-hooks present now, the exit hook before every forward hook.
             module.register_forward_pre_hook(self._enter),
             module.register_forward_hook(self._exit, prepend=True, always_call=True),
         ]
@@ -142,6 +144,8 @@ class _Layer:
         self.count(no_sdpa, calls=1)
 
     def count(self, fallback: str | None = None, calls: int = 0, pyext: int = 0):
+        if torch.compiler.is_compiling():  # a lock would break the graph; compiled calls go uncounted
+            return
         with self.lock:
             self.calls += calls
             self.pyext_calls += pyext

@@ -334,3 +334,22 @@ def test_deepcopy_of_a_patched_model_is_patched_independently(spy):
     with torch.no_grad():
         attn(x, ctx)
     assert pa.status(attn)["pyext_calls"] == 1 and len(spy) == 2
+
+
+def test_torch_compile_traces_the_pyext_op_in_one_graph():
+    attn = _attention_layer()
+    x, ctx = torch.randn(1, 4, 32), torch.randn(1, 3, 16)
+    with torch.no_grad():
+        expected = attn(x, ctx)
+    pa.apply(attn, backend="reference")
+    targets = []
+
+    def record_graph(gm, inputs):
+        targets.extend(str(n.target) for n in gm.graph.nodes if n.op == "call_function")
+        return gm.forward
+
+    with torch.no_grad():
+        out = torch.compile(attn, backend=record_graph, fullgraph=True)(x, ctx)
+    assert "pyext.attention" in targets and not any("scaled_dot_product" in t for t in targets)
+    torch.testing.assert_close(out, expected, atol=1e-6, rtol=0)
+    assert torch._C._len_torch_function_stack() == 0
