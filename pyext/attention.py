@@ -23,8 +23,8 @@ Why this way:
   while a patched layer runs is not affected. The hooks and the state live on the layer modules.
 - Processors installed later (`fuse_qkv_projections`, `set_attn_processor`, IP-Adapter loading)
   are routed too, since the hook does not care which processor runs. A processor that does not
-  call SDPA (e.g. `AttnProcessor`, which `set_default_attn_processor` installs, or a dispatcher
-  backend other than "native") cannot be routed: `status()` lists those layers as skipped, and
+  call SDPA (e.g. `AttnProcessor`, which `set_default_attn_processor` installs, or the flash /
+  sage / flex dispatcher backends) cannot be routed: `status()` lists those layers as skipped, and
   their calls are counted as fallbacks.
 - An SDPA call pyext's op cannot take (attention mask, dropout, causal, autograd, autocast, a
   tensor subclass, or an input the op or a forced backend refuses) runs torch's SDPA unchanged

@@ -11,7 +11,8 @@ import warnings
 import pytest
 import torch
 import torch.nn.functional as F
-from diffusers.models.attention_processor import Attention, AttnProcessor, AttnProcessor2_0, FusedAttnProcessor2_0
+from diffusers.models.attention_processor import (Attention, AttnProcessor, AttnProcessor2_0, FusedAttnProcessor2_0,
+                                                  IPAdapterAttnProcessor2_0)
 
 import pyext.attention as pa
 from pyext import PyextError, dispatch, offline
@@ -305,6 +306,22 @@ def test_set_attn_processor_is_reported_and_followed(spy):
     assert pa.status(pipe)["components"]["unet"]["pyext_calls"] == 2 * n
     pipe.unet.set_attn_processor(AttnProcessor())
     assert pa.status(pipe)["patched"] == 2  # the VAE only
+
+
+def test_ip_adapter_processor_installed_later_is_routed(spy):
+    """What load_ip_adapter installs (IPAdapterAttnProcessor2_0, random weights here): both the
+    text and the image-prompt attention reach pyext."""
+    attn = _attention_layer()
+    pa.apply(attn, backend="reference")
+    torch.manual_seed(1)
+    attn.set_processor(IPAdapterAttnProcessor2_0(hidden_size=32, cross_attention_dim=16, num_tokens=(4,)))
+    x, ctx, image_tokens = torch.randn(1, 5, 32), torch.randn(1, 7, 16), torch.randn(1, 4, 16)
+    with torch.no_grad():
+        got = attn(x, encoder_hidden_states=(ctx, [image_tokens]))
+        pa.remove(attn)
+        expected = attn(x, encoder_hidden_states=(ctx, [image_tokens]))
+    torch.testing.assert_close(got, expected, atol=1e-6, rtol=0)
+    assert [shape for _, shape, _ in spy] == [(1, 2, 5, 16), (1, 2, 5, 16)]
 
 
 def test_flux_dispatcher_backend_is_followed():
