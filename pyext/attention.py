@@ -1,0 +1,340 @@
+"""pyext attention inside diffusers pipelines, on one pipeline (or model) instance only.
+
+    report = pyext.attention.apply(pipe)               # or apply(pipe.unet), apply(pipe, backend="cpp")
+    print(report)                                      # layers patched per component, skips, fallbacks
+    pyext.attention.status(pipe)                       # the same, as a dict, with call counters
+    pyext.attention.remove(pipe)                       # back to diffusers' own attention
+
+Design. Every diffusers attention layer (`Attention`, and `AttentionModuleMixin` layers such as
+FluxAttention) hands its work to a processor, and the processors of this diffusers compute the
+core softmax(QK^T)V with torch's `scaled_dot_product_attention` (SDPA), either directly (the
+"*2_0" processors: SD1.5/SDXL UNet, the VAE, SD3's joint attention, IP-Adapter) or through
+diffusers' attention dispatcher, whose default "native" backend calls SDPA (Flux and the newer
+transformers). So pyext leaves the processors alone and changes only that one call: a forward
+pre-hook on the layer enters a `TorchFunctionMode` that sends SDPA calls to
+`pyext.ops.attention`, and a forward hook (always_call, so also after an exception) leaves it.
+
+Why this way:
+- Everything the processor does around the core call (projections, cross and joint attention,
+  QK norms, rotary embeddings, group/spatial norm, residual, rescale_output_factor, IP-Adapter
+  branches) is diffusers' own code, not a copy that can drift.
+- Nothing global changes: no function of torch or diffusers is replaced, not even for one call.
+  Torch keeps the mode stack per thread, so another thread (or another pipeline) calling SDPA
+  while a patched layer runs is not affected. The hooks and the state live on the layer modules.
+- Processors installed later (`fuse_qkv_projections`, `set_attn_processor`, IP-Adapter loading)
+  are routed too, since the hook does not care which processor runs. A processor that does not
+  call SDPA (e.g. `AttnProcessor`, which `set_default_attn_processor` installs, or the flash /
+  sage / flex dispatcher backends) cannot be routed: `status()` lists those layers as skipped, and
+  their calls are counted as fallbacks.
+- An SDPA call pyext's op cannot take (attention mask, dropout, causal, autograd, autocast, a
+  tensor subclass, or an input the op or a forced backend refuses) runs torch's SDPA unchanged
+  and is counted with its reason.
+
+Cost: in eager mode every torch call inside a patched layer passes through the mode's Python
+handler (~20 calls per AttnProcessor2_0 layer; see the README for the measured overhead).
+torch.compile traces hooks and mode: the graph holds torch.ops.pyext.attention and no break
+(fullgraph=True works); compiled calls are not counted in status().
+Do not call apply()/remove() on a model while it runs in another thread.
+"""
+from __future__ import annotations
+
+import functools
+import inspect
+import threading
+from collections import Counter
+from dataclasses import asdict, dataclass, field
+
+import torch
+from torch.overrides import TorchFunctionMode
+
+from pyext import dispatch, ops
+from pyext.dispatch import PyextError
+
+_SDPA = torch._C._nn.scaled_dot_product_attention  # what F.scaled_dot_product_attention is
+_STATE = "_pyext_attention"  # attribute holding a _Layer on each patched attention module
+_pyext_attention = ops.attention  # module-level so tests can observe the calls
+# diffusers dispatcher backends whose (non context-parallel) path calls torch SDPA; pyext then
+# replaces the SDPA kernel they would have picked.
+_SDPA_DISPATCH_BACKENDS = {"native", "_native_cudnn", "_native_efficient", "_native_flash", "_native_math"}
+
+
+def _sdpa_args(query, key, value, attn_mask=None, dropout_p=0.0, is_causal=False, scale=None, enable_gqa=False):
+    return query, key, value, attn_mask, dropout_p, is_causal, scale
+
+
+def _needs_torch(q, k, v, attn_mask, dropout_p, is_causal) -> str | None:
+    """Why this SDPA call must stay with torch, or None when pyext's op can take it."""
+    if attn_mask is not None:
+        return "attention mask"
+    if dropout_p:
+        return "dropout"
+    if is_causal:
+        return "causal"
+    if any(type(t) is not torch.Tensor for t in (q, k, v)):
+        return "tensor subclass"
+    if torch.is_grad_enabled() and (q.requires_grad or k.requires_grad or v.requires_grad):
+        return "autograd (pyext.ops.attention has no backward)"
+    if torch.is_autocast_enabled(q.device.type):
+        return "autocast"  # SDPA's autocast casts would be skipped by a custom op
+    return None
+
+
+class _RouteSDPA(TorchFunctionMode):
+    """Entered for one forward of one layer: its SDPA calls go to the layer's pyext attention."""
+
+    def __init__(self, layer: "_Layer"):
+        super().__init__()
+        self.layer = layer
+        self.sdpa_calls = 0
+
+    def __torch_function__(self, func, types, args=(), kwargs=None):
+        kwargs = kwargs or {}
+        if func is not _SDPA:
+            return func(*args, **kwargs)
+        self.sdpa_calls += 1
+        return self.layer.attention(args, kwargs)
+
+
+class _Layer:
+    """pyext's state on one attention module: the backend, the hooks and the call counters."""
+
+    def __init__(self, module: torch.nn.Module, backend: str | None):
+        self.backend = backend
+        self.calls = 0  # forwards of the layer
+        self.pyext_calls = 0  # SDPA calls that pyext computed
+        self.fallbacks = Counter()  # reason -> attention computations left to torch
+        self._fresh()
+        self.handles = [
+            # The mode should cover the layer's forward only: the pre-hook goes after the
+            # pre-hooks present now, the exit hook before every forward hook.
+            module.register_forward_pre_hook(self._enter),
+            module.register_forward_hook(self._exit, prepend=True, always_call=True),
+        ]
+
+    def _fresh(self):
+        self.lock = threading.Lock()
+        self.local = threading.local()  # .modes: the modes this thread entered on this layer
+
+    # A Lock and a thread-local cannot be copied or pickled: deepcopy/torch.save of a patched
+    # model get fresh ones (the hooks and handles are copied with the model by torch).
+    def __getstate__(self):
+        return {k: v for k, v in self.__dict__.items() if k not in ("lock", "local")}
+
+    def __setstate__(self, state):
+        self.__dict__.update(state)
+        self._fresh()
+
+    def _modes(self) -> list:
+        if not hasattr(self.local, "modes"):
+            self.local.modes = []
+        return self.local.modes
+
+    def _enter(self, module, args):
+        mode = _RouteSDPA(self)
+        mode.__enter__()
+        self._modes().append(mode)
+
+    def _exit(self, module, args, output):
+        modes = self._modes()
+        if not modes:  # an earlier pre-hook raised before ours ran
+            return
+        mode = modes.pop()
+        mode.__exit__(None, None, None)
+        no_sdpa = None if mode.sdpa_calls else f"no SDPA call ({_route_problem(module) or 'processor skipped it'})"
+        self.count(no_sdpa, calls=1)
+
+    def count(self, fallback: str | None = None, calls: int = 0, pyext: int = 0):
+        if torch.compiler.is_compiling():  # a lock would break the graph; compiled calls go uncounted
+            return
+        with self.lock:
+            self.calls += calls
+            self.pyext_calls += pyext
+            if fallback:
+                self.fallbacks[fallback] += 1
+
+    def attention(self, args, kwargs):
+        q, k, v, attn_mask, dropout_p, is_causal, scale = _sdpa_args(*args, **kwargs)
+        reason = _needs_torch(q, k, v, attn_mask, dropout_p, is_causal)
+        if reason is None:
+            try:  # PyextError comes from validation/backend selection, before any work is done
+                out = _pyext_attention(q, k, v, scale=scale, backend=self.backend)
+            except PyextError as e:
+                reason = str(e).splitlines()[0]
+            else:
+                self.count(pyext=1)
+                return out
+        self.count(reason)
+        return _SDPA(*args, **kwargs)
+
+    def remove(self):
+        for handle in self.handles:
+            handle.remove()
+
+
+# ---------------------------------------------------------------- finding the layers
+def _attention_classes() -> tuple:
+    from diffusers.models.attention import AttentionModuleMixin
+    from diffusers.models.attention_processor import Attention
+
+    return (Attention, AttentionModuleMixin)
+
+
+@functools.lru_cache(maxsize=None)
+def _processor_kind(cls: type) -> str:
+    """'sdpa', 'dispatcher', 'none' (computes attention itself) or 'unknown' (no source)."""
+    try:
+        source = inspect.getsource(cls.__call__)
+    except (OSError, TypeError):
+        return "unknown"
+    if "dispatch_attention_fn" in source:
+        return "dispatcher"
+    return "sdpa" if "scaled_dot_product_attention" in source else "none"
+
+
+def _route_problem(module) -> str | None:
+    """Why the layer's current processor cannot reach pyext, or None when it can."""
+    processor = getattr(module, "processor", None)
+    kind = _processor_kind(type(processor))
+    if kind == "none":
+        return f"processor {type(processor).__name__} does not call SDPA"
+    if kind == "dispatcher":
+        from diffusers.models.attention_dispatch import AttentionBackendName, _AttentionBackendRegistry
+
+        backend = getattr(processor, "_attention_backend", None) or _AttentionBackendRegistry.get_active_backend()[0]
+        name = AttentionBackendName(backend).value
+        if name not in _SDPA_DISPATCH_BACKENDS:
+            return f"diffusers attention backend {name!r} does not call SDPA"
+    return None
+
+
+def _components(obj) -> dict:
+    if isinstance(getattr(obj, "components", None), dict):  # a DiffusionPipeline
+        return {name: c for name, c in obj.components.items() if isinstance(c, torch.nn.Module)}
+    if isinstance(obj, torch.nn.Module):
+        return {type(obj).__name__: obj}
+    raise PyextError(f"pyext.attention: expected a diffusers pipeline or a torch.nn.Module, got {type(obj).__name__}")
+
+
+def _attention_layers(model: torch.nn.Module) -> dict:
+    classes = _attention_classes()
+    return {name: m for name, m in model.named_modules() if isinstance(m, classes)}
+
+
+def _not_diffusers_reason(model) -> str:
+    if type(model).__module__.startswith("transformers."):
+        return "transformers model: its attention is not diffusers' (not patched)"
+    return "no diffusers attention layers"
+
+
+# ---------------------------------------------------------------- report
+@dataclass
+class ComponentReport:
+    patched: int = 0  # layers whose attention reaches pyext now
+    skipped: dict = field(default_factory=dict)  # layer name (or "*": whole component) -> why not
+    calls: int = 0  # forwards of the hooked layers since apply()
+    pyext_calls: int = 0  # attention computations pyext did
+    fallbacks: dict = field(default_factory=dict)  # reason -> attention computations left to torch
+
+
+@dataclass
+class AttentionReport:
+    backend: str | None
+    components: dict = field(default_factory=dict)  # component name -> ComponentReport
+
+    @property
+    def patched(self) -> int:
+        return sum(c.patched for c in self.components.values())
+
+    @property
+    def pyext_calls(self) -> int:
+        return sum(c.pyext_calls for c in self.components.values())
+
+    @property
+    def fallbacks(self) -> int:
+        return sum(sum(c.fallbacks.values()) for c in self.components.values())
+
+    def __str__(self) -> str:
+        lines = [f"pyext attention (backend={self.backend or 'auto'}): {self.patched} layers patched, "
+                 f"{self.pyext_calls} pyext calls, {self.fallbacks} fallbacks"]
+        for name, c in self.components.items():
+            lines.append(f"  {name}: {c.patched} patched, {len(c.skipped)} skipped, "
+                         f"{c.pyext_calls} pyext calls, fallbacks {dict(c.fallbacks) or 0}")
+            lines += [f"    skipped {layer or '(the layer itself)'}: {why}" for layer, why in c.skipped.items()]
+        return "\n".join(lines)
+
+
+def _report(obj) -> AttentionReport:
+    report = AttentionReport(backend=None)
+    backends = set()
+    for comp_name, model in _components(obj).items():
+        comp = report.components[comp_name] = ComponentReport()
+        layers = _attention_layers(model)
+        if not layers:
+            comp.skipped["*"] = _not_diffusers_reason(model)
+            continue
+        fallbacks = Counter()
+        for name, module in layers.items():
+            layer = module.__dict__.get(_STATE)
+            problem = "not patched (added after apply(); call apply() again)" if layer is None \
+                else _route_problem(module)
+            if problem:
+                comp.skipped[name] = problem
+            else:
+                comp.patched += 1
+            if layer is not None:
+                backends.add(layer.backend)
+                with layer.lock:
+                    comp.calls += layer.calls
+                    comp.pyext_calls += layer.pyext_calls
+                    fallbacks.update(layer.fallbacks)
+        comp.fallbacks = dict(fallbacks)
+    if len(backends) == 1:
+        report.backend = backends.pop()
+    return report
+
+
+# ---------------------------------------------------------------- public API
+def _check_backend(backend: str | None) -> None:
+    if backend is None:
+        return
+    known = {b.name: b for b in dispatch.ops()["attention"].backends}
+    if backend not in known:
+        raise PyextError(f"pyext.attention.apply: unknown backend {backend!r}; backends are: {', '.join(known)}")
+    missing = known[backend].unavailable()
+    if missing:
+        raise PyextError(f"pyext.attention.apply: backend {backend!r} is unavailable here: {missing}")
+
+
+def apply(pipe_or_model, backend: str | None = None) -> AttentionReport:
+    """Route the attention of every diffusers attention layer of a pipeline's components (or of
+    one model) to pyext.ops.attention(..., backend=backend). Idempotent; applying again with
+    another backend switches the backend; layers added since the last call get patched."""
+    _check_backend(backend)
+    for model in _components(pipe_or_model).values():
+        for module in _attention_layers(model).values():
+            layer = module.__dict__.get(_STATE)
+            if layer is None:
+                module.__dict__[_STATE] = _Layer(module, backend)
+            else:
+                layer.backend = backend
+    return _report(pipe_or_model)
+
+
+def remove(pipe_or_model) -> list[str]:
+    """Remove pyext's hooks and state; returns the names ("component.layer") of the layers restored.
+    The processors were never replaced, so they are the same objects they were."""
+    restored = []
+    for comp_name, model in _components(pipe_or_model).items():
+        for name, module in _attention_layers(model).items():
+            layer = module.__dict__.pop(_STATE, None)
+            if layer is not None:
+                layer.remove()
+                restored.append(f"{comp_name}.{name}" if name else comp_name)
+    return restored
+
+
+def status(pipe_or_model) -> dict:
+    """The report of apply() as a dict, now: layers patched/skipped per component, call counters."""
+    rep = _report(pipe_or_model)
+    return {"backend": rep.backend, "patched": rep.patched, "pyext_calls": rep.pyext_calls,
+            "fallbacks": rep.fallbacks, "components": {k: asdict(v) for k, v in rep.components.items()}}
