@@ -197,7 +197,7 @@ def _step_attention(pipe, opts, state, ctx):
         state.entries.append(Entry("*", "attention", "skipped", f"pyext.attention unavailable: {err}"))
         return
     report = attention.apply(pipe, backend=None if opts.attention == "auto" else opts.attention)
-    state.entries.append(Entry("*", "attention", "applied", str(report)))
+    state.entries.append(Entry("*", "attention", "applied", str(report).splitlines()[0]))
     state.undo.append(("attention", lambda: f"{len(attention.remove(pipe))} attention processors restored"))
 
 
