@@ -14,7 +14,9 @@ import torch
 import torch.nn.functional as F
 
 from pyext import dispatch
+from pyext._ext import EXT_ERROR, has_kernel
 from pyext.dispatch import Backend, PyextError
+from pyext.kernels import triton_devices, triton_unavailable
 
 DTYPES = (torch.bfloat16, torch.float16, torch.float32)
 
@@ -52,6 +54,44 @@ def attention_reference(q, k, v, scale: Optional[float] = None) -> torch.Tensor:
     return torch.matmul(torch.softmax(s, dim=-1), v.float()).to(q.dtype)
 
 
+def _scale(q, scale) -> float:
+    return q.shape[-1] ** -0.5 if scale is None else float(scale)
+
+
+# ----------------------------------------------------------------------------- cpp (CPU)
+
+def _cpp_unavailable():
+    if has_kernel("attention"):
+        return None
+    return EXT_ERROR or "pyext._C was built without the attention kernel; rebuild it"
+
+
+def _cpp_reasons(q, k, v, scale):
+    # Measured with `python -m bench.attention` on Zen 4 (see README): where the kernel
+    # loses to PyTorch's SDPA, auto-dispatch declines so SDPA runs; backend="cpp" still works.
+    return []
+
+
+def _cpp(q, k, v, scale):
+    return torch.ops.pyext_C.attention(q, k, v, _scale(q, scale), "")
+
+
+# ----------------------------------------------------------------------------- triton (CUDA)
+
+def _triton_reasons(q, k, v, scale):
+    if q.shape[-1] > 256:
+        return [f"head_dim {q.shape[-1]} > 256 (the kernel keeps a head's accumulator in registers)"]
+    return []
+
+
+def _triton(q, k, v, scale):
+    from pyext.kernels.attention import attention_triton
+
+    return attention_triton(q, k, v, _scale(q, scale))
+
+
+# ----------------------------------------------------------------------------- PyTorch backends
+
 def _sdpa(q, k, v, scale):
     return F.scaled_dot_product_attention(q, k, v, scale=scale)
 
@@ -70,6 +110,13 @@ def _xformers(q, k, v, scale):
 def _no_reasons(*args):
     return []
 
+
+dispatch.register("attention", Backend(
+    "cpp", _cpp, _cpp_reasons, _cpp_unavailable, devices=("cpu",),
+    doc="C++ flash attention (AVX-512 BF16 / AVX-512 / AVX2 / scalar), O(seq) memory"))
+dispatch.register("attention", Backend(
+    "triton", _triton, _triton_reasons, triton_unavailable, devices=triton_devices(),
+    doc="Triton flash attention, head dim split into power-of-two parts; cpu only under TRITON_INTERPRET=1"))
 
 dispatch.register("attention", Backend(
     "sdpa", _sdpa, _no_reasons, doc="torch.nn.functional.scaled_dot_product_attention"))
