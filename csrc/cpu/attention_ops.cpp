@@ -15,6 +15,13 @@ namespace pyext::cpu {
 namespace {
 
 constexpr int64_t kQueryBlock = 64;  // query rows per parallel task
+// Minimum work (multiply-adds, or elements packed) per thread: smaller calls run on the
+// calling thread, since waking a pool thread on a busy machine can cost milliseconds.
+constexpr int64_t kMinWorkPerThread = int64_t{1} << 20;
+
+int64_t grain(int64_t work_per_item) {
+  return std::max<int64_t>(1, kMinWorkPerThread / std::max<int64_t>(work_per_item, 1));
+}
 
 bool cpu_has_avx512_bf16() {
 #if defined(__x86_64__) && (defined(__GNUC__) || defined(__clang__))
@@ -87,13 +94,13 @@ at::Tensor attention_cpu(const at::Tensor& q, const at::Tensor& k, const at::Ten
   const char* vp = static_cast<const char*>(vc.data_ptr());
   char* pp = static_cast<char*>(packed.data_ptr());
   char* op = static_cast<char*>(out.data_ptr());
-  at::parallel_for(0, BH, 1, [&](int64_t b, int64_t e) {
+  at::parallel_for(0, BH, grain(Skv * D), [&](int64_t b, int64_t e) {
     for (int64_t i = b; i < e; ++i)
       kernel.pack(kp + i * Skv * D * esize, vp + i * Skv * D * esize, Skv, D, type, pp + i * per_head);
   });
   const int64_t nqb = (Sq + kQueryBlock - 1) / kQueryBlock;
   const float fscale = static_cast<float>(scale);
-  at::parallel_for(0, BH * nqb, 1, [&](int64_t b, int64_t e) {
+  at::parallel_for(0, BH * nqb, grain(std::min(kQueryBlock, Sq) * Skv * D), [&](int64_t b, int64_t e) {
     for (int64_t t = b; t < e; ++t) {
       const int64_t i = t / nqb, q0 = (t % nqb) * kQueryBlock, rows = std::min(kQueryBlock, Sq - q0);
       const int64_t off = (i * Sq + q0) * D * esize;
