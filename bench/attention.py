@@ -5,9 +5,10 @@
 Times every backend that can run here on SD1.5 / SDXL / Flux attention shapes in
 bf16 (GFLOP/s counts 4*B*H*Sq*Skv*D flops), as the median of --repeats runs after
 one warm-up, with the backends interleaved so machine noise hits them alike. Then
-measures peak extra memory at a long sequence (the VAE mid-block attention: 1 head,
-dim 512, 16384 tokens at 1024x1024; default proxy 8192 tokens = 768x768... see
---vae-tokens) for pyext vs naive, each in a fresh process (RSS / CUDA high-water mark).
+measures peak extra memory at a long sequence (the VAE mid-block attention at
+1024x1024: 1 head, dim 512, 16384 tokens; --vae-tokens 8192 for a 4x quicker proxy)
+for pyext vs naive, each in a fresh process (RSS high-water mark and polled RSS on
+CPU, allocator high-water mark on CUDA).
 On CPU: cpp, sdpa, naive. On CUDA: triton, sdpa, xformers (if installed), naive.
 """
 from __future__ import annotations
@@ -104,23 +105,33 @@ def _time_shape(shape: Shape, device: str, dtype, repeats: int) -> list[dict]:
 
 
 _PEAK_CHILD = """
-import json, resource, sys, torch
+import json, os, resource, sys, threading, time, torch
 from pyext.ops import attention
 backend, tokens, dim, device = sys.argv[1], int(sys.argv[2]), int(sys.argv[3]), sys.argv[4]
 torch.manual_seed(0)
 q, k, v = (torch.randn(1, 1, tokens, dim, dtype=torch.bfloat16, device=device) for _ in range(3))
 attention(q[:, :, :64], k[:, :, :64], v[:, :, :64], backend=backend)  # code, threads, compilation
+page = os.sysconf("SC_PAGE_SIZE")
+rss = lambda: int(open("/proc/self/statm").read().split()[1]) * page
+sampled, done = [rss()], threading.Event()
+def sample():  # a second witness to the high-water mark: RSS polled every millisecond
+    while not done.wait(0.001):
+        sampled.append(rss())
 if device == "cuda":
     torch.cuda.synchronize(); torch.cuda.reset_peak_memory_stats(); base = torch.cuda.memory_allocated()
 else:
     base = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
-t0 = __import__("time").perf_counter()
+    threading.Thread(target=sample, daemon=True).start()
+t0 = time.perf_counter()
 out = attention(q, k, v, backend=backend)
 if device == "cuda":
-    torch.cuda.synchronize(); extra = torch.cuda.max_memory_allocated() - base
+    torch.cuda.synchronize(); extra = torch.cuda.max_memory_allocated() - base; polled = extra
 else:
+    done.set()
     extra = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024 - base
-print(json.dumps(dict(extra_mib=round(extra / 2**20, 1), s=round(__import__("time").perf_counter() - t0, 2))))
+    polled = max(sampled) - sampled[0]
+print(json.dumps(dict(extra_mib=round(extra / 2**20, 1), polled_mib=round(polled / 2**20, 1),
+                      s=round(time.perf_counter() - t0, 2))))
 """
 
 
@@ -142,7 +153,7 @@ def peak_memory(tokens: int, dim: int = 512, device: str = "cpu") -> list[dict]:
     return rows
 
 
-def run(shapes=None, repeats: int = 5, vae_tokens: int = 8192, device: str | None = None) -> list[dict]:
+def run(shapes=None, repeats: int = 5, vae_tokens: int = 16384, device: str | None = None) -> list[dict]:
     """Throughput rows for `shapes` (default SHAPES; Shape or (b, h, sq, skv, d) tuples) in bf16;
     with the default shapes also the long-sequence peak-memory rows."""
     device = device or ("cuda" if torch.cuda.is_available() else "cpu")
@@ -156,7 +167,8 @@ def run(shapes=None, repeats: int = 5, vae_tokens: int = 8192, device: str | Non
 
 
 def _print(rows: list[dict]) -> None:
-    print(f"{'shape':32} {'B,H,Sq,Skv,D':22} {'backend':9} {'ms':>10} {'GFLOP/s':>9} {'x sdpa':>7}")
+    if any(r["kind"] == "throughput" for r in rows):
+        print(f"{'shape':32} {'B,H,Sq,Skv,D':22} {'backend':9} {'ms':>10} {'GFLOP/s':>9} {'x sdpa':>7}")
     for r in rows:
         if r["kind"] != "throughput":
             continue
@@ -170,7 +182,8 @@ def _print(rows: list[dict]) -> None:
         print(f"\npeak extra memory, (1, 1, {mem[0]['tokens']}, {mem[0]['d']}) bf16 "
               f"(the fp32 score matrix alone is {mem[0]['score_matrix_mib']} MiB):")
         for r in mem:
-            print(f"  {r['backend']:9} " + (f"{r['extra_mib']:9.1f} MiB  ({r['s']} s)" if "extra_mib" in r
+            print(f"  {r['backend']:9} " + (f"{r['extra_mib']:9.1f} MiB (polled RSS {r['polled_mib']} MiB, {r['s']} s)"
+                                             if "extra_mib" in r
                                              else f"failed: {r['error']}"))
 
 
@@ -179,7 +192,7 @@ def main(argv=None) -> None:
     ap.add_argument("--json", help="also write the rows to this file")
     ap.add_argument("--repeats", type=int, default=5)
     ap.add_argument("--threads", type=int, help="torch.set_num_threads (CPU)")
-    ap.add_argument("--vae-tokens", type=int, default=8192,
+    ap.add_argument("--vae-tokens", type=int, default=16384,
                     help="tokens for the peak-memory check (16384 = VAE at 1024x1024; 0 skips it)")
     args = ap.parse_args(argv)
     if args.threads:

@@ -3,9 +3,6 @@
 #pragma GCC target("avx512f,avx512bw,avx512vl,avx512dq,avx2,fma,f16c")
 #include "attention_vec_avx512.h"
 
-// GCC 12 flags its own intrinsics' deliberately undefined pass-through operands.
-#pragma GCC diagnostic ignored "-Wmaybe-uninitialized"
-
 namespace pyext::cpu {
 // 8 rows x 3 vectors = 24 accumulators of the 32 zmm registers.
 AttnKernel attention_kernel_avx512() { return attn::Fp32Attention<attn::VecAvx512, 8, 3>::kernel(); }

@@ -13,9 +13,6 @@
 #pragma GCC target("avx512f,avx512bw,avx512vl,avx512dq,avx512bf16,avx2,fma,f16c")
 #include "attention_vec_avx512.h"
 
-// GCC 12 flags its own intrinsics' deliberately undefined pass-through operands.
-#pragma GCC diagnostic ignored "-Wmaybe-uninitialized"
-
 namespace pyext::cpu {
 namespace attn {
 namespace {
