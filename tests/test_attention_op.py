@@ -6,6 +6,7 @@ float64 oracle may be at most twice the error of plain PyTorch math done in the
 same dtype (matmul, softmax, matmul in bf16/fp16/fp32), plus a tiny epsilon.
 """
 import json
+import shutil
 import os
 import subprocess
 import sys
@@ -239,3 +240,22 @@ def test_opcheck(backend):
 def test_reference_matches_oracle():
     q, k, v = make_qkv(2, 2, 33, 21, 24, torch.float32)
     torch.testing.assert_close(attention_reference(q, k, v).double(), oracle(q, k, v), atol=1e-5, rtol=1e-5)
+
+
+@pytest.mark.slow
+@pytest.mark.skipif(shutil.which("g++") is None, reason="needs g++ to build the sanitizer harness")
+def test_kernels_clean_under_sanitizers(tmp_path):
+    """Every kernel path (scalar/avx2/avx512/avx512_bf16), head dims 1..256, odd lengths, built
+    without torch under AddressSanitizer + UBSan: no out-of-bounds access, no UB."""
+    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    src = os.path.join(root, "csrc", "cpu")
+    units = ["attention_scalar.cpp", "attention_avx2.cpp", "attention_avx512.cpp", "attention_avx512_bf16.cpp",
+             "cpu_features.cpp"]
+    exe = str(tmp_path / "harness")
+    build = subprocess.run(
+        ["g++", "-std=c++20", "-O1", "-g", "-fsanitize=address,undefined", "-fno-sanitize-recover=undefined",
+         "-w", f"-I{src}", os.path.join(root, "tests", "attention_sanitizer_harness.cpp"),
+         *[os.path.join(src, u) for u in units], "-o", exe], capture_output=True, text=True, timeout=600)
+    assert build.returncode == 0, build.stderr[-3000:]
+    run = subprocess.run([exe], capture_output=True, text=True, timeout=600)
+    assert run.returncode == 0 and "fails=0" in run.stdout, (run.stdout + run.stderr)[-3000:]
