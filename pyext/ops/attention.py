@@ -6,6 +6,7 @@ backends never materialise the (seq_q, seq_kv) score matrix.
 """
 from __future__ import annotations
 
+import contextvars
 import importlib.util
 import math
 from typing import Optional
@@ -66,9 +67,19 @@ def _cpp_unavailable():
     return EXT_ERROR or "pyext._C was built without the attention kernel; rebuild it"
 
 
+# Speed-based refusals apply to the automatic choice only. dispatch.select has no notion of
+# advisory reasons, so the custom op says here whether the caller forced a backend.
+_choosing_automatically = contextvars.ContextVar("pyext_attention_auto", default=True)
+
+
 def _cpp_reasons(q, k, v, scale):
-    # Measured with `python -m bench.attention` on Zen 4 (see README): where the kernel
-    # loses to PyTorch's SDPA, auto-dispatch declines so SDPA runs; backend="cpp" still works.
+    # Measured on Zen 4 (`python -m bench.attention`, README): the AVX-512 paths beat CPU
+    # SDPA on every SD1.5/SDXL/Flux shape and dtype tried, the AVX2 and scalar paths do not
+    # (d=80, 1 thread: avx2 35, scalar 5.5, SDPA 42 GFLOP/s). So auto-dispatch takes cpp only
+    # with AVX-512; backend="cpp" runs any path (PYEXT_CPU_SIMD caps it).
+    best = torch.ops.pyext_C.attention_paths()[0]
+    if _choosing_automatically.get() and not best.startswith("avx512"):
+        return [f"the C++ {best} path is slower than sdpa on CPU (measured); it runs when forced"]
     return []
 
 
@@ -130,7 +141,12 @@ dispatch.register("attention", Backend(
 @torch.library.custom_op("pyext::attention", mutates_args=())
 def _attention_op(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: Optional[float] = None,
                   backend: Optional[str] = None) -> torch.Tensor:
-    out = dispatch.select("attention", (q, k, v, scale), backend).run(q, k, v, scale)
+    token = _choosing_automatically.set(backend is None)
+    try:
+        chosen = dispatch.select("attention", (q, k, v, scale), backend)
+    finally:
+        _choosing_automatically.reset(token)
+    out = chosen.run(q, k, v, scale)
     return out.contiguous() if out.data_ptr() in (q.data_ptr(), k.data_ptr(), v.data_ptr()) else out
 
 
