@@ -7,8 +7,8 @@ bf16 (GFLOP/s counts 4*B*H*Sq*Skv*D flops), as the median of --repeats runs afte
 one warm-up, with the backends interleaved so machine noise hits them alike. Then
 measures peak extra memory at a long sequence (the VAE mid-block attention at
 1024x1024: 1 head, dim 512, 16384 tokens; --vae-tokens 8192 for a 4x quicker proxy)
-for pyext vs naive, each in a fresh process (RSS high-water mark and polled RSS on
-CPU, allocator high-water mark on CUDA).
+for pyext vs naive, each in a fresh process (VmHWM after a reset, and polled RSS,
+on CPU; the allocator's high-water mark on CUDA).
 On CPU: cpp, sdpa, naive. On CUDA: triton, sdpa, xformers (if installed), naive.
 """
 from __future__ import annotations
@@ -105,7 +105,7 @@ def _time_shape(shape: Shape, device: str, dtype, repeats: int) -> list[dict]:
 
 
 _PEAK_CHILD = """
-import json, os, resource, sys, threading, time, torch
+import json, os, sys, threading, time, torch
 from pyext.ops import attention
 backend, tokens, dim, device = sys.argv[1], int(sys.argv[2]), int(sys.argv[3]), sys.argv[4]
 torch.manual_seed(0)
@@ -117,10 +117,15 @@ sampled, done = [rss()], threading.Event()
 def sample():  # a second witness to the high-water mark: RSS polled every millisecond
     while not done.wait(0.001):
         sampled.append(rss())
+def status_kib(key):
+    return next(int(l.split()[1]) for l in open("/proc/self/status") if l.startswith(key))
 if device == "cuda":
     torch.cuda.synchronize(); torch.cuda.reset_peak_memory_stats(); base = torch.cuda.memory_allocated()
 else:
-    base = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
+    # ru_maxrss is inherited across fork+exec (the parent's peak would hide ours): reset the
+    # kernel's RSS high-water mark (VmHWM) instead, and read it after the call.
+    open("/proc/self/clear_refs", "w").write("5")
+    base = status_kib("VmRSS") * 1024
     threading.Thread(target=sample, daemon=True).start()
 t0 = time.perf_counter()
 out = attention(q, k, v, backend=backend)
@@ -128,7 +133,7 @@ if device == "cuda":
     torch.cuda.synchronize(); extra = torch.cuda.max_memory_allocated() - base; polled = extra
 else:
     done.set()
-    extra = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024 - base
+    extra = status_kib("VmHWM") * 1024 - base
     polled = max(sampled) - sampled[0]
 print(json.dumps(dict(extra_mib=round(extra / 2**20, 1), polled_mib=round(polled / 2**20, 1),
                       s=round(time.perf_counter() - t0, 2))))

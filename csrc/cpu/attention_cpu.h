@@ -4,7 +4,7 @@
 // The glue (attention_ops.cpp) makes q/k/v contiguous (B, H, S, D), packs each
 // (batch, head)'s k and v once into a SIMD-friendly layout (O(seq * D) memory),
 // then runs `forward` over blocks of query rows in parallel. Scores exist only
-// for 8 query rows x 256 keys at a time; the full (Sq, Skv) matrix never does.
+// for 4-8 query rows x 256 keys at a time; the full (Sq, Skv) matrix never does.
 #pragma once
 #include <cstddef>
 #include <cstdint>
