@@ -19,6 +19,7 @@ namespace {
 
 constexpr int R = 8;   // query rows per register tile
 constexpr int NC = 3;  // output vectors per p @ v tile: 24 accumulators
+constexpr int64_t kPass = 64;  // query rows that share one pass over k/v
 
 inline __m512 dot2(__m512 acc, __m512i a, __m512i b) { return _mm512_dpbf16_ps(acc, (__m512bh)a, (__m512bh)b); }
 
@@ -89,24 +90,33 @@ void forward(const void* q, int64_t rows, const void* packed, int64_t skv, int64
   const uint16_t* vp = kp + round_up(skv, 16) * d2;
   const uint16_t* qs = static_cast<const uint16_t*>(q);
   const float c2 = scale * kLog2e;
-  // Scratch: o (fp32 R x dv), s (fp32 R x block), q pairs and p pairs (bf16, as uint32 lanes).
+  // Scratch: o (fp32, kPass x dv), s (fp32, R x block), q pairs (kPass) and p pairs (R), bf16 as uint32 lanes.
   thread_local Scratch buf;
-  float* o = buf.get(static_cast<size_t>(R * dv + R * kBlockKv + R * d2 / 2 + R * kBlockKv / 2));
-  float* s = o + R * dv;
-  uint32_t* qb = reinterpret_cast<uint32_t*>(s + R * kBlockKv);
-  uint32_t* pb = qb + R * d2 / 2;
-  float m[R], l[R], alpha[R];
+  float* o = buf.get(static_cast<size_t>(kPass * dv + R * kBlockKv + kPass * d2 / 2 + R * kBlockKv / 2));
+  float* s = o + kPass * dv;
+  uint32_t* qall = reinterpret_cast<uint32_t*>(s + R * kBlockKv);
+  uint32_t* pb = qall + kPass * d2 / 2;
+  float m_all[kPass], l_all[kPass], alpha_all[kPass];
 
-  for (int64_t r0 = 0; r0 < rows; r0 += R) {
-    const int64_t nr = std::min<int64_t>(R, rows - r0);
-    uint16_t* qh = reinterpret_cast<uint16_t*>(qb);
-    for (int r = 0; r < R; ++r)
+  // Up to kPass query rows share each block of keys (kept in L2) before the next block:
+  // for long sequences with wide heads k/v do not fit in L2, and this divides their
+  // memory traffic by kPass / R.
+  for (int64_t r0 = 0; r0 < rows; r0 += kPass) {
+    const int64_t nr = std::min<int64_t>(kPass, rows - r0), ng = (nr + R - 1) / R;
+    uint16_t* qh = reinterpret_cast<uint16_t*>(qall);
+    for (int64_t r = 0; r < ng * R; ++r)
       for (int64_t c = 0; c < d2; ++c) qh[r * d2 + c] = (r < nr && c < d) ? qs[(r0 + r) * d + c] : 0;
-    std::fill(o, o + R * dv, 0.0f);
-    for (int r = 0; r < R; ++r) m[r] = -INFINITY, l[r] = 0.0f;
+    std::fill(o, o + ng * R * dv, 0.0f);
+    for (int64_t r = 0; r < ng * R; ++r) m_all[r] = -INFINITY, l_all[r] = 0.0f;
 
     for (int64_t j0 = 0; j0 < skv; j0 += kBlockKv) {
       const int64_t nc = std::min(kBlockKv, skv - j0), ncp = round_up(nc, 16);
+      for (int64_t g = 0; g < ng; ++g) {
+      const uint32_t* qb = qall + g * R * (d2 / 2);
+      float* og = o + g * R * dv;
+      float* m = m_all + g * R;
+      float* l = l_all + g * R;
+      float* alpha = alpha_all + g * R;
       // s = q k^T * scale * log2e, two stripes of 16 keys per pass: 16 accumulators.
       // Keys past skv get -inf, and the row max is taken on the way out of the registers.
       const __m512 vc2 = _mm512_set1_ps(c2), ninf = _mm512_set1_ps(-INFINITY);
@@ -158,13 +168,14 @@ void forward(const void* q, int64_t rows, const void* packed, int64_t skv, int64
       const int64_t npairs = (nc + 1) / 2;
       const uint16_t* vblk = vp + j0 * dv;
       int64_t c = 0;
-      for (; c + NC * 16 <= dv; c += NC * 16) pv_tile<NC>(pb, npairs, vblk, dv, c, o, alpha);
-      for (; c + 32 <= dv; c += 32) pv_tile<2>(pb, npairs, vblk, dv, c, o, alpha);
-      for (; c < dv; c += 16) pv_tile<1>(pb, npairs, vblk, dv, c, o, alpha);
+      for (; c + NC * 16 <= dv; c += NC * 16) pv_tile<NC>(pb, npairs, vblk, dv, c, og, alpha);
+      for (; c + 32 <= dv; c += 32) pv_tile<2>(pb, npairs, vblk, dv, c, og, alpha);
+      for (; c < dv; c += 16) pv_tile<1>(pb, npairs, vblk, dv, c, og, alpha);
+      }
     }
     uint16_t* os = static_cast<uint16_t*>(out);
     for (int64_t r = 0; r < nr; ++r) {
-      const float inv = 1.0f / l[r];
+      const float inv = 1.0f / l_all[r];
       for (int64_t c = 0; c < d; ++c) os[(r0 + r) * d + c] = float_to_bf16(o[r * dv + c] * inv);
     }
   }
