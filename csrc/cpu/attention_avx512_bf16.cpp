@@ -19,7 +19,6 @@ namespace {
 
 constexpr int R = 8;   // query rows per register tile
 constexpr int NC = 3;  // output vectors per p @ v tile: 24 accumulators
-constexpr int64_t kPass = 64;  // query rows that share one pass over k/v
 
 inline __m512 dot2(__m512 acc, __m512i a, __m512i b) { return _mm512_dpbf16_ps(acc, (__m512bh)a, (__m512bh)b); }
 

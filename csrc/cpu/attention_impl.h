@@ -21,6 +21,7 @@ namespace pyext::cpu::attn {
 namespace {
 
 constexpr int64_t kBlockKv = 256;  // keys per online-softmax step: scores for R rows stay in L1
+constexpr int64_t kPass = 64;      // query rows that share one pass over k/v (kQueryBlock in the glue)
 constexpr float kLog2e = 1.4426950408889634f;
 
 inline int64_t round_up(int64_t x, int64_t m) { return (x + m - 1) / m * m; }
@@ -155,59 +156,68 @@ struct Fp32Attention {
     const int64_t dv = round_up(d, W);
     const float c2 = scale * kLog2e;  // softmax in base 2: exp(x * scale) = exp2(x * scale * log2e)
     thread_local Scratch buf;
-    float* qf = buf.get(static_cast<size_t>(R * d + R * dv + R * kBlockKv));
-    float* o = qf + R * d;
-    float* s = o + R * dv;
-    float m[R], l[R], alpha[R];
+    float* qall = buf.get(static_cast<size_t>(kPass * d + kPass * dv + R * kBlockKv));
+    float* o = qall + kPass * d;
+    float* s = o + kPass * dv;
+    float m_all[kPass], l_all[kPass], alpha_all[kPass];
     const int64_t esize = t == AttnType::kF32 ? 4 : 2;
 
-    for (int64_t r0 = 0; r0 < rows; r0 += R) {
-      const int64_t nr = std::min<int64_t>(R, rows - r0);
+    // Up to kPass query rows share each block of keys (kept in L2) before the next block,
+    // so k/v that outgrow L2 (fp32 packs, long sequences) are streamed kPass / R times less.
+    for (int64_t r0 = 0; r0 < rows; r0 += kPass) {
+      const int64_t nr = std::min(kPass, rows - r0), ng = (nr + R - 1) / R;
       // Rows past the end compute on zeros and are never stored.
-      for (int r = 0; r < R; ++r)
-        for (int64_t c = 0; c < d; ++c) qf[r * d + c] = r < nr ? load_elem(q, (r0 + r) * d + c, t) : 0.0f;
-      std::fill(o, o + R * dv, 0.0f);
-      for (int r = 0; r < R; ++r) m[r] = -INFINITY, l[r] = 0.0f;
+      for (int64_t r = 0; r < ng * R; ++r)
+        for (int64_t c = 0; c < d; ++c) qall[r * d + c] = r < nr ? load_elem(q, (r0 + r) * d + c, t) : 0.0f;
+      std::fill(o, o + ng * R * dv, 0.0f);
+      for (int64_t r = 0; r < ng * R; ++r) m_all[r] = -INFINITY, l_all[r] = 0.0f;
 
       for (int64_t j0 = 0; j0 < skv; j0 += kBlockKv) {
         const int64_t nc = std::min(kBlockKv, skv - j0), ncp = round_up(nc, W);
-        // s = (q k^T) * scale * log2e, one stripe of W keys at a time.
-        for (int64_t js = 0; js < ncp; js += W) {
-          const float* ks = kp + (j0 + js) * d;
-          reg acc[R];
-          for (int r = 0; r < R; ++r) acc[r] = V::zero();
-          for (int64_t c = 0; c < d; ++c) {
-            const reg kv = V::load(ks + c * W);
-            for (int r = 0; r < R; ++r) acc[r] = V::fma(V::set1(qf[r * d + c]), kv, acc[r]);
+        for (int64_t g = 0; g < ng; ++g) {
+          const float* qf = qall + g * R * d;
+          float* og = o + g * R * dv;
+          float* m = m_all + g * R;
+          float* l = l_all + g * R;
+          float* alpha = alpha_all + g * R;
+          // s = (q k^T) * scale * log2e, one stripe of W keys at a time.
+          for (int64_t js = 0; js < ncp; js += W) {
+            const float* ks = kp + (j0 + js) * d;
+            reg acc[R];
+            for (int r = 0; r < R; ++r) acc[r] = V::zero();
+            for (int64_t c = 0; c < d; ++c) {
+              const reg kv = V::load(ks + c * W);
+              for (int r = 0; r < R; ++r) acc[r] = V::fma(V::set1(qf[r * d + c]), kv, acc[r]);
+            }
+            const reg vc2 = V::set1(c2);
+            for (int r = 0; r < R; ++r) V::store(s + r * kBlockKv + js, V::mul(acc[r], vc2));
           }
-          const reg vc2 = V::set1(c2);
-          for (int r = 0; r < R; ++r) V::store(s + r * kBlockKv + js, V::mul(acc[r], vc2));
-        }
-        // Online softmax: new running max, rescale factor for what was accumulated, p = exp2(s - max).
-        for (int r = 0; r < R; ++r) {
-          float* sr = s + r * kBlockKv;
-          for (int64_t j = nc; j < ncp; ++j) sr[j] = -INFINITY;
-          reg vm = V::set1(-INFINITY);
-          for (int64_t j = 0; j < ncp; j += W) vm = V::max(vm, V::load(sr + j));
-          const float m_new = std::max(m[r], V::reduce_max(vm));
-          alpha[r] = std::exp2(m[r] - m_new);  // exp2(-inf) = 0 on the first block
-          m[r] = m_new;
-          const reg vmn = V::set1(m_new);
-          reg sum = V::zero();
-          for (int64_t j = 0; j < ncp; j += W) {
-            const reg p = V::exp2(V::sub(V::load(sr + j), vmn));
-            V::store(sr + j, p);
-            sum = V::add(sum, p);
+          // Online softmax: new running max, rescale factor for what was accumulated, p = exp2(s - max).
+          for (int r = 0; r < R; ++r) {
+            float* sr = s + r * kBlockKv;
+            for (int64_t j = nc; j < ncp; ++j) sr[j] = -INFINITY;
+            reg vm = V::set1(-INFINITY);
+            for (int64_t j = 0; j < ncp; j += W) vm = V::max(vm, V::load(sr + j));
+            const float m_new = std::max(m[r], V::reduce_max(vm));
+            alpha[r] = std::exp2(m[r] - m_new);  // exp2(-inf) = 0 on the first block
+            m[r] = m_new;
+            const reg vmn = V::set1(m_new);
+            reg sum = V::zero();
+            for (int64_t j = 0; j < ncp; j += W) {
+              const reg p = V::exp2(V::sub(V::load(sr + j), vmn));
+              V::store(sr + j, p);
+              sum = V::add(sum, p);
+            }
+            l[r] = l[r] * alpha[r] + V::reduce_add(sum);
           }
-          l[r] = l[r] * alpha[r] + V::reduce_add(sum);
+          // o = o * alpha + p @ v
+          int64_t c = 0;
+          for (; c + NC * W <= dv; c += NC * W) pv_tile<NC>(s, nc, vp + j0 * dv, dv, c, og, alpha);
+          for (; c < dv; c += W) pv_tile<1>(s, nc, vp + j0 * dv, dv, c, og, alpha);
         }
-        // o = o * alpha + p @ v
-        int64_t c = 0;
-        for (; c + NC * W <= dv; c += NC * W) pv_tile<NC>(s, nc, vp + j0 * dv, dv, c, o, alpha);
-        for (; c < dv; c += W) pv_tile<1>(s, nc, vp + j0 * dv, dv, c, o, alpha);
       }
       for (int64_t r = 0; r < nr; ++r) {
-        const float inv = 1.0f / l[r];
+        const float inv = 1.0f / l_all[r];
         void* orow = static_cast<char*>(out) + (r0 + r) * d * esize;
         for (int64_t c = 0; c < d; ++c) store_elem(orow, c, o[r * dv + c] * inv, t);
       }
