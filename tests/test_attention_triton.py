@@ -36,8 +36,13 @@ SCRIPT = textwrap.dedent("""
                                   err=(out.double() - exact).abs().max().item(),
                                   torch_err=(plain.double() - exact).abs().max().item()))
     q = torch.randn(1, 1, 4, 8, dtype=torch.float16)
-    picked = select("attention", (q, q, q, None)).name  # on CPU the C++/SDPA backends come first
-    print(json.dumps(dict(cases=cases, picked=picked)))
+    picked = select("attention", (q, q, q, None)).name  # the interpreter is never chosen automatically
+    try:
+        attention(q.bfloat16(), q.bfloat16(), q.bfloat16(), backend="triton")
+        bf16 = "accepted"
+    except ValueError as e:
+        bf16 = str(e)
+    print(json.dumps(dict(cases=cases, picked=picked, bf16=bf16)))
 """)
 
 EPS = {"torch.float16": 1e-4, "torch.float32": 1e-6}
@@ -54,6 +59,7 @@ def test_triton_attention_in_interpreter():
         assert case["shape_ok"] and case["dtype_ok"], case
         assert case["err"] <= 2 * case["torch_err"] + EPS[case["dtype"]], case
     assert result["picked"] != "triton"
+    assert "bf16 tl.dot wrongly" in result["bf16"]
 
 
 def test_head_dim_parts_cover_exactly():

@@ -90,9 +90,15 @@ def _cpp(q, k, v, scale):
 # ----------------------------------------------------------------------------- triton (CUDA)
 
 def _triton_reasons(q, k, v, scale):
+    reasons = []
     if q.shape[-1] > 256:
-        return [f"head_dim {q.shape[-1]} > 256 (the kernel keeps a head's accumulator in registers)"]
-    return []
+        reasons.append(f"head_dim {q.shape[-1]} > 256 (the kernel keeps a head's accumulator in registers)")
+    if q.device.type == "cpu":  # only reachable under TRITON_INTERPRET=1
+        if q.dtype == torch.bfloat16:
+            reasons.append("Triton's interpreter computes bf16 tl.dot wrongly; use float16/float32 on CPU")
+        if _choosing_automatically.get():
+            reasons.append("the Triton interpreter is for tests; force backend='triton' to use it on CPU")
+    return reasons
 
 
 def _triton(q, k, v, scale):
