@@ -6,6 +6,7 @@ backends never materialise the (seq_q, seq_kv) score matrix.
 """
 from __future__ import annotations
 
+import contextvars
 import importlib.util
 import math
 from typing import Optional
@@ -14,7 +15,9 @@ import torch
 import torch.nn.functional as F
 
 from pyext import dispatch
+from pyext._ext import EXT_ERROR, has_kernel
 from pyext.dispatch import Backend, PyextError
+from pyext.kernels import triton_devices, triton_unavailable
 
 DTYPES = (torch.bfloat16, torch.float16, torch.float32)
 
@@ -52,6 +55,60 @@ def attention_reference(q, k, v, scale: Optional[float] = None) -> torch.Tensor:
     return torch.matmul(torch.softmax(s, dim=-1), v.float()).to(q.dtype)
 
 
+def _scale(q, scale) -> float:
+    return q.shape[-1] ** -0.5 if scale is None else float(scale)
+
+
+# ----------------------------------------------------------------------------- cpp (CPU)
+
+def _cpp_unavailable():
+    if has_kernel("attention"):
+        return None
+    return EXT_ERROR or "pyext._C was built without the attention kernel; rebuild it"
+
+
+# Speed-based refusals apply to the automatic choice only. dispatch.select has no notion of
+# advisory reasons, so the custom op says here whether the caller forced a backend.
+_choosing_automatically = contextvars.ContextVar("pyext_attention_auto", default=True)
+
+
+def _cpp_reasons(q, k, v, scale):
+    # Measured on Zen 4 (`python -m bench.attention`, README): the AVX-512 paths beat CPU
+    # SDPA on every SD1.5/SDXL/Flux shape and dtype tried, the AVX2 and scalar paths do not
+    # (d=80, 1 thread: avx2 35, scalar 5.5, SDPA 42 GFLOP/s). So auto-dispatch takes cpp only
+    # with AVX-512; backend="cpp" runs any path (PYEXT_CPU_SIMD caps it).
+    best = torch.ops.pyext_C.attention_paths()[0]
+    if _choosing_automatically.get() and not best.startswith("avx512"):
+        return [f"the C++ {best} path is slower than sdpa on CPU (measured); it runs when forced"]
+    return []
+
+
+def _cpp(q, k, v, scale):
+    return torch.ops.pyext_C.attention(q, k, v, _scale(q, scale), "")
+
+
+# ----------------------------------------------------------------------------- triton (CUDA)
+
+def _triton_reasons(q, k, v, scale):
+    reasons = []
+    if q.shape[-1] > 256:
+        reasons.append(f"head_dim {q.shape[-1]} > 256 (the kernel keeps a head's accumulator in registers)")
+    if q.device.type == "cpu":  # only reachable under TRITON_INTERPRET=1
+        if q.dtype == torch.bfloat16:
+            reasons.append("Triton's interpreter computes bf16 tl.dot wrongly; use float16/float32 on CPU")
+        if _choosing_automatically.get():
+            reasons.append("the Triton interpreter is for tests; force backend='triton' to use it on CPU")
+    return reasons
+
+
+def _triton(q, k, v, scale):
+    from pyext.kernels.attention import attention_triton
+
+    return attention_triton(q, k, v, _scale(q, scale))
+
+
+# ----------------------------------------------------------------------------- PyTorch backends
+
 def _sdpa(q, k, v, scale):
     return F.scaled_dot_product_attention(q, k, v, scale=scale)
 
@@ -72,6 +129,13 @@ def _no_reasons(*args):
 
 
 dispatch.register("attention", Backend(
+    "cpp", _cpp, _cpp_reasons, _cpp_unavailable, devices=("cpu",),
+    doc="C++ flash attention (AVX-512 BF16 / AVX-512 / AVX2 / scalar), O(seq) memory"))
+dispatch.register("attention", Backend(
+    "triton", _triton, _triton_reasons, triton_unavailable, devices=triton_devices(),
+    doc="Triton flash attention, head dim split into power-of-two parts; cpu only under TRITON_INTERPRET=1"))
+
+dispatch.register("attention", Backend(
     "sdpa", _sdpa, _no_reasons, doc="torch.nn.functional.scaled_dot_product_attention"))
 dispatch.register("attention", Backend(
     "xformers", _xformers, _no_reasons, _xformers_unavailable, devices=("cuda",),
@@ -83,7 +147,12 @@ dispatch.register("attention", Backend(
 @torch.library.custom_op("pyext::attention", mutates_args=())
 def _attention_op(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: Optional[float] = None,
                   backend: Optional[str] = None) -> torch.Tensor:
-    out = dispatch.select("attention", (q, k, v, scale), backend).run(q, k, v, scale)
+    token = _choosing_automatically.set(backend is None)
+    try:
+        chosen = dispatch.select("attention", (q, k, v, scale), backend)
+    finally:
+        _choosing_automatically.reset(token)
+    out = chosen.run(q, k, v, scale)
     return out.contiguous() if out.data_ptr() in (q.data_ptr(), k.data_ptr(), v.data_ptr()) else out
 
 

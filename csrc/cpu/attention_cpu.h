@@ -1,0 +1,36 @@
+// CPU flash-attention forward: softmax(q k^T * scale) v for one (batch, head) at a
+// time, on raw pointers so the SIMD units include no torch headers.
+//
+// The glue (attention_ops.cpp) makes q/k/v contiguous (B, H, S, D), packs each
+// (batch, head)'s k and v once into a SIMD-friendly layout (O(seq * D) memory),
+// then runs `forward` over blocks of query rows in parallel. Scores exist only
+// for 4-8 query rows x 256 keys at a time; the full (Sq, Skv) matrix never does.
+#pragma once
+#include <cstddef>
+#include <cstdint>
+
+#include "cpu_features.h"
+
+namespace pyext::cpu {
+
+enum class AttnType { kBF16 = 0, kF16 = 1, kF32 = 2 };
+
+struct AttnKernel {
+  // Bytes of packed k+v for one (batch, head).
+  size_t (*packed_bytes)(int64_t skv, int64_t d);
+  // Packs k and v (each skv x d, contiguous, type t) into `packed`.
+  void (*pack)(const void* k, const void* v, int64_t skv, int64_t d, AttnType t, void* packed);
+  // out[rows x d] = attention of q[rows x d] (contiguous, type t) over one packed k/v.
+  void (*forward)(const void* q, int64_t rows, const void* packed, int64_t skv, int64_t d, float scale,
+                  AttnType t, void* out);
+};
+
+// fp32 accumulation everywhere; the *_bf16dot kernel (bf16 inputs only, needs
+// AVX512_BF16) multiplies bf16 pairs with vdpbf16ps, rounding softmax
+// probabilities to bf16 before the p @ v product as GPU flash attention does.
+AttnKernel attention_kernel_scalar();
+AttnKernel attention_kernel_avx2();
+AttnKernel attention_kernel_avx512();
+AttnKernel attention_kernel_avx512_bf16dot();
+
+}  // namespace pyext::cpu

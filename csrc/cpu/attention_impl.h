@@ -1,0 +1,244 @@
+// The fp32-accumulating flash-attention algorithm, written once over a small
+// vector-traits struct `V` (lanes kW, load/store/set1/fma/max/exp2, reductions)
+// and included by each SIMD unit with its own target attributes. No torch here.
+//
+// Packed layout per (batch, head):
+//   K: [ceil(skv / kW) stripes][d][kW]  fp32  - one vector holds kW keys' d-th value,
+//      so q . k for kW keys is d broadcast-FMAs (no horizontal sums).
+//   V: [skv][dv = round_up(d, kW)]       fp32  - rows zero-padded to whole vectors.
+// Zero padding makes padded keys score 0; they are masked to -inf before softmax.
+#pragma once
+#include <algorithm>
+#include <cmath>
+#include <cstring>
+#include <memory>
+
+#include "attention_cpu.h"
+
+// Everything here has internal linkage: each SIMD unit gets its own copy compiled
+// for its own target, so the linker can never hand an AVX-512 body to the scalar unit.
+namespace pyext::cpu::attn {
+namespace {
+
+constexpr int64_t kBlockKv = 256;  // keys per online-softmax step: scores for R rows stay in L1
+constexpr int64_t kPass = 64;      // query rows that share one pass over k/v (kQueryBlock in the glue)
+constexpr float kLog2e = 1.4426950408889634f;
+
+inline int64_t round_up(int64_t x, int64_t m) { return (x + m - 1) / m * m; }
+
+inline float bf16_to_float(uint16_t h) {
+  uint32_t u = static_cast<uint32_t>(h) << 16;
+  float f;
+  std::memcpy(&f, &u, 4);
+  return f;
+}
+
+inline float fp16_to_float(uint16_t h) {
+  const uint32_t sign = static_cast<uint32_t>(h & 0x8000u) << 16;
+  const uint32_t exp = (h >> 10) & 0x1fu, mant = h & 0x3ffu;
+  uint32_t u;
+  if (exp == 0x1f) {
+    u = sign | 0x7f800000u | (mant << 13);
+  } else if (exp != 0) {
+    u = sign | ((exp + 112) << 23) | (mant << 13);
+  } else {  // zero or subnormal: mant * 2^-24, exact in fp32
+    float f = static_cast<float>(mant) * 5.9604644775390625e-08f;
+    std::memcpy(&u, &f, 4);
+    u |= sign;
+  }
+  float f;
+  std::memcpy(&f, &u, 4);
+  return f;
+}
+
+inline float load_elem(const void* p, int64_t i, AttnType t) {
+  switch (t) {
+    case AttnType::kBF16: return bf16_to_float(static_cast<const uint16_t*>(p)[i]);
+    case AttnType::kF16: return fp16_to_float(static_cast<const uint16_t*>(p)[i]);
+    default: return static_cast<const float*>(p)[i];
+  }
+}
+
+// Round-to-nearest-even narrowing; NaN stays NaN. (Same rules as fp8_convert_scalar.cpp.)
+inline uint16_t float_to_bf16(float f) {
+  uint32_t u;
+  std::memcpy(&u, &f, 4);
+  if ((u & 0x7fffffffu) > 0x7f800000u) return static_cast<uint16_t>((u >> 16) | 0x40u);
+  return static_cast<uint16_t>((u + 0x7fffu + ((u >> 16) & 1u)) >> 16);
+}
+
+inline uint16_t float_to_fp16(float f) {
+  uint32_t u;
+  std::memcpy(&u, &f, 4);
+  const uint16_t sign = static_cast<uint16_t>((u >> 16) & 0x8000u);
+  u &= 0x7fffffffu;
+  if (u > 0x7f800000u) return sign | 0x7e00u;
+  if (u >= 0x477ff000u) return sign | 0x7c00u;  // rounds to >= 65536: inf
+  if (u < 0x38800000u) {                        // fp16 subnormal: let the FPU round at 2^-24
+    float a, magic = 0.5f;
+    std::memcpy(&a, &u, 4);
+    float s = a + magic;
+    uint32_t sb, mb;
+    std::memcpy(&sb, &s, 4);
+    std::memcpy(&mb, &magic, 4);
+    return sign | static_cast<uint16_t>(sb - mb);
+  }
+  const uint32_t odd = (u >> 13) & 1u;
+  u += 0xc8000fffu + odd;  // rebias exponent (-112 << 23) and round to nearest even
+  return sign | static_cast<uint16_t>(u >> 13);
+}
+
+inline void store_elem(void* p, int64_t i, float f, AttnType t) {
+  switch (t) {
+    case AttnType::kBF16: static_cast<uint16_t*>(p)[i] = float_to_bf16(f); break;
+    case AttnType::kF16: static_cast<uint16_t*>(p)[i] = float_to_fp16(f); break;
+    default: static_cast<float*>(p)[i] = f;
+  }
+}
+
+// Per-thread scratch that grows and is reused across calls (no allocation per block).
+struct Scratch {
+  std::unique_ptr<float[]> data;
+  size_t size = 0;
+  float* get(size_t n) {
+    if (size < n) data.reset(new float[n]), size = n;
+    return data.get();
+  }
+};
+
+// R: query rows per register tile; NC: output vectors per p @ v register tile.
+template <class V, int R, int NC>
+struct Fp32Attention {
+  using reg = typename V::reg;
+  static constexpr int64_t W = V::kW;
+
+  static size_t packed_bytes(int64_t skv, int64_t d) {
+    return static_cast<size_t>(round_up(skv, W) * d + skv * round_up(d, W)) * sizeof(float);
+  }
+
+  static void pack(const void* k, const void* v, int64_t skv, int64_t d, AttnType t, void* packed) {
+    float* kp = static_cast<float*>(packed);
+    float* vp = kp + round_up(skv, W) * d;
+    const int64_t dv = round_up(d, W);
+    for (int64_t j0 = 0; j0 < skv; j0 += W)
+      for (int64_t c = 0; c < d; ++c)
+        for (int64_t l = 0; l < W; ++l)
+          kp[(j0 * d) + c * W + l] = j0 + l < skv ? load_elem(k, (j0 + l) * d + c, t) : 0.0f;
+    for (int64_t j = 0; j < skv; ++j)
+      for (int64_t c = 0; c < dv; ++c) vp[j * dv + c] = c < d ? load_elem(v, j * d + c, t) : 0.0f;
+  }
+
+  // acc[r][n] (+)= sum_j p[r][j] * v[j][c + n*W] for n < N, then stores to o.
+  template <int N>
+  static inline void pv_tile(const float* s, int64_t nc, const float* vp, int64_t dv, int64_t c, float* o,
+                             const float* alpha) {
+    reg acc[R][N];
+    for (int r = 0; r < R; ++r) {
+      const reg a = V::set1(alpha[r]);
+      for (int n = 0; n < N; ++n) acc[r][n] = V::mul(V::load(o + r * dv + c + n * W), a);
+    }
+    for (int64_t j = 0; j < nc; ++j) {
+      reg vv[N];
+      for (int n = 0; n < N; ++n) vv[n] = V::load(vp + j * dv + c + n * W);
+      for (int r = 0; r < R; ++r) {
+        const reg p = V::set1(s[r * kBlockKv + j]);
+        for (int n = 0; n < N; ++n) acc[r][n] = V::fma(p, vv[n], acc[r][n]);
+      }
+    }
+    for (int r = 0; r < R; ++r)
+      for (int n = 0; n < N; ++n) V::store(o + r * dv + c + n * W, acc[r][n]);
+  }
+
+  static void forward(const void* q, int64_t rows, const void* packed, int64_t skv, int64_t d, float scale,
+                      AttnType t, void* out) {
+    const float* kp = static_cast<const float*>(packed);
+    const float* vp = kp + round_up(skv, W) * d;
+    const int64_t dv = round_up(d, W);
+    const float c2 = scale * kLog2e;  // softmax in base 2: exp(x * scale) = exp2(x * scale * log2e)
+    thread_local Scratch buf;
+    float* qall = buf.get(static_cast<size_t>(kPass * d + kPass * dv + R * kBlockKv));
+    float* o = qall + kPass * d;
+    float* s = o + kPass * dv;
+    float m_all[kPass], l_all[kPass], alpha_all[kPass];
+    const int64_t esize = t == AttnType::kF32 ? 4 : 2;
+
+    // Up to kPass query rows share each block of keys (kept in L2) before the next block,
+    // so k/v that outgrow L2 (fp32 packs, long sequences) are streamed kPass / R times less.
+    for (int64_t r0 = 0; r0 < rows; r0 += kPass) {
+      const int64_t nr = std::min(kPass, rows - r0), ng = (nr + R - 1) / R;
+      // Rows past the end compute on zeros and are never stored.
+      for (int64_t r = 0; r < ng * R; ++r)
+        for (int64_t c = 0; c < d; ++c) qall[r * d + c] = r < nr ? load_elem(q, (r0 + r) * d + c, t) : 0.0f;
+      std::fill(o, o + ng * R * dv, 0.0f);
+      for (int64_t r = 0; r < ng * R; ++r) m_all[r] = -INFINITY, l_all[r] = 0.0f;
+
+      for (int64_t j0 = 0; j0 < skv; j0 += kBlockKv) {
+        const int64_t nc = std::min(kBlockKv, skv - j0), ncp = round_up(nc, W);
+        for (int64_t g = 0; g < ng; ++g) {
+          const float* qf = qall + g * R * d;
+          float* og = o + g * R * dv;
+          float* m = m_all + g * R;
+          float* l = l_all + g * R;
+          float* alpha = alpha_all + g * R;
+          // s = (q k^T) * scale * log2e, one stripe of W keys at a time.
+          for (int64_t js = 0; js < ncp; js += W) {
+            const float* ks = kp + (j0 + js) * d;
+            reg acc[R];
+            for (int r = 0; r < R; ++r) acc[r] = V::zero();
+            for (int64_t c = 0; c < d; ++c) {
+              const reg kv = V::load(ks + c * W);
+              for (int r = 0; r < R; ++r) acc[r] = V::fma(V::set1(qf[r * d + c]), kv, acc[r]);
+            }
+            const reg vc2 = V::set1(c2);
+            for (int r = 0; r < R; ++r) V::store(s + r * kBlockKv + js, V::mul(acc[r], vc2));
+          }
+          // Online softmax: new running max, rescale factor for what was accumulated, p = exp2(s - max).
+          for (int r = 0; r < R; ++r) {
+            float* sr = s + r * kBlockKv;
+            for (int64_t j = nc; j < ncp; ++j) sr[j] = -INFINITY;
+            reg vm = V::set1(-INFINITY);
+            for (int64_t j = 0; j < ncp; j += W) vm = V::max(vm, V::load(sr + j));
+            const float m_new = std::max(m[r], V::reduce_max(vm));
+            alpha[r] = std::exp2(m[r] - m_new);  // exp2(-inf) = 0 on the first block
+            m[r] = m_new;
+            const reg vmn = V::set1(m_new);
+            reg sum = V::zero();
+            for (int64_t j = 0; j < ncp; j += W) {
+              const reg p = V::exp2(V::sub(V::load(sr + j), vmn));
+              V::store(sr + j, p);
+              sum = V::add(sum, p);
+            }
+            l[r] = l[r] * alpha[r] + V::reduce_add(sum);
+          }
+          // o = o * alpha + p @ v
+          int64_t c = 0;
+          for (; c + NC * W <= dv; c += NC * W) pv_tile<NC>(s, nc, vp + j0 * dv, dv, c, og, alpha);
+          for (; c < dv; c += W) pv_tile<1>(s, nc, vp + j0 * dv, dv, c, og, alpha);
+        }
+      }
+      for (int64_t r = 0; r < nr; ++r) {
+        const float inv = 1.0f / l_all[r];
+        void* orow = static_cast<char*>(out) + (r0 + r) * d * esize;
+        for (int64_t c = 0; c < d; ++c) store_elem(orow, c, o[r * dv + c] * inv, t);
+      }
+    }
+  }
+
+  static AttnKernel kernel() { return AttnKernel{packed_bytes, pack, forward}; }
+};
+
+// 2^f for f in [-0.5, 0.5]: Taylor series of exp(f ln 2) to degree 7, relative error < 1e-8.
+template <class V>
+inline typename V::reg exp2_poly(typename V::reg f) {
+  typename V::reg p = V::set1(1.5252734e-05f);
+  p = V::fma(p, f, V::set1(1.5403530e-04f));
+  p = V::fma(p, f, V::set1(1.3333558e-03f));
+  p = V::fma(p, f, V::set1(9.6181291e-03f));
+  p = V::fma(p, f, V::set1(5.5504109e-02f));
+  p = V::fma(p, f, V::set1(2.4022651e-01f));
+  p = V::fma(p, f, V::set1(6.9314718e-01f));
+  return V::fma(p, f, V::set1(1.0f));
+}
+
+}  // namespace
+}  // namespace pyext::cpu::attn

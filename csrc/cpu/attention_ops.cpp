@@ -1,0 +1,124 @@
+// Torch glue for the CPU flash-attention kernels: torch.ops.pyext_C.attention and
+// attention_paths. User-facing validation lives in pyext/ops/attention.py; the
+// TORCH_CHECKs here guard the raw-pointer kernels against any caller.
+#include <ATen/ATen.h>
+#include <ATen/Parallel.h>
+#include <torch/library.h>
+
+#include <algorithm>
+#include <string>
+#include <vector>
+
+#include "attention_cpu.h"
+
+namespace pyext::cpu {
+namespace {
+
+constexpr int64_t kQueryBlock = 64;  // query rows per parallel task
+// Minimum work (multiply-adds, or elements packed) per thread: smaller calls run on the
+// calling thread, since waking a pool thread on a busy machine can cost milliseconds.
+constexpr int64_t kMinWorkPerThread = int64_t{1} << 20;
+
+int64_t grain(int64_t work_per_item) {
+  return std::max<int64_t>(1, kMinWorkPerThread / std::max<int64_t>(work_per_item, 1));
+}
+
+bool cpu_has_avx512_bf16() {
+#if defined(__x86_64__) && (defined(__GNUC__) || defined(__clang__))
+  __builtin_cpu_init();
+  return __builtin_cpu_supports("avx512bf16");
+#else
+  return false;
+#endif
+}
+
+// Kernel paths this process may use, fastest first, capped by PYEXT_CPU_SIMD.
+std::vector<std::string> available_paths() {
+  std::vector<std::string> paths;
+  const SimdLevel level = simd_level();
+  if (level == SimdLevel::kAvx512 && cpu_has_avx512_bf16()) paths.push_back("avx512_bf16");
+  if (level >= SimdLevel::kAvx512) paths.push_back("avx512");
+  if (level >= SimdLevel::kAvx2) paths.push_back("avx2");
+  paths.push_back("scalar");
+  return paths;
+}
+
+// `path` empty = the fastest available for the dtype; otherwise that path or an error.
+AttnKernel pick_kernel(const std::string& path, at::ScalarType dtype) {
+  const std::vector<std::string> paths = available_paths();
+  std::string use = path;
+  if (use.empty()) {
+    use = paths.front();
+    if (use == "avx512_bf16" && dtype != at::kBFloat16) use = paths[1];
+  }
+  TORCH_CHECK(std::find(paths.begin(), paths.end(), use) != paths.end(), "pyext attention: kernel path '", use,
+              "' is not available on this CPU (PYEXT_CPU_SIMD may cap it); available: ", c10::Join(", ", paths));
+  if (use == "avx512_bf16") {
+    TORCH_CHECK(dtype == at::kBFloat16, "pyext attention: the avx512_bf16 path takes bfloat16 inputs only");
+    return attention_kernel_avx512_bf16dot();
+  }
+  if (use == "avx512") return attention_kernel_avx512();
+  if (use == "avx2") return attention_kernel_avx2();
+  return attention_kernel_scalar();
+}
+
+AttnType attn_type(at::ScalarType dtype) {
+  switch (dtype) {
+    case at::kBFloat16: return AttnType::kBF16;
+    case at::kHalf: return AttnType::kF16;
+    case at::kFloat: return AttnType::kF32;
+    default: TORCH_CHECK(false, "pyext attention: dtype must be bfloat16, float16 or float32, got ", dtype);
+  }
+}
+
+at::Tensor attention_cpu(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, double scale,
+                         c10::string_view path) {
+  TORCH_CHECK(q.dim() == 4 && k.dim() == 4 && v.dim() == 4, "pyext attention: q, k, v must be 4-D");
+  TORCH_CHECK(q.scalar_type() == k.scalar_type() && q.scalar_type() == v.scalar_type(),
+              "pyext attention: q, k, v must share one dtype");
+  TORCH_CHECK(k.sizes() == v.sizes(), "pyext attention: k and v must have the same shape");
+  TORCH_CHECK(q.size(0) == k.size(0) && q.size(1) == k.size(1) && q.size(3) == k.size(3),
+              "pyext attention: q and k must agree in batch, heads and head_dim");
+  const AttnType type = attn_type(q.scalar_type());
+  const int64_t B = q.size(0), H = q.size(1), Sq = q.size(2), Skv = k.size(2), D = q.size(3);
+  at::Tensor out = at::empty({B, H, Sq, D}, q.options());
+  if (out.numel() == 0) return out;
+  TORCH_CHECK(Skv > 0, "pyext attention: k/v have zero length");
+  const AttnKernel kernel = pick_kernel(std::string(path), q.scalar_type());
+  const at::Tensor qc = q.contiguous(), kc = k.contiguous(), vc = v.contiguous();
+  const int64_t esize = q.element_size(), BH = B * H;
+  const size_t per_head = kernel.packed_bytes(Skv, D);
+  at::Tensor packed = at::empty({static_cast<int64_t>(per_head) * BH}, q.options().dtype(at::kByte));
+  const char* qp = static_cast<const char*>(qc.data_ptr());
+  const char* kp = static_cast<const char*>(kc.data_ptr());
+  const char* vp = static_cast<const char*>(vc.data_ptr());
+  char* pp = static_cast<char*>(packed.data_ptr());
+  char* op = static_cast<char*>(out.data_ptr());
+  at::parallel_for(0, BH, grain(Skv * D), [&](int64_t b, int64_t e) {
+    for (int64_t i = b; i < e; ++i)
+      kernel.pack(kp + i * Skv * D * esize, vp + i * Skv * D * esize, Skv, D, type, pp + i * per_head);
+  });
+  const int64_t nqb = (Sq + kQueryBlock - 1) / kQueryBlock;
+  const float fscale = static_cast<float>(scale);
+  at::parallel_for(0, BH * nqb, grain(std::min(kQueryBlock, Sq) * Skv * D), [&](int64_t b, int64_t e) {
+    for (int64_t t = b; t < e; ++t) {
+      const int64_t i = t / nqb, q0 = (t % nqb) * kQueryBlock, rows = std::min(kQueryBlock, Sq - q0);
+      const int64_t off = (i * Sq + q0) * D * esize;
+      kernel.forward(qp + off, rows, pp + i * per_head, Skv, D, fscale, type, op + off);
+    }
+  });
+  return out;
+}
+
+std::vector<std::string> attention_paths() { return available_paths(); }
+
+}  // namespace
+
+TORCH_LIBRARY_FRAGMENT(pyext_C, m) {
+  m.def("attention(Tensor q, Tensor k, Tensor v, float scale, str path='') -> Tensor");
+  m.def("attention_paths() -> str[]", attention_paths);  // no tensor args: one kernel for every device
+}
+
+TORCH_LIBRARY_IMPL(pyext_C, CPU, m) { m.impl("attention", attention_cpu); }
+
+}  // namespace pyext::cpu

@@ -1,0 +1,36 @@
+// AVX-512 fp32 vector traits for attention_impl.h. Include only from a unit
+// compiled with `#pragma GCC target("avx512f,...")`.
+#pragma once
+// GCC 12 flags its own AVX-512 intrinsics' deliberately undefined pass-through operands.
+#pragma GCC diagnostic ignored "-Wmaybe-uninitialized"
+#include <immintrin.h>
+
+#include "attention_impl.h"
+
+namespace pyext::cpu::attn {
+namespace {
+
+struct VecAvx512 {
+  using reg = __m512;
+  static constexpr int64_t kW = 16;
+  static reg zero() { return _mm512_setzero_ps(); }
+  static reg set1(float x) { return _mm512_set1_ps(x); }
+  static reg load(const float* p) { return _mm512_loadu_ps(p); }
+  static void store(float* p, reg x) { _mm512_storeu_ps(p, x); }
+  static reg add(reg a, reg b) { return _mm512_add_ps(a, b); }
+  static reg sub(reg a, reg b) { return _mm512_sub_ps(a, b); }
+  static reg mul(reg a, reg b) { return _mm512_mul_ps(a, b); }
+  static reg max(reg a, reg b) { return _mm512_max_ps(a, b); }
+  static reg fma(reg a, reg b, reg c) { return _mm512_fmadd_ps(a, b, c); }
+  static float reduce_max(reg x) { return _mm512_reduce_max_ps(x); }
+  static float reduce_add(reg x) { return _mm512_reduce_add_ps(x); }
+  // 2^x for x <= 0 (including -inf): clamping to -150 makes vscalefps underflow to exactly 0.
+  static reg exp2(reg x) {
+    x = _mm512_max_ps(x, _mm512_set1_ps(-150.0f));
+    const reg n = _mm512_roundscale_ps(x, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+    return _mm512_scalef_ps(exp2_poly<VecAvx512>(_mm512_sub_ps(x, n)), n);
+  }
+};
+
+}  // namespace
+}  // namespace pyext::cpu::attn

@@ -1,0 +1,79 @@
+"""The Triton flash-attention kernel, run by Triton's interpreter on CPU in a subprocess
+(TRITON_INTERPRET must be set before triton is imported, and other test modules may
+already have imported it here). fp16/fp32 only: the interpreter's bf16 dot is broken.
+Tolerance as in test_attention_op.py: <= 2x the error of same-dtype PyTorch math + eps."""
+import json
+import os
+import subprocess
+import sys
+import textwrap
+
+import pytest
+
+SCRIPT = textwrap.dedent("""
+    import json, torch
+    from pyext.dispatch import select
+    from pyext.ops import attention
+    torch.manual_seed(0)
+
+    def oracle(q, k, v, scale):
+        return torch.softmax(q.double() @ k.double().transpose(-1, -2) * scale, -1) @ v.double()
+
+    cases = []
+    # SD1.5 / SDXL / Flux head dims exactly, odd ones through the masked last part.
+    for d in (40, 64, 80, 128, 160, 8, 33, 72, 100):
+        for (sq, skv) in ((1, 77), (97, 77), (50, 33)):
+            for dtype in (torch.float16, torch.float32):
+                q, k, v = (torch.randn(1, 2, s, d).to(dtype) for s in (sq, skv, skv))
+                if d == 80 and sq == 97:  # strided (batch, seq, heads, dim) views, as diffusers passes them
+                    q = torch.randn(1, sq, 2, d).to(dtype).transpose(1, 2)
+                scale = d ** -0.5 if d != 33 else 0.3
+                out = attention(q, k, v, scale=None if d != 33 else 0.3, backend="triton")
+                exact = oracle(q, k, v, scale)
+                plain = torch.softmax((q @ k.transpose(-1, -2)) * scale, -1) @ v
+                cases.append(dict(d=d, sq=sq, skv=skv, dtype=str(dtype), shape_ok=out.shape == q.shape,
+                                  dtype_ok=out.dtype == dtype,
+                                  err=(out.double() - exact).abs().max().item(),
+                                  torch_err=(plain.double() - exact).abs().max().item()))
+    q = torch.randn(1, 1, 4, 8, dtype=torch.float16)
+    picked = select("attention", (q, q, q, None)).name  # the interpreter is never chosen automatically
+    try:
+        attention(q.bfloat16(), q.bfloat16(), q.bfloat16(), backend="triton")
+        bf16 = "accepted"
+    except ValueError as e:
+        bf16 = str(e)
+    print(json.dumps(dict(cases=cases, picked=picked, bf16=bf16)))
+""")
+
+EPS = {"torch.float16": 1e-4, "torch.float32": 1e-6}
+
+
+def test_triton_attention_in_interpreter():
+    pytest.importorskip("triton")
+    env = dict(os.environ, TRITON_INTERPRET="1")
+    proc = subprocess.run([sys.executable, "-c", SCRIPT], capture_output=True, text=True, env=env, timeout=900)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    result = json.loads(proc.stdout.strip().splitlines()[-1])
+    assert len(result["cases"]) == 9 * 3 * 2
+    for case in result["cases"]:
+        assert case["shape_ok"] and case["dtype_ok"], case
+        assert case["err"] <= 2 * case["torch_err"] + EPS[case["dtype"]], case
+    assert result["picked"] != "triton"
+    assert "bf16 tl.dot wrongly" in result["bf16"]
+
+
+def test_head_dim_parts_cover_exactly():
+    pytest.importorskip("triton")
+    from pyext.kernels.attention import head_dim_parts, waste
+
+    assert head_dim_parts(40) == (32, 16, 0)  # 32 + 8, the 8 masked inside a 16-wide part
+    assert head_dim_parts(80) == (64, 16, 0)
+    assert head_dim_parts(160) == (128, 32, 0)
+    assert head_dim_parts(64) == (64, 0, 0) and head_dim_parts(128) == (128, 0, 0)
+    for d in range(1, 257):
+        parts = head_dim_parts(d)
+        used = [p for p in parts if p]
+        assert all(p >= 16 and p & (p - 1) == 0 for p in used), (d, parts)
+        assert sum(used) >= d and sum(used[:-1]) < d, (d, parts)  # only the last part may stick out
+    assert waste(40) == pytest.approx(8 / 48) and waste(128) == 0
+    assert head_dim_parts(0) is None and head_dim_parts(257) is None
