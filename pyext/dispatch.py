@@ -1,8 +1,10 @@
 """Backend selection for pyext ops, in the manner of xformers' fmha dispatch.
 
 Each op has an ordered list of backends. A backend declares whether it can run in
-this process at all (`unavailable()` returns a reason or None) and whether it can
-take a given input (`reasons(*args)` returns a list of reasons, empty when it can).
+this process at all (`unavailable()` returns a reason or None), whether it can
+take a given input (`reasons(*args)` returns a list of reasons, empty when it can),
+and why automatic choice should pass it by although it could run (`advisory(*args)`:
+"slower than sdpa here", "the interpreter is for tests"); forcing it overrides those.
 `select` picks the first backend that can, or honours a forced one, and otherwise
 raises one error that shows the input and every backend's reasons.
 """
@@ -24,6 +26,7 @@ class Backend:
     run: Callable
     reasons: Callable[..., list[str]]
     unavailable: Callable[[], str | None] = lambda: None
+    advisory: Callable[..., list[str]] = lambda *args: []
     devices: tuple[str, ...] = ("cpu", "cuda")
     doc: str = ""
 
@@ -82,7 +85,7 @@ def select(op_name: str, args: tuple, forced: str | None = None) -> Backend:
         return match[0]
     report = []
     for backend in op.backends:
-        reasons = why_not(backend, args)
+        reasons = why_not(backend, args) or backend.advisory(*args)
         if not reasons:
             return backend
         report.append(f"  {backend.name}: {'; '.join(reasons)}")

@@ -19,3 +19,12 @@ def triton_unavailable() -> str | None:
 
 def triton_devices() -> tuple[str, ...]:
     return ("cuda", "cpu") if interpreting() else ("cuda",)
+
+
+def interpreter_advisory(*args) -> list[str]:
+    """Auto-dispatch never picks a Triton kernel running in the interpreter (CPU tensors): it is for tests."""
+    import torch
+
+    if any(isinstance(a, torch.Tensor) and a.device.type == "cpu" for a in args):
+        return ["the Triton interpreter is for tests; force the triton backend to use it on CPU"]
+    return []

@@ -6,7 +6,6 @@ backends never materialise the (seq_q, seq_kv) score matrix.
 """
 from __future__ import annotations
 
-import contextvars
 import importlib.util
 import math
 from typing import Optional
@@ -17,7 +16,7 @@ import torch.nn.functional as F
 from pyext import dispatch
 from pyext._ext import EXT_ERROR, has_kernel
 from pyext.dispatch import Backend, PyextError
-from pyext.kernels import triton_devices, triton_unavailable
+from pyext.kernels import interpreter_advisory, triton_devices, triton_unavailable
 
 DTYPES = (torch.bfloat16, torch.float16, torch.float32)
 
@@ -67,18 +66,13 @@ def _cpp_unavailable():
     return EXT_ERROR or "pyext._C was built without the attention kernel; rebuild it"
 
 
-# Speed-based refusals apply to the automatic choice only. dispatch.select has no notion of
-# advisory reasons, so the custom op says here whether the caller forced a backend.
-_choosing_automatically = contextvars.ContextVar("pyext_attention_auto", default=True)
-
-
-def _cpp_reasons(q, k, v, scale):
+def _cpp_advisory(q, k, v, scale):
     # Measured on Zen 4 (`python -m bench.attention`, README): the AVX-512 paths beat CPU
     # SDPA on every SD1.5/SDXL/Flux shape and dtype tried, the AVX2 and scalar paths do not
     # (d=80, 1 thread: avx2 35, scalar 5.5, SDPA 42 GFLOP/s). So auto-dispatch takes cpp only
     # with AVX-512; backend="cpp" runs any path (PYEXT_CPU_SIMD caps it).
     best = torch.ops.pyext_C.attention_paths()[0]
-    if _choosing_automatically.get() and not best.startswith("avx512"):
+    if not best.startswith("avx512"):
         return [f"the C++ {best} path is slower than sdpa on CPU (measured); it runs when forced"]
     return []
 
@@ -96,9 +90,8 @@ def _triton_reasons(q, k, v, scale):
     if q.device.type == "cpu":  # only reachable under TRITON_INTERPRET=1
         if q.dtype == torch.bfloat16:
             reasons.append("Triton's interpreter computes bf16 tl.dot wrongly; use float16/float32 on CPU")
-        if _choosing_automatically.get():
-            reasons.append("the Triton interpreter is for tests; force backend='triton' to use it on CPU")
     return reasons
+
 
 
 def _triton(q, k, v, scale):
@@ -129,10 +122,10 @@ def _no_reasons(*args):
 
 
 dispatch.register("attention", Backend(
-    "cpp", _cpp, _cpp_reasons, _cpp_unavailable, devices=("cpu",),
+    "cpp", _cpp, _no_reasons, _cpp_unavailable, _cpp_advisory, devices=("cpu",),
     doc="C++ flash attention (AVX-512 BF16 / AVX-512 / AVX2 / scalar), O(seq) memory"))
 dispatch.register("attention", Backend(
-    "triton", _triton, _triton_reasons, triton_unavailable, devices=triton_devices(),
+    "triton", _triton, _triton_reasons, triton_unavailable, interpreter_advisory, devices=triton_devices(),
     doc="Triton flash attention, head dim split into power-of-two parts; cpu only under TRITON_INTERPRET=1"))
 
 dispatch.register("attention", Backend(
@@ -147,12 +140,7 @@ dispatch.register("attention", Backend(
 @torch.library.custom_op("pyext::attention", mutates_args=())
 def _attention_op(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: Optional[float] = None,
                   backend: Optional[str] = None) -> torch.Tensor:
-    token = _choosing_automatically.set(backend is None)
-    try:
-        chosen = dispatch.select("attention", (q, k, v, scale), backend)
-    finally:
-        _choosing_automatically.reset(token)
-    out = chosen.run(q, k, v, scale)
+    out = dispatch.select("attention", (q, k, v, scale), backend).run(q, k, v, scale)
     return out.contiguous() if out.data_ptr() in (q.data_ptr(), k.data_ptr(), v.data_ptr()) else out
 
 

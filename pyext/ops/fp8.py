@@ -15,7 +15,7 @@ import torch.nn.functional as F
 from pyext import dispatch
 from pyext._ext import EXT_ERROR, has_kernel
 from pyext.dispatch import Backend, PyextError
-from pyext.kernels import triton_devices, triton_unavailable
+from pyext.kernels import interpreter_advisory, triton_devices, triton_unavailable
 
 FP8 = torch.float8_e4m3fn
 FP8_MAX = 448.0
@@ -176,7 +176,8 @@ dispatch.register("fp8_linear", Backend(
     "cpp", _linear_cpp, _no_reasons, _ext_missing("fp8_linear"), devices=("cpu",),
     doc="C++: upcasts weight tiles into an L2-sized buffer, oneDNN/MKL GEMM per tile"))
 dispatch.register("fp8_linear", Backend(
-    "triton", _linear_triton, _linear_triton_reasons, triton_unavailable, devices=triton_devices(),
+    "triton", _linear_triton, _linear_triton_reasons, triton_unavailable, interpreter_advisory,
+    devices=triton_devices(),
     doc="Triton GEMM that dequantises fp8 weight tiles in its main loop"))
 dispatch.register("fp8_linear", Backend(
     "reference", fp8_linear_reference, _no_reasons, doc="F.linear on the upcast weight"))
