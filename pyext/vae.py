@@ -316,7 +316,7 @@ def _is_autoencoder_kl(vae) -> bool:
     return isinstance(vae, AutoencoderKL)
 
 
-def tile_vae(vae, mode: str = "normalized", consistent_tones: bool = True, tile_size: Optional[int] = None,
+def tile_vae(vae, mode: str = "normalized", consistent_tones: bool = False, tile_size: Optional[int] = None,
              overlap: Optional[float] = None, context: Optional[int] = None, enable: bool = True) -> dict:
     """Make this AutoencoderKL instance decode/encode large images with streaming tiles.
 
@@ -326,8 +326,11 @@ def tile_vae(vae, mode: str = "normalized", consistent_tones: bool = True, tile_
     decode()/encode() still split the batch when use_slicing is on.
     tile_size: output-side tile size in pixels (sets tile_sample_min_size and
     tile_latent_min_size); overlap: tile_overlap_factor. context: latent pixels of real
-    neighbourhood run around each tile and cropped off (default: tile_latent_min_size // 8
-    in normalized mode, 0 in diffusers mode so that mode gives diffusers' numbers).
+    neighbourhood run around each tile and cropped off (default: max(4, tile_latent_min_size
+    // 8) in normalized mode, 0 in diffusers mode so that mode gives diffusers' numbers).
+    consistent_tones: normalise every tile with whole-image GroupNorm statistics from a
+    strided subsample; off by default because on random-weight SD VAEs it measured worse
+    than per-tile statistics plus context (see the report / bench.vae).
     enable: also turn use_tiling on.
     Returns a report dict; other VAE classes are left alone (they keep diffusers' tiling).
     """
@@ -358,7 +361,7 @@ def tile_vae(vae, mode: str = "normalized", consistent_tones: bool = True, tile_
     def _context(self):
         if context is not None:
             return context
-        return self.tile_latent_min_size // 8 if mode == "normalized" else 0
+        return max(4, self.tile_latent_min_size // 8) if mode == "normalized" else 0
 
     def tiled_decode(self, z, return_dict=True):
         from diffusers.models.autoencoders.vae import DecoderOutput

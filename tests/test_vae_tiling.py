@@ -89,19 +89,25 @@ def test_streaming_normalized_equals_in_memory(vae, context):
 
 
 @torch.no_grad()
-def test_pyext_tiling_is_closer_to_full_decode_than_diffusers():
-    """Consistent GroupNorm statistics + context beat diffusers' tiling by a wide PSNR margin."""
-    vae = _vae(seed=1)
-    z = torch.randn(1, 4, 48, 48)
+@pytest.mark.parametrize("seed", [1, 2])
+def test_pyext_tiling_is_closer_to_full_decode_than_diffusers(seed):
+    """Tiles run with a margin of real neighbours (context) and blended symmetrically land
+    much closer to the full decode than diffusers' tiling (measured: +7 dB at the default
+    context 4, +11..13 dB at context 8 on this config)."""
+    vae = _vae(seed=seed)
+    z = torch.randn(1, 4, 48, 48, generator=torch.Generator().manual_seed(seed))
     full = vae.decode(z).sample
     vae.enable_tiling()
     theirs = _psnr(vae.decode(z).sample, full)
-    tile_vae(vae)
     try:
+        tile_vae(vae)
         ours = _psnr(vae.decode(z).sample, full)
+        tile_vae(vae, context=8)
+        ours_wide = _psnr(vae.decode(z).sample, full)
     finally:
         untile_vae(vae)
-    assert ours >= theirs + 6.0, (ours, theirs)
+    assert ours >= theirs + 5.0, (ours, theirs)
+    assert ours_wide >= theirs + 9.0, (ours_wide, theirs)
 
 
 @torch.no_grad()
@@ -186,7 +192,7 @@ def test_slicing_decodes_one_image_at_a_time(vae):
 def test_keeps_dtype(dtype):
     vae = _vae(dtype)
     z = torch.randn(1, 4, 40, 40, dtype=dtype)
-    tile_vae(vae)
+    tile_vae(vae, consistent_tones=True)
     out = vae.decode(z).sample
     assert out.dtype == dtype and out.shape == (1, 3, 160, 160) and torch.isfinite(out.float()).all()
 
@@ -196,12 +202,12 @@ def test_composes_with_accelerate_offload_hooks():
     accelerate = pytest.importorskip("accelerate")
     z = torch.randn(1, 4, 40, 40)
     plain = _vae(seed=3)
-    tile_vae(plain)
+    tile_vae(plain, consistent_tones=True)  # also routes every GroupNorm through our forward
     want = plain.decode(z).sample
     hooked = _vae(seed=3)
     accelerate.cpu_offload(hooked, execution_device=torch.device("cpu"))
     assert hasattr(hooked.decoder.conv_norm_out, "_hf_hook")  # GroupNorm forwards go through the hooks
-    tile_vae(hooked)
+    tile_vae(hooked, consistent_tones=True)
     got = hooked.decode(z).sample
     torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
     untile_vae(hooked)
