@@ -78,7 +78,7 @@ class GroupNormStats:
         acc[2] += cnt
 
     def finish(self) -> None:
-        """Turns the sums into (mean, 1/std) per (sample, group); clears the sums."""
+        """Turns the sums into (mean, variance) per (sample, group); clears the sums."""
         self.fixed = {}
         for key, (s, ss, cnt) in self.sums.items():
             mean = s / cnt
@@ -285,7 +285,7 @@ def _stream_normalized(job: _Job, x: torch.Tensor, rows, cols, stats) -> torch.T
     return out
 
 
-def tiled_run(vae, x: torch.Tensor, kind: str, mode: str = "normalized", consistent_tones: bool = True,
+def tiled_run(vae, x: torch.Tensor, kind: str, mode: str = "normalized", consistent_tones: bool = False,
               context: int = 0) -> torch.Tensor:
     """Tiled decode (latents -> image) or encode (image -> moments) of `x`, streaming tiles.
 
