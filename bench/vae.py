@@ -57,7 +57,7 @@ def _child(method: str, size: int, tile: int, out_path: str) -> None:
     if method == "diffusers":
         vae.enable_tiling()
     elif method == "pyext":
-        tile_vae(vae)
+        tile_vae(vae, **json.loads(os.environ.get("BENCH_PYEXT_KWARGS", "{}")))
     with torch.no_grad():
         vae.decode(torch.zeros(1, 4, 8, 8))  # warm up kernels/allocator paths outside the measurement
         try:
@@ -153,11 +153,14 @@ def blend_times(size: int, tile: int, repeats: int = 3) -> dict:
     return {**best, "blend_outputs_identical": same, "tiles": len(spans) ** 2}
 
 
-def run(sizes=(1024, 2048), tile: int = 512, max_full: int = 1024, with_decodes: bool = True) -> list[dict]:
+def run(sizes=(1024, 2048), tile: int = 512, max_full: int = 1024, with_decodes: bool = True,
+        pyext_kwargs: dict | None = None) -> list[dict]:
+    """One row per size. pyext_kwargs: tile_vae options for the pyext decode (default: its defaults)."""
+    os.environ["BENCH_PYEXT_KWARGS"] = json.dumps(pyext_kwargs or {})
     rows = []
     with tempfile.TemporaryDirectory() as tmp:
         for size in sizes:
-            row = {"bench": "vae_decode", "size": size, "tile": tile, "device": "cpu",
+            row = {"bench": "vae_decode", "size": size, "tile": tile, "device": "cpu", "pyext_kwargs": pyext_kwargs or {},
                    "threads": int(os.environ.get("BENCH_THREADS", "2"))}
             row.update(blend_times(size, tile))
             if with_decodes:
@@ -196,13 +199,14 @@ def main(argv=None) -> None:
     p.add_argument("--tile", type=int, default=512, help="tile_sample_min_size (diffusers' enable_tiling default 512)")
     p.add_argument("--max-full", type=int, default=1024, help="skip the full (non-tiled) decode above this size")
     p.add_argument("--blend-only", action="store_true", help="only time the blend step (no decodes)")
+    p.add_argument("--pyext", default="{}", help='tile_vae options as JSON, e.g. \'{"mode": "diffusers"}\'')
     p.add_argument("--json", help="write the rows here")
     p.add_argument("--child", nargs=4, help=argparse.SUPPRESS)
     a = p.parse_args(argv)
     if a.child:
         _child(a.child[0], int(a.child[1]), int(a.child[2]), a.child[3])
         return
-    rows = run(a.sizes, a.tile, a.max_full, with_decodes=not a.blend_only)
+    rows = run(a.sizes, a.tile, a.max_full, with_decodes=not a.blend_only, pyext_kwargs=json.loads(a.pyext))
     print(_table(rows))
     if a.json:
         with open(a.json, "w") as f:
