@@ -1,0 +1,145 @@
+// Body of the CPU tile-blend kernels, included by tile_blend_scalar.cpp and
+// tile_blend_avx512.cpp, which compile it with different target flags. It lives in
+// an anonymous namespace so each unit keeps its own instantiation (no ODR merge
+// of an AVX-512 copy into the portable path).
+//
+// Rounding mirrors the PyTorch ops it replaces: diffusers' blend_v/blend_h compute
+// a * w_a and b * w_b as separate dtype tensors and add them (each op in fp32, rounded
+// to the dtype), so we round after each step too; fp32 is then bit-exact. No FMA
+// contraction (see tile_blend_avx512.cpp).
+#pragma once
+#include <algorithm>
+#include <cstdint>
+#include <cstring>
+#include <vector>
+
+#include "tile_blend.h"
+
+namespace pyext::cpu {
+namespace {
+
+inline float bf16_to_f32(uint16_t h) { uint32_t u = static_cast<uint32_t>(h) << 16; float f; std::memcpy(&f, &u, 4); return f; }
+inline uint16_t f32_to_bf16(float f) {
+  uint32_t u; std::memcpy(&u, &f, 4);
+  if ((u & 0x7fffffffu) > 0x7f800000u) return static_cast<uint16_t>((u >> 16) | 0x40u);  // quiet NaN
+  return static_cast<uint16_t>((u + 0x7fffu + ((u >> 16) & 1u)) >> 16);
+}
+
+template <BlendDtype D> struct Io;
+template <> struct Io<BlendDtype::kF32> {
+  using T = float;
+  static float load(T v) { return v; }
+  static T store(float v) { return v; }
+};
+template <> struct Io<BlendDtype::kF16> {
+  using T = _Float16;
+  static float load(T v) { return static_cast<float>(v); }
+  static T store(float v) { return static_cast<_Float16>(v); }
+};
+template <> struct Io<BlendDtype::kBF16> {
+  using T = uint16_t;
+  static float load(T v) { return bf16_to_f32(v); }
+  static T store(float v) { return f32_to_bf16(v); }
+};
+
+// Rounds an fp32 intermediate to the tile dtype and back (identity for fp32).
+template <BlendDtype D> inline float rnd(float v) { return Io<D>::load(Io<D>::store(v)); }
+
+// diffusers' ramp weights for step k of an extent e: (1 - k/e, k/e) in double, then fp32,
+// as PyTorch does with a Python-float scalar.
+inline void ramp(int64_t k, int64_t e, float& w_keep, float& w_new) {
+  const double t = static_cast<double>(k) / static_cast<double>(e);
+  w_keep = static_cast<float>(1.0 - t);
+  w_new = static_cast<float>(t);
+}
+
+template <BlendDtype D>
+void diffusers_items(const TileBlendArgs& a, int64_t begin, int64_t end) {
+  using T = typename Io<D>::T;
+  const T* tile = static_cast<const T*>(a.tile);
+  const T* above = static_cast<const T*>(a.above);
+  const T* left = static_cast<const T*>(a.left);
+  T* out = static_cast<T*>(a.out);
+  T* bottom = static_cast<T*>(a.bottom);
+  T* right = static_cast<T*>(a.right);
+  const int64_t ev = above ? std::min(a.above_rows, a.th) : 0;  // blend_v extent
+  const int64_t eh = left ? std::min(a.left_cols, a.tw) : 0;    // blend_h extent
+  std::vector<float> wl(eh), wn(eh), row(a.tw);
+  for (int64_t x = 0; x < eh; ++x) ramp(x, eh, wl[x], wn[x]);
+  for (int64_t item = begin; item < end; ++item) {
+    const int64_t p = item / a.th, y = item % a.th;
+    const T* t = tile + (p * a.th + y) * a.tw;
+    if (y < ev) {  // blend_v with the (already blended) tile above
+      float wk, wnew;
+      ramp(y, ev, wk, wnew);
+      const T* ab = above + (p * a.above_rows + a.above_rows - ev + y) * a.tw;
+      for (int64_t x = 0; x < a.tw; ++x)
+        row[x] = rnd<D>(rnd<D>(Io<D>::load(ab[x]) * wk) + rnd<D>(Io<D>::load(t[x]) * wnew));
+    } else {
+      for (int64_t x = 0; x < a.tw; ++x) row[x] = Io<D>::load(t[x]);
+    }
+    if (eh) {  // then blend_h with the (already blended) tile to the left
+      const T* lf = left + (p * a.th + y) * a.left_cols + a.left_cols - eh;
+      for (int64_t x = 0; x < eh; ++x)
+        row[x] = rnd<D>(rnd<D>(Io<D>::load(lf[x]) * wl[x]) + rnd<D>(row[x] * wn[x]));
+    }
+    if (y < a.crop_h) {
+      T* o = out + (p * a.out_h + a.oy + y) * a.out_w + a.ox;
+      for (int64_t x = 0; x < a.crop_w; ++x) o[x] = Io<D>::store(row[x]);
+    }
+    if (y >= a.th - a.bottom_rows) {
+      T* b = bottom + (p * a.bottom_rows + y - (a.th - a.bottom_rows)) * a.tw;
+      for (int64_t x = 0; x < a.tw; ++x) b[x] = Io<D>::store(row[x]);
+    }
+    if (a.right_cols) {
+      T* r = right + (p * a.th + y) * a.right_cols;
+      const float* src = row.data() + a.tw - a.right_cols;
+      for (int64_t x = 0; x < a.right_cols; ++x) r[x] = Io<D>::store(src[x]);
+    }
+  }
+}
+
+// Symmetric ramp weight of index k (0-based from the tile edge) inside an overlap of
+// length ov: (k + 0.5) / ov, so two tiles' ramps over the same overlap sum to 1.
+inline float edge_weight(int64_t k, int64_t ov) {
+  return k < ov ? (static_cast<float>(k) + 0.5f) / static_cast<float>(ov) : 1.0f;
+}
+
+template <BlendDtype D>
+void normalized_items(const TileBlendArgs& a, int64_t begin, int64_t end) {
+  using T = typename Io<D>::T;
+  const T* tile = static_cast<const T*>(a.tile);
+  T* out = static_cast<T*>(a.out);
+  std::vector<float> wx(a.tw);
+  for (int64_t x = 0; x < a.tw; ++x) wx[x] = edge_weight(x, a.ov_left) * edge_weight(a.tw - 1 - x, a.ov_right);
+  for (int64_t item = begin; item < end; ++item) {
+    const int64_t p = item / a.th, y = item % a.th;
+    const float wy = edge_weight(y, a.ov_top) * edge_weight(a.th - 1 - y, a.ov_bottom);
+    const T* t = tile + (p * a.th + y) * a.tw;
+    T* o = out + (p * a.out_h + a.oy + y) * a.out_w + a.ox;
+    for (int64_t x = 0; x < a.tw; ++x) {
+      const float w = wy * wx[x];
+      o[x] = Io<D>::store(Io<D>::load(o[x]) + Io<D>::load(t[x]) * w);
+    }
+  }
+}
+
+
+inline void run_diffusers(const TileBlendArgs& a, int64_t b, int64_t e) {
+  switch (a.dtype) {
+    case BlendDtype::kF32: return diffusers_items<BlendDtype::kF32>(a, b, e);
+    case BlendDtype::kF16: return diffusers_items<BlendDtype::kF16>(a, b, e);
+    case BlendDtype::kBF16: return diffusers_items<BlendDtype::kBF16>(a, b, e);
+  }
+}
+
+inline void run_normalized(const TileBlendArgs& a, int64_t b, int64_t e) {
+  switch (a.dtype) {
+    case BlendDtype::kF32: return normalized_items<BlendDtype::kF32>(a, b, e);
+    case BlendDtype::kF16: return normalized_items<BlendDtype::kF16>(a, b, e);
+    case BlendDtype::kBF16: return normalized_items<BlendDtype::kBF16>(a, b, e);
+  }
+}
+
+}  // namespace
+}  // namespace pyext::cpu

@@ -1,0 +1,214 @@
+"""Fused tile blend: put one decoded (or encoded) tile into a preallocated output,
+overlap ramps included, in one pass and one kernel launch per tile.
+
+Two modes (both stream tiles in raster order; see pyext/vae.py):
+
+* ``normalized``: ``out[y:y+h, x:x+w] += w * tile`` with symmetric ramps
+  ``w = wy(row) * wx(col)``; inside an overlap of length ``ov`` the weight of index k
+  from the tile's edge is ``(k + 0.5) / ov``, so two tiles over one overlap sum to 1.
+  The weight sums are separable (``edge_weights`` per axis), so normalising at the end
+  needs two 1-D vectors instead of a full weight image.
+* ``diffusers``: exactly AutoencoderKL.tiled_decode's blend_v then blend_h against the
+  already blended tile above and to the left, then the crop to the tile stride. Instead
+  of keeping every tile, the caller keeps only the strips the next tiles need: the
+  bottom rows of each tile of the previous tile row and the right columns of the
+  previous tile, which the op returns. Rounding mirrors diffusers' tensor ops, so fp32
+  (and fp16/bf16 on CPU) results are identical to diffusers'.
+"""
+from __future__ import annotations
+
+from typing import Optional
+
+import torch
+
+from pyext import dispatch
+from pyext._ext import EXT_ERROR, has_kernel
+from pyext.dispatch import Backend, PyextError
+
+DTYPES = (torch.float32, torch.float16, torch.bfloat16)
+MODE_DIFFUSERS, MODE_NORMALIZED = 0, 1
+
+
+# ----------------------------------------------------------------------------- validation
+
+def _fail(op: str, msg: str) -> None:
+    raise PyextError(f"pyext.{op}: {msg}")
+
+
+def _check_tile_out(op: str, tile, out, y: int, x: int, h: int, w: int) -> None:
+    """tile (..., C, th, tw) fits into out (..., C, H, W) at (y, x) over an (h, w) window."""
+    if not isinstance(tile, torch.Tensor) or tile.dtype not in DTYPES or tile.dim() < 3:
+        _fail(op, f"tile must be a float32/float16/bfloat16 tensor (..., C, h, w), got {dispatch.describe(tile)}")
+    if not isinstance(out, torch.Tensor) or out.dtype != tile.dtype or out.device != tile.device:
+        _fail(op, f"out must be a {tile.dtype} tensor on {tile.device}, got {dispatch.describe(out)}")
+    if not out.is_contiguous():
+        _fail(op, f"out must be contiguous, got {dispatch.describe(out)}")
+    if out.dim() != tile.dim() or out.shape[:-2] != tile.shape[:-2]:
+        _fail(op, f"tile and out must agree on every dim but the last two (batch, channels): tile "
+              f"{tuple(tile.shape)}, out {tuple(out.shape)}")
+    if not all(isinstance(v, int) and v >= 0 for v in (y, x)):
+        _fail(op, f"position (y, x) must be non-negative ints, got ({y!r}, {x!r})")
+    H, W = out.shape[-2:]
+    if y + h > H or x + w > W:
+        _fail(op, f"a {h}x{w} tile at (y={y}, x={x}) extends past the {H}x{W} output; "
+              "the tile must lie inside the output at its position")
+
+
+def _check_strip(op: str, name: str, strip, tile, rows: Optional[int], cols: Optional[int]) -> None:
+    want = f"(..., {'r' if rows is None else rows}, {'c' if cols is None else cols})"
+    if (not isinstance(strip, torch.Tensor) or strip.dtype != tile.dtype or strip.device != tile.device
+            or strip.dim() != tile.dim() or strip.shape[:-2] != tile.shape[:-2]
+            or (rows is not None and strip.shape[-2] != rows) or (cols is not None and strip.shape[-1] != cols)):
+        _fail(op, f"{name} must be a {tile.dtype} tensor {want} with the tile's leading dims "
+              f"{tuple(tile.shape[:-2])} on {tile.device}, got {dispatch.describe(strip)}")
+
+
+# ----------------------------------------------------------------------------- reference
+
+def edge_weights(size: int, before: int, after: int, device=None) -> torch.Tensor:
+    """The normalized-mode ramp along one axis of a tile of `size` with overlaps `before`/`after`."""
+    k = torch.arange(size, dtype=torch.float32, device=device)
+    w = torch.ones(size, dtype=torch.float32, device=device)
+    if before:
+        w = w * torch.where(k < before, (k + 0.5) / before, 1.0)
+    if after:
+        r = size - 1 - k
+        w = w * torch.where(r < after, (r + 0.5) / after, 1.0)
+    return w
+
+
+def _diffusers_ramp(e: int, device) -> tuple[torch.Tensor, torch.Tensor]:
+    # (1 - k/e, k/e) computed in double, used in fp32: what `tensor * python_float` does.
+    t = torch.arange(e, dtype=torch.float64, device=device) / e
+    return (1 - t).float(), t.float()
+
+
+def tile_blend_reference(tile, out, oy, ox, mode, sizes, above, left, bottom, right) -> None:
+    """PyTorch semantics of torch.ops.pyext.tile_blend (the oracle for the kernels)."""
+    th, tw = tile.shape[-2:]
+    dt = tile.dtype
+    if mode == MODE_NORMALIZED:
+        top, bot, lft, rgt = sizes
+        w = edge_weights(th, top, bot, tile.device)[:, None] * edge_weights(tw, lft, rgt, tile.device)[None, :]
+        region = out[..., oy:oy + th, ox:ox + tw]
+        region.copy_((region.float() + tile.float() * w).to(dt))
+        return
+    crop_h, crop_w = sizes
+    b = tile.clone()
+    if above is not None and above.shape[-2]:
+        ev = min(above.shape[-2], th)
+        keep, new = _diffusers_ramp(ev, tile.device)
+        b[..., :ev, :] = (above[..., -ev:, :] * keep[:, None]).to(dt) + (b[..., :ev, :] * new[:, None]).to(dt)
+    if left is not None and left.shape[-1]:
+        eh = min(left.shape[-1], tw)
+        keep, new = _diffusers_ramp(eh, tile.device)
+        b[..., :eh] = (left[..., -eh:] * keep).to(dt) + (b[..., :eh] * new).to(dt)
+    out[..., oy:oy + crop_h, ox:ox + crop_w] = b[..., :crop_h, :crop_w]
+    bottom.copy_(b[..., th - bottom.shape[-2]:, :])
+    right.copy_(b[..., tw - right.shape[-1]:])
+
+
+# ----------------------------------------------------------------------------- backends
+
+def _no_reasons(*args) -> list[str]:
+    return []
+
+
+def _ext_missing() -> Optional[str]:
+    return None if has_kernel("tile_blend") else (EXT_ERROR or "pyext._C was built without the tile_blend kernel")
+
+
+def _cuda_missing() -> Optional[str]:
+    from pyext._ext import cuda_kernels_built
+    missing = _ext_missing()
+    if missing:
+        return missing
+    return None if cuda_kernels_built() else "pyext._C was built without CUDA kernels (CPU torch or no nvcc)"
+
+
+def _run_ext(tile, out, oy, ox, mode, sizes, above, left, bottom, right) -> None:
+    torch.ops.pyext_C.tile_blend(tile, out, oy, ox, mode, sizes, above, left, bottom, right)
+
+
+dispatch.register("tile_blend", Backend(
+    "cuda", _run_ext, _no_reasons, _cuda_missing, devices=("cuda",),
+    doc="CUDA C++ kernel, one thread per output element, one launch per tile"))
+dispatch.register("tile_blend", Backend(
+    "cpp", _run_ext, _no_reasons, _ext_missing, devices=("cpu",),
+    doc="C++ AVX-512/scalar row kernel, at::parallel_for over (channel, row)"))
+dispatch.register("tile_blend", Backend(
+    "reference", tile_blend_reference, _no_reasons, doc="PyTorch ops; the semantics and test oracle"))
+
+
+# ----------------------------------------------------------------------------- custom op
+
+@torch.library.custom_op("pyext::tile_blend", mutates_args=("out", "bottom", "right"))
+def _tile_blend_op(tile: torch.Tensor, out: torch.Tensor, oy: int, ox: int, blend_mode: int, sizes: list[int],
+                   above: Optional[torch.Tensor], left: Optional[torch.Tensor], bottom: torch.Tensor,
+                   right: torch.Tensor, backend: Optional[str] = None) -> None:
+    # (not named `mode`: that name clashes with torch's mode-redirect wrappers in opcheck)
+    args = (tile, out, oy, ox, blend_mode, sizes, above, left, bottom, right)
+    dispatch.select("tile_blend", args, backend).run(*args)
+
+
+@_tile_blend_op.register_fake
+def _(tile, out, oy, ox, blend_mode, sizes, above, left, bottom, right, backend=None):
+    return None
+
+
+# ----------------------------------------------------------------------------- public API
+
+def tile_blend_normalized(tile: torch.Tensor, out: torch.Tensor, y: int, x: int,
+                          overlaps: tuple[int, int, int, int] = (0, 0, 0, 0),
+                          backend: Optional[str] = None) -> torch.Tensor:
+    """out[..., y:y+th, x:x+tw] += wy * wx * tile with ramps over (top, bottom, left, right) overlaps.
+
+    After every tile, divide by the weight sums: for a grid of tiles they are the outer
+    product of the per-axis sums of `edge_weights` (1 wherever two ramps meet).
+    """
+    op = "tile_blend"
+    th, tw = (tile.shape[-2:] if isinstance(tile, torch.Tensor) and tile.dim() >= 2 else (0, 0))
+    _check_tile_out(op, tile, out, y, x, th, tw)
+    if len(overlaps) != 4 or not all(isinstance(v, int) and v >= 0 for v in overlaps):
+        _fail(op, f"overlaps must be 4 non-negative ints (top, bottom, left, right), got {overlaps!r}")
+    top, bot, lft, rgt = overlaps
+    if max(top, bot) > th or max(lft, rgt) > tw:
+        _fail(op, f"overlaps {tuple(overlaps)} are larger than the {th}x{tw} tile; each overlap must be at "
+              "most the tile's extent along its axis")
+    empty = tile.new_empty((*tile.shape[:-2], 0, 0))
+    torch.ops.pyext.tile_blend(tile.contiguous(), out, y, x, MODE_NORMALIZED, list(overlaps), None, None,
+                               empty, empty.clone(), backend)
+    return out
+
+
+def tile_blend_diffusers(tile: torch.Tensor, out: torch.Tensor, y: int, x: int,
+                         crop: Optional[tuple[int, int]] = None,
+                         above: Optional[torch.Tensor] = None, left: Optional[torch.Tensor] = None,
+                         keep_bottom: int = 0, keep_right: int = 0,
+                         backend: Optional[str] = None) -> tuple[torch.Tensor, torch.Tensor]:
+    """AutoencoderKL's blend_v(above) + blend_h(left) + crop, written to out at (y, x).
+
+    `above`: the last rows of the blended tile above (..., r, tw); `left`: the last
+    columns of the blended tile to the left (..., th, c); the blend extents are
+    min(r, th) and min(c, tw), as diffusers clamps them. Returns the blended tile's
+    last `keep_bottom` rows and `keep_right` columns, for the next tiles.
+    """
+    op = "tile_blend"
+    th, tw = (tile.shape[-2:] if isinstance(tile, torch.Tensor) and tile.dim() >= 2 else (0, 0))
+    crop_h, crop_w = crop if crop is not None else (th, tw)
+    if not (0 <= crop_h <= th and 0 <= crop_w <= tw):
+        _fail(op, f"crop {crop!r} must lie inside the {th}x{tw} tile")
+    _check_tile_out(op, tile, out, y, x, crop_h, crop_w)
+    if above is not None:
+        _check_strip(op, "above", above, tile, None, tw)
+    if left is not None:
+        _check_strip(op, "left", left, tile, th, None)
+    if not (0 <= keep_bottom <= th and 0 <= keep_right <= tw):
+        _fail(op, f"keep_bottom={keep_bottom}, keep_right={keep_right} must be within the {th}x{tw} tile")
+    lead = tile.shape[:-2]
+    bottom = tile.new_empty((*lead, keep_bottom, tw))
+    right = tile.new_empty((*lead, th, keep_right))
+    torch.ops.pyext.tile_blend(tile.contiguous(), out, y, x, MODE_DIFFUSERS, [crop_h, crop_w],
+                               None if above is None else above.contiguous(),
+                               None if left is None else left.contiguous(), bottom, right, backend)
+    return bottom, right

@@ -1,0 +1,233 @@
+"""pyext.vae: streaming tiled decode/encode for AutoencoderKL (small random VAEs)."""
+import pytest
+import torch
+
+from pyext.dispatch import PyextError
+from pyext.ops.tile_blend import edge_weights
+from pyext.vae import _Job, _spans, tile_vae, tiled_run, untile_vae
+
+diffusers = pytest.importorskip("diffusers")
+
+
+def _vae(dtype=torch.float32, seed=0):
+    """A small AutoencoderKL: 4x down/up-sampling, 16-latent (32-pixel) tiles, one attention block."""
+    torch.manual_seed(seed)
+    vae = diffusers.AutoencoderKL(block_out_channels=(32, 64, 64), down_block_types=("DownEncoderBlock2D",) * 3,
+                                  up_block_types=("UpDecoderBlock2D",) * 3, latent_channels=4, norm_num_groups=8,
+                                  layers_per_block=1, sample_size=64)
+    return vae.eval().to(dtype)
+
+
+def _psnr(a, b):
+    mse = ((a.float() - b.float()) ** 2).mean()
+    return float(10 * torch.log10((b.max() - b.min()).float() ** 2 / mse))
+
+
+@pytest.fixture(scope="module")
+def vae():
+    return _vae()
+
+
+@torch.no_grad()
+@pytest.mark.parametrize("shape", [(1, 4, 40, 37), (2, 4, 33, 20)])
+def test_diffusers_mode_equals_diffusers_tiled_decode(vae, shape):
+    z = torch.randn(shape)
+    vae.enable_tiling()
+    want = vae.decode(z).sample
+    tile_vae(vae, mode="diffusers", consistent_tones=False)
+    try:
+        got = vae.decode(z).sample
+    finally:
+        untile_vae(vae)
+    assert got.shape == want.shape
+    torch.testing.assert_close(got, want, rtol=0, atol=1e-6)
+
+
+@torch.no_grad()
+def test_diffusers_mode_equals_diffusers_tiled_encode(vae):
+    x = torch.randn(1, 3, 150, 133)
+    vae.enable_tiling()
+    want = vae.encode(x).latent_dist.mean
+    tile_vae(vae, mode="diffusers", consistent_tones=False)
+    try:
+        got = vae.encode(x).latent_dist.mean
+        got_public = vae.tiled_encode(x).latent_dist.mean
+    finally:
+        untile_vae(vae)
+    torch.testing.assert_close(got, want, rtol=0, atol=1e-6)
+    torch.testing.assert_close(got_public, want, rtol=0, atol=1e-6)
+
+
+def _in_memory_normalized(vae, z, context):
+    """Keeps every tile, then blends with a full weight image: the non-streaming version."""
+    job = _Job(vae, "decode", context)
+    rows, cols = _spans(z.shape[-2], job.tile_in, job.stride), _spans(z.shape[-1], job.tile_in, job.stride)
+    tiles = {(r, c): job.tile(z, ys, xs) for r, ys in enumerate(rows) for c, xs in enumerate(cols)}
+    f = job.factor
+    out = torch.zeros(z.shape[0], 3, z.shape[-2] * f, z.shape[-1] * f)
+    wsum = torch.zeros(out.shape[-2:])
+
+    def ramp(spans, i):
+        before = spans[i - 1][1] - spans[i][0] if i > 0 else 0
+        after = spans[i][1] - spans[i + 1][0] if i + 1 < len(spans) else 0
+        return edge_weights((spans[i][1] - spans[i][0]) * f, max(before, 0) * f, max(after, 0) * f)
+
+    for (r, c), t in tiles.items():
+        w = ramp(rows, r)[:, None] * ramp(cols, c)[None, :]
+        ys, xs = slice(rows[r][0] * f, rows[r][1] * f), slice(cols[c][0] * f, cols[c][1] * f)
+        out[..., ys, xs] += t * w
+        wsum[ys, xs] += w
+    return out / wsum
+
+
+@torch.no_grad()
+@pytest.mark.parametrize("context", [0, 3])
+def test_streaming_normalized_equals_in_memory(vae, context):
+    z = torch.randn(1, 4, 44, 39)
+    got = tiled_run(vae, z, "decode", "normalized", consistent_tones=False, context=context)
+    torch.testing.assert_close(got, _in_memory_normalized(vae, z, context), rtol=1e-5, atol=1e-5)
+
+
+@torch.no_grad()
+@pytest.mark.parametrize("seed", [1, 2])
+def test_pyext_tiling_is_closer_to_full_decode_than_diffusers(seed):
+    """Tiles run with a margin of real neighbours (context) and blended symmetrically land
+    much closer to the full decode than diffusers' tiling (measured: +7 dB at the default
+    context 4, +11..13 dB at context 8 on this config)."""
+    vae = _vae(seed=seed)
+    z = torch.randn(1, 4, 48, 48, generator=torch.Generator().manual_seed(seed))
+    full = vae.decode(z).sample
+    vae.enable_tiling()
+    theirs = _psnr(vae.decode(z).sample, full)
+    try:
+        # per-tile statistics: on this tiny 3-level VAE the subsampled whole-image ones lose
+        tile_vae(vae, consistent_tones=False)
+        ours = _psnr(vae.decode(z).sample, full)
+        tile_vae(vae, consistent_tones=False, context=8)
+        ours_wide = _psnr(vae.decode(z).sample, full)
+    finally:
+        untile_vae(vae)
+    assert ours >= theirs + 5.0, (ours, theirs)
+    assert ours_wide >= theirs + 9.0, (ours_wide, theirs)
+
+
+@torch.no_grad()
+def test_consistent_tones_use_whole_image_statistics():
+    """With the statistics of the full image, tiled GroupNorm outputs match the full run's:
+    every tile is normalised with the same numbers (and those are the full run's here)."""
+    from pyext.vae import GroupNormStats
+    vae = _vae(seed=2)
+    z = torch.randn(1, 4, 16, 16)
+    full = vae.decoder(vae.post_quant_conv(z))
+    stats = GroupNormStats(vae.decoder)
+    with stats.patched():
+        stats.mode = "collect"
+        stats.start_tile()
+        vae.decoder(vae.post_quant_conv(z))
+        stats.finish()
+        stats.mode = "apply"
+        stats.start_tile()
+        again = vae.decoder(vae.post_quant_conv(z))
+    torch.testing.assert_close(again, full, rtol=1e-4, atol=1e-4)
+    assert len(stats.fixed) == len(stats.norms) + 0  # every GroupNorm called once per run
+    assert all(m.__dict__.get("forward") is None for m in stats.norms)  # unpatched afterwards
+
+
+@torch.no_grad()
+def test_small_images_decode_in_one_piece(vae):
+    z = torch.randn(1, 4, 16, 12)
+    want = vae.decoder(vae.post_quant_conv(z))
+    tile_vae(vae)
+    try:
+        got = vae.decode(z).sample
+    finally:
+        untile_vae(vae)
+    torch.testing.assert_close(got, want, rtol=0, atol=0)
+
+
+@torch.no_grad()
+def test_untile_restores_behaviour_and_settings(vae):
+    z = torch.randn(1, 4, 40, 40)
+    vae.disable_tiling()
+    before = {k: getattr(vae, k) for k in ("tile_sample_min_size", "tile_latent_min_size", "tile_overlap_factor")}
+    report = tile_vae(vae, tile_size=48, overlap=0.5)
+    assert report["patched"] and vae.use_tiling and vae.tile_latent_min_size == 12
+    assert "tiled_decode" in vae.__dict__ and "_tiled_encode" in vae.__dict__
+    assert untile_vae(vae) and not untile_vae(vae)
+    assert not any(k in vae.__dict__ for k in ("tiled_decode", "_tiled_encode", "tiled_encode", "_pyext_tiling"))
+    assert {k: getattr(vae, k) for k in before} == before and not vae.use_tiling
+    vae.enable_tiling()
+    torch.testing.assert_close(vae.decode(z).sample, vae.tiled_decode(z).sample, rtol=0, atol=0)
+    assert type(vae).tiled_decode is diffusers.AutoencoderKL.tiled_decode  # the class was never touched
+    vae.disable_tiling()
+
+
+@torch.no_grad()
+def test_disable_tiling_after_tile_vae_is_honoured(vae):
+    z = torch.randn(1, 4, 40, 40)
+    tile_vae(vae)
+    try:
+        vae.disable_tiling()
+        got = vae.decode(z).sample
+    finally:
+        untile_vae(vae)
+    torch.testing.assert_close(got, vae.decoder(vae.post_quant_conv(z)), rtol=0, atol=0)
+
+
+@torch.no_grad()
+def test_slicing_decodes_one_image_at_a_time(vae):
+    z = torch.randn(2, 4, 40, 36)
+    tile_vae(vae)
+    try:
+        vae.enable_slicing()
+        batched = vae.decode(z).sample
+        vae.disable_slicing()
+        single = torch.cat([vae.decode(z[i:i + 1]).sample for i in range(2)])
+    finally:
+        untile_vae(vae)
+    torch.testing.assert_close(batched, single, rtol=0, atol=0)
+
+
+@torch.no_grad()
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+def test_keeps_dtype(dtype):
+    vae = _vae(dtype)
+    z = torch.randn(1, 4, 40, 40, dtype=dtype)
+    tile_vae(vae, consistent_tones=True)
+    out = vae.decode(z).sample
+    assert out.dtype == dtype and out.shape == (1, 3, 160, 160) and torch.isfinite(out.float()).all()
+
+
+@torch.no_grad()
+def test_composes_with_accelerate_offload_hooks():
+    accelerate = pytest.importorskip("accelerate")
+    z = torch.randn(1, 4, 40, 40)
+    plain = _vae(seed=3)
+    tile_vae(plain, consistent_tones=True)  # also routes every GroupNorm through our forward
+    want = plain.decode(z).sample
+    hooked = _vae(seed=3)
+    accelerate.cpu_offload(hooked, execution_device=torch.device("cpu"))
+    assert hasattr(hooked.decoder.conv_norm_out, "_hf_hook")  # GroupNorm forwards go through the hooks
+    tile_vae(hooked, consistent_tones=True)
+    got = hooked.decode(z).sample
+    torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
+    untile_vae(hooked)
+    assert "_old_forward" in hooked.decoder.conv_norm_out.__dict__  # hooks left as they were
+
+
+def test_other_vae_classes_keep_diffusers_tiling():
+    tiny = diffusers.AutoencoderTiny(encoder_block_out_channels=(8, 8), decoder_block_out_channels=(8, 8),
+                                     num_encoder_blocks=(1, 1), num_decoder_blocks=(1, 1))
+    report = tile_vae(tiny)
+    assert report["patched"] is False and "keeps diffusers' own tiling" in report["reason"]
+    assert "tiled_decode" not in tiny.__dict__
+
+
+def test_bad_arguments(vae):
+    with pytest.raises(PyextError, match="pyext.tile_vae: mode must be one of"):
+        tile_vae(vae, mode="fancy")
+    with pytest.raises(PyextError, match="tile_size must be a positive multiple of 4"):
+        tile_vae(vae, tile_size=30)
+    with pytest.raises(PyextError, match="overlap must be a fraction"):
+        tile_vae(vae, overlap=1.5)
+    assert "_pyext_tiling" not in vae.__dict__
