@@ -215,7 +215,7 @@ def _step_vae(pipe, opts, state, ctx):
         except ImportError as err:
             state.entries.append(Entry("vae", "vae_tiling", "skipped", f"pyext.vae unavailable: {err}"))
         else:
-            report = pvae.tile_vae(vae, always=tiling == "on")
+            report = pvae.tile_vae(vae)  # diffusers still decides per image: tiles only when larger than a tile
             state.entries.append(Entry("vae", "vae_tiling", "applied", str(report)))
             state.undo.append(("vae: tiling", lambda: (pvae.untile_vae(vae), "diffusers' VAE decode again")[1]))
     slicing = opts.vae_slicing

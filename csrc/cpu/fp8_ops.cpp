@@ -67,7 +67,7 @@ void fp8_upcast_out_cpu(const at::Tensor& w, const at::Tensor& scale, at::Tensor
 // that stays in L2, so the full-precision weight never exists in memory and the
 // upcast costs no memory traffic beyond reading the fp8 bytes once.
 at::Tensor fp8_linear_cpu(const at::Tensor& x, const at::Tensor& w, const at::Tensor& scale,
-                          const std::optional<at::Tensor>& bias) {
+                          const std::optional<at::Tensor>& bias, int64_t tile_rows) {
   check_fp8_weight(w, scale);
   TORCH_CHECK(w.dim() == 2 && x.size(-1) == w.size(1), "pyext fp8_linear: shape mismatch");
   const int64_t K = w.size(1), N = w.size(0);
@@ -80,13 +80,15 @@ at::Tensor fp8_linear_cpu(const at::Tensor& x, const at::Tensor& w, const at::Te
   if (M == 0 || N == 0) return y.view(out_shape);
   if (K == 0) return (bias ? y.copy_(bias->expand({M, N})) : y.zero_()).view(out_shape);
 
-  // Tile width: small GEMMs (few tokens) are bound by reading the weight, so the
-  // upcast tile should stay in L2 while the GEMM consumes it; large GEMMs are
-  // compute bound and prefer few wide calls, so their tile is sized for L3.
+  // Tile width (weight rows upcast at once). Narrow tiles keep the upcast weight in
+  // cache but cost GEMM efficiency (every call re-packs x, and each distinct tile shape
+  // is another oneDNN primitive), so tiles are as wide as an L3-sized buffer allows
+  // and split N evenly (no odd tail shape). tile_rows > 0 overrides, for the bench.
   const int64_t esize = x.element_size();
-  const int64_t tile_bytes = M >= 512 ? (4 << 20) : (512 << 10);
-  int64_t tile = std::max<int64_t>(16, (tile_bytes / (K * esize)) / 16 * 16);
-  tile = std::min(tile, N);
+  constexpr int64_t kTileBytes = 8 << 20;
+  int64_t tile = tile_rows > 0 ? tile_rows : std::max<int64_t>(16, kTileBytes / (K * esize));
+  const int64_t ntiles = (N + tile - 1) / std::min(tile, N);
+  tile = (N + ntiles - 1) / ntiles;
   // One scratch buffer per thread, reused across calls and layers (no page faults per call).
   thread_local at::Tensor buffer;
   if (!buffer.defined() || buffer.numel() < tile * K || buffer.scalar_type() != x.scalar_type())
@@ -107,7 +109,7 @@ at::Tensor fp8_linear_cpu(const at::Tensor& x, const at::Tensor& w, const at::Te
 
 TORCH_LIBRARY_FRAGMENT(pyext_C, m) {
   m.def("fp8_upcast_out(Tensor w, Tensor scale, Tensor(a!) out) -> ()");
-  m.def("fp8_linear(Tensor x, Tensor w, Tensor scale, Tensor? bias) -> Tensor");
+  m.def("fp8_linear(Tensor x, Tensor w, Tensor scale, Tensor? bias, int tile_rows=0) -> Tensor");
 }
 
 TORCH_LIBRARY_IMPL(pyext_C, CPU, m) {
