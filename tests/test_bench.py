@@ -101,3 +101,25 @@ def test_markdown_shows_reasons_and_failures(tmp_path):
     assert "n/a: xformers not installed" in md and "FAIL: PSNR < 20 dB" in md and "2.00x" in md
     plot.write_chart(report, tmp_path / "t.png")
     assert (tmp_path / "t.png").stat().st_size > 1000
+
+
+def test_kernels_table_runs_suites_and_reports_missing_ones(monkeypatch):
+    import types
+
+    from bench import kernels
+
+    fake = types.ModuleType("bench.fake")
+    fake.run = lambda: [{"bench": "upcast", "n": 4, "ms": 0.25}, {"bench": "upcast", "n": 8, "ms": 0.5},
+                        {"bench": "linear", "shape": "(2, 3)", "gflops": 1.5}]
+    broken = types.ModuleType("bench.broken")
+    broken.run = lambda: 1 / 0
+    monkeypatch.setitem(sys.modules, "bench.fake", fake)
+    monkeypatch.setitem(sys.modules, "bench.broken", broken)
+    results = {n: kernels.run_suite(n) for n in ("fake", "broken", "no_such_suite")}
+    assert len(results["fake"]["rows"]) == 3
+    assert results["broken"]["reason"].startswith("failed: ZeroDivisionError")
+    assert results["no_such_suite"]["reason"].startswith("not available")
+    table = kernels.format_table(results)
+    assert "### fake: upcast" in table and "### fake: linear" in table
+    assert "| 8 | 0.5 |" in table and "| (2, 3) | 1.5 |" in table
+    assert "| broken | failed: ZeroDivisionError" in table
