@@ -16,14 +16,14 @@ import functools
 import json
 import os
 import platform
-import shutil
-import statistics
 import multiprocessing
-import sys
+import shutil
 import tempfile
 import time
 import traceback
 from dataclasses import asdict, dataclass
+
+import torch
 
 PROMPT = "a photo of an astronaut riding a horse on mars"
 SEED = 0
@@ -57,14 +57,16 @@ PRESETS = {
         ("torch_compile", "not run in preset tiny: inductor needs minutes on CPU; see presets cpu/gpu"),)),
 }
 
-# Cumulative like the seed's table. The attention rows start again from channels_last:
-# a traced graph freezes whatever attention it was traced with.
+# row -> (half precision?, steps applied in order). Cumulative like the seed's table, with two
+# restarts: the attention rows start again from channels_last (a traced graph freezes the
+# attention it was traced with), and pyext_optimize gets the plain half-precision pipeline
+# (it decides the rest itself).
 ROWS = {
     "original": (False, ("classic_attention",)),
     "fp16": (True, ("classic_attention",)),
     "channels_last": (True, ("classic_attention", "channels_last")),
     "traced_unet": (True, ("classic_attention", "channels_last", "trace_unet")),
-    "memory_efficient_attention": (True, ("channels_last", "pyext_attention")),
+    "memory_efficient_attention": (True, ("channels_last", "sdpa_attention", "pyext_attention")),
     "sdpa_attention": (True, ("channels_last", "sdpa_attention")),
     "xformers": (True, ("channels_last", "xformers")),
     "pyext_fp8": (True, ("channels_last", "sdpa_attention", "pyext_fp8")),
@@ -87,8 +89,6 @@ class RowUnavailable(Exception):
 
 
 def half_dtype(device: str):
-    import torch
-
     # CPU has no fast fp16 GEMM; bf16 is the CPU's half precision (labelled so in the table).
     return torch.float16 if device == "cuda" else torch.bfloat16
 
@@ -116,7 +116,7 @@ def unavailable(name: str, preset: Preset) -> str | None:
 
 
 # ---------------------------------------------------------------- row steps
-class TracedUNet(__import__("torch").nn.Module):
+class TracedUNet(torch.nn.Module):
     """The seed's wrapper: the pipeline keeps calling `pipe.unet(...)`, the traced graph runs."""
 
     def __init__(self, unet, traced):
@@ -137,8 +137,6 @@ class TracedUNet(__import__("torch").nn.Module):
 
 
 def _trace_unet(pipe, preset):
-    import torch
-
     unet = pipe.unet
     dev, dtype = unet.device, unet.dtype
     g = torch.Generator().manual_seed(1)
@@ -153,8 +151,8 @@ def _trace_unet(pipe, preset):
     pipe.unet = TracedUNet(unet, traced)
 
 
-def _apply_step(pipe, step, preset):
-    import torch
+def _apply_step(pipe, step, preset, notes: dict):
+    """Applies one row step to `pipe` (returns the pipeline); what it did goes to `notes`."""
     from diffusers.models import attention_processor as ap
 
     if step == "classic_attention":  # the pre-PyTorch-2 processor: explicit softmax(QK^T)V
@@ -172,7 +170,9 @@ def _apply_step(pipe, step, preset):
             import pyext.attention
         except ImportError as e:
             raise RowUnavailable(f"pyext.attention not available ({e})")
-        pyext.attention.apply(pipe)
+        report = pyext.attention.apply(pipe)
+        if report.patched == 0:
+            raise RuntimeError(f"pyext.attention patched no layer: {report}")
     elif step == "xformers":
         try:
             import xformers  # noqa: F401
@@ -184,7 +184,9 @@ def _apply_step(pipe, step, preset):
     elif step == "pyext_fp8":
         import pyext
 
-        pyext.quantize_fp8(pipe.unet)
+        report = pyext.quantize_fp8(pipe.unet)
+        notes["pyext_fp8"] = (f"{len(report.converted)} UNet layers in fp8, their weights "
+                              f"{report.bytes_before / 2**20:.1f} -> {report.bytes_after / 2**20:.1f} MiB")
     elif step == "pyext_optimize":
         import pyext
 
@@ -203,8 +205,8 @@ class StageClock:
     """Wall time per pipeline stage, by wrapping the components' entry points on this instance."""
 
     def __init__(self, device):
-        self.sync = __import__("torch").cuda.synchronize if device == "cuda" else (lambda: None)
-        self.totals, self.calls = {}, {}
+        self.sync = torch.cuda.synchronize if device == "cuda" else (lambda: None)
+        self.totals = {}
 
     def wrap(self, owner, attr, stage):
         inner = getattr(owner, attr)
@@ -215,17 +217,14 @@ class StageClock:
             out = inner(*args, **kwargs)
             self.sync()
             self.totals[stage] = self.totals.get(stage, 0.0) + time.perf_counter() - t0
-            self.calls[stage] = self.calls.get(stage, 0) + 1
             return out
         setattr(owner, attr, timed)
 
     def reset(self):
-        self.totals, self.calls = {}, {}
+        self.totals = {}
 
 
 def _weight_bytes(pipe) -> int:
-    import torch
-
     total = 0
     for name in ("unet", "text_encoder", "vae"):
         module = getattr(pipe, name)
@@ -257,8 +256,6 @@ def _peak_rss_bytes() -> int:
 
 def run_row(name: str, spec: dict) -> dict:
     """Runs one row in this process; returns its measurements (and writes its image)."""
-    import torch
-
     import pyext.offline
 
     preset = Preset(**spec["preset"])
@@ -272,8 +269,9 @@ def run_row(name: str, spec: dict) -> dict:
     from diffusers import DDIMScheduler
     if not isinstance(pipe.scheduler, DDIMScheduler):  # the seed's table is DDIM (real SD1.5 ships PNDM)
         pipe.scheduler = DDIMScheduler.from_config(pipe.scheduler.config)
+    notes = {}
     for step in steps:
-        pipe = _apply_step(pipe, step, preset)
+        pipe = _apply_step(pipe, step, preset, notes)
     clock = StageClock(preset.device)
     clock.wrap(pipe.text_encoder, "forward", "text_encoding")
     clock.wrap(pipe.unet, "forward", "denoising")
@@ -312,6 +310,12 @@ def run_row(name: str, spec: dict) -> dict:
         "peak_memory_bytes": peak, "peak_memory_kind": peak_kind, "weight_bytes": _weight_bytes(pipe),
         "dtype": str(dtype).replace("torch.", ""), "steps": list(steps),
     }
+    if "pyext_attention" in steps:  # proof that pyext's kernel ran, and how often torch's did instead
+        import pyext.attention
+        st = pyext.attention.status(pipe)
+        notes["pyext_attention"] = (f"backend {st['backend'] or 'auto'}: {st['patched']} layers patched, "
+                                    f"{st['pyext_calls']} pyext calls, {st['fallbacks']} fallbacks to torch")
+    result["notes"] = notes
     os.makedirs(os.path.join(spec["out"], "images"), exist_ok=True)
     torch.save(image.float().cpu(), os.path.join(spec["out"], "images", f"{name}.pt"))
     if name == "original":  # what an unrelated image scores: the floor the threshold sits above
@@ -337,8 +341,6 @@ def _worker(name: str, spec_path: str, result_path: str) -> None:
 # ---------------------------------------------------------------- the parent
 def compare_images(out: str, rows: dict) -> float | None:
     """Adds max_abs_diff / psnr_db / check to every measured row; returns the unrelated image's PSNR."""
-    import torch
-
     def load(name):
         path = os.path.join(out, "images", f"{name}.pt")
         return torch.load(path) if os.path.exists(path) else None
@@ -364,8 +366,6 @@ def compare_images(out: str, rows: dict) -> float | None:
 
 
 def machine_info(device: str) -> dict:
-    import torch
-
     info = {"platform": platform.platform(), "python": platform.python_version(), "cpu": platform.processor(),
             "cpu_count": os.cpu_count(), "torch_threads": torch.get_num_threads()}
     try:
@@ -382,7 +382,6 @@ def machine_info(device: str) -> dict:
 
 def versions() -> dict:
     import diffusers
-    import torch
     import transformers
 
     import pyext
@@ -390,10 +389,10 @@ def versions() -> dict:
             "pyext": pyext.__version__, "pyext_extension": "loaded" if pyext._ext.EXT is not None else "missing"}
 
 
-def prepare_model(args, preset: Preset, workdir: str) -> tuple[str, str]:
+def prepare_model(model: str | None, preset: Preset, workdir: str) -> tuple[str, str]:
     """(path or id every row loads, what the weights are)."""
-    if args.model:
-        return args.model, f"real: {args.model}"
+    if model:
+        return model, f"real: {model}"
     import pyext.offline
 
     path = os.path.join(workdir, "model")
@@ -419,7 +418,7 @@ def run(preset_name: str, out: str, model: str | None = None, rows: list[str] | 
     workdir = tempfile.mkdtemp(prefix="bench_latency_")
     try:
         print(f"bench.latency: preparing sd15 ({preset.size}) ...", flush=True)
-        model_path, weights = prepare_model(argparse.Namespace(model=model), preset, workdir)
+        model_path, weights = prepare_model(model, preset, workdir)
         spec = {"preset": asdict(preset), "model_path": model_path, "out": os.path.abspath(out),
                 "repeats": repeats or preset.repeats}
         spec_path = os.path.join(workdir, "spec.json")

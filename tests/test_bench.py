@@ -123,3 +123,18 @@ def test_kernels_table_runs_suites_and_reports_missing_ones(monkeypatch):
     assert "### fake: upcast" in table and "### fake: linear" in table
     assert "| 8 | 0.5 |" in table and "| (2, 3) | 1.5 |" in table
     assert "| broken | failed: ZeroDivisionError" in table
+
+
+def test_make_bench_picks_the_preset_from_the_machine(monkeypatch):
+    from bench import run
+
+    seen = []
+    monkeypatch.setattr(latency, "main", lambda argv: seen.append(argv))
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
+    run.main([])
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    run.main(["--rows", "original"])
+    run.main(["--preset", "tiny", "--out", "x"])
+    assert seen == [["--preset", "cpu", "--out", "bench_out"],
+                    ["--rows", "original", "--preset", "gpu", "--out", "bench_out"],
+                    ["--preset", "tiny", "--out", "x"]]
