@@ -59,8 +59,8 @@ PRESETS = {
 
 # row -> (half precision?, steps applied in order). Cumulative like the seed's table, with two
 # restarts: the attention rows start again from channels_last (a traced graph freezes the
-# attention it was traced with), and pyext_optimize gets the plain half-precision pipeline
-# (it decides the rest itself).
+# attention it was traced with), and pyext_optimize gets the pipeline as `original` loads it
+# (fp32): the one call decides dtype, attention, fp8, memory format itself.
 ROWS = {
     "original": (False, ("classic_attention",)),
     "fp16": (True, ("classic_attention",)),
@@ -70,7 +70,7 @@ ROWS = {
     "sdpa_attention": (True, ("channels_last", "sdpa_attention")),
     "xformers": (True, ("channels_last", "xformers")),
     "pyext_fp8": (True, ("channels_last", "sdpa_attention", "pyext_fp8")),
-    "pyext_optimize": (True, ("pyext_optimize",)),
+    "pyext_optimize": (False, ("pyext_optimize",)),
     "torch_compile": (True, ("channels_last", "sdpa_attention", "torch_compile")),
 }
 
@@ -192,7 +192,9 @@ def _apply_step(pipe, step, preset, notes: dict):
 
         if not hasattr(pyext, "optimize"):
             raise RowUnavailable("pyext.optimize does not exist yet")
-        pipe = pyext.optimize(pipe) or pipe
+        pipe = pyext.optimize(pipe, height=preset.height, width=preset.width) or pipe
+        if hasattr(pyext, "report"):
+            notes["pyext_optimize"] = " ".join(str(pyext.report(pipe)).split())
     elif step == "torch_compile":
         pipe.unet = torch.compile(pipe.unet)
     else:
@@ -308,7 +310,7 @@ def run_row(name: str, spec: dict) -> dict:
         "stages_s": {**stages, "other": latency - sum(stages.values())},
         "denoiser_it_per_s": preset.steps / stages["denoising"] if stages.get("denoising") else None,
         "peak_memory_bytes": peak, "peak_memory_kind": peak_kind, "weight_bytes": _weight_bytes(pipe),
-        "dtype": str(dtype).replace("torch.", ""), "steps": list(steps),
+        "dtype": str(pipe.unet.dtype).replace("torch.", ""), "steps": list(steps),
     }
     if "pyext_attention" in steps:  # proof that pyext's kernel ran, and how often torch's did instead
         import pyext.attention

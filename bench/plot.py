@@ -53,7 +53,8 @@ def write_markdown(report: dict, path: str) -> None:
             "identical" if psnr == float("inf") else _fmt(psnr, ".1f", " dB"), row.get("check", ""), seed + " |",
         ]))
     unrelated = report.get("unrelated_psnr_db")
-    notes = [f"- `{name}`: {note}" for name, row in rows.items() for note in row.get("notes", {}).values()]
+    notes = [f"- `{name}`: {note[:300]}" + ("..." if len(note) > 300 else "")
+             for name, row in rows.items() for note in row.get("notes", {}).values()]
     lines += ([""] + notes if notes else []) + [
         "",
         f"Peak memory: {next((r['peak_memory_kind'] for r in rows.values() if 'peak_memory_kind' in r), '-')}. "
