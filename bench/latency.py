@@ -18,6 +18,8 @@ import os
 import platform
 import multiprocessing
 import shutil
+import signal
+import sys
 import tempfile
 import time
 import traceback
@@ -49,7 +51,7 @@ PRESETS = {
     # The same full SD1.5 architecture, scaled to finish all rows in minutes on 2 cores:
     # 256x256 instead of 512x512 (latents 32x32 instead of 64x64), 2 steps instead of 50,
     # 1 timed run after a 1-step warm-up. A long row timeout leaves torch.compile its chance.
-    "cpu": Preset("full", "cpu", 256, 256, 2, 1, 1, 900),
+    "cpu": Preset("full", "cpu", 256, 256, 2, 1, 1, 600),
     # CI: the tiny sd15 of pyext.offline, seconds for all rows.
     # One thread: tiny ops gain nothing from two, and on a shared machine a stalled
     # second thread only adds noise.
@@ -406,8 +408,6 @@ def run(preset_name: str, out: str, model: str | None = None, rows: list[str] | 
         repeats: int | None = None) -> dict:
     from tqdm import tqdm
 
-    from bench import plot
-
     preset = PRESETS[preset_name]
     rows = rows or list(ROWS)
     unknown = [r for r in rows if r not in ROWS]
@@ -432,6 +432,12 @@ def run(preset_name: str, out: str, model: str | None = None, rows: list[str] | 
         ctx = multiprocessing.get_context("forkserver")
         ctx.set_forkserver_preload(["torch", "diffusers", "transformers", "pyext", "bench.latency"])
         results = {}
+        report = {
+            "preset": preset_name, "preset_parameters": asdict(preset), "repeats": spec["repeats"],
+            "model": "sd15 " + (preset.size if not model else model), "weights": weights, "prompt": PROMPT,
+            "seed": SEED, "guidance_scale": 7.5, "scheduler": "DDIMScheduler", "min_psnr_db": MIN_PSNR_DB,
+            "versions": versions(), "rows": results, "rows_planned": rows, "seed_titan_rtx_s": SEED_TITAN_RTX,
+        }
         bar = tqdm(rows, desc="rows", unit="row")
         for name in bar:
             bar.set_postfix_str(name)
@@ -441,21 +447,21 @@ def run(preset_name: str, out: str, model: str | None = None, rows: list[str] | 
                              _run_in_subprocess(ctx, name, spec_path, workdir, out, preset.row_timeout_s))
             results[name]["row_wall_s"] = time.perf_counter() - t0  # the whole row: load, set-up, runs
             tqdm.write(f"  {name:28s} {_short(results[name])}  (row took {results[name]['row_wall_s']:.1f} s)")
+            _write_outputs(report, out, preset)  # after every row: a long run killed midway keeps its rows
     finally:
         shutil.rmtree(workdir, ignore_errors=True)
-    report = {
-        "preset": preset_name, "preset_parameters": asdict(preset), "repeats": spec["repeats"],
-        "model": "sd15 " + (preset.size if not model else model), "weights": weights, "prompt": PROMPT,
-        "seed": SEED, "guidance_scale": 7.5, "scheduler": "DDIMScheduler", "min_psnr_db": MIN_PSNR_DB,
-        "machine": machine_info(preset.device), "versions": versions(), "rows": results,
-        "seed_titan_rtx_s": SEED_TITAN_RTX,
-    }
-    report["unrelated_psnr_db"] = compare_images(out, results)
+    return report
+
+
+def _write_outputs(report: dict, out: str, preset: Preset) -> None:
+    from bench import plot
+
+    report["machine"] = machine_info(preset.device)
+    report["unrelated_psnr_db"] = compare_images(out, report["rows"])
     with open(os.path.join(out, "latency.json"), "w") as f:
         json.dump(report, f, indent=1)
     plot.write_markdown(report, os.path.join(out, "latency.md"))
     plot.write_chart(report, os.path.join(out, "latency.png"))
-    return report
 
 
 def _short(row: dict) -> str:
@@ -475,10 +481,14 @@ def _run_in_subprocess(ctx, name, spec_path, workdir, out, timeout_s) -> dict:
     proc = ctx.Process(target=_row_process, args=(name, spec_path, result_path,
                                                   os.path.join(out, "logs", f"{name}.log")))
     proc.start()
-    proc.join(timeout_s)
-    if proc.is_alive():
-        proc.kill()
-        proc.join()
+    try:
+        proc.join(timeout_s)
+        timed_out = proc.is_alive()
+    finally:  # also on Ctrl-C / SIGTERM of the parent: a row must not outlive the benchmark
+        if proc.is_alive():
+            proc.kill()
+            proc.join()
+    if timed_out:
         return {"reason": f"timed out after {timeout_s} s (log: logs/{name}.log)"}
     if not os.path.exists(result_path):
         return {"reason": f"worker died with exit code {proc.exitcode} (log: logs/{name}.log)"}
@@ -494,6 +504,8 @@ def main(argv=None):
     p.add_argument("--rows", help=f"comma-separated subset of {','.join(ROWS)}")
     p.add_argument("--repeats", type=int)
     args = p.parse_args(argv)
+    # SIGTERM unwinds like Ctrl-C, so the running row's process is killed too (see _run_in_subprocess).
+    signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))
     report = run(args.preset, args.out, args.model, args.rows.split(",") if args.rows else None, args.repeats)
     print(open(os.path.join(args.out, "latency.md")).read())
     return report

@@ -67,6 +67,9 @@ def write_markdown(report: dict, path: str) -> None:
         "The seed column is the published Titan RTX table (512x512, 50 DDIM steps, real SD1.5 weights), for "
         "reference only: different machine, and on other presets a different workload.",
     ]
+    missing = [r for r in report.get("rows_planned", []) if r not in rows]
+    if missing:
+        lines += ["", f"**Incomplete: rows not run (yet): {', '.join(missing)}.**"]
     with open(path, "w") as f:
         f.write("\n".join(lines) + "\n")
 
