@@ -6,6 +6,9 @@
 #   4. leaves every log and result in one folder: $OUT if set, else gpu_check_out/.
 # It does not stop at the first failure: each step's exit code is in $DEST/status.txt and the
 # script exits non-zero if any step failed.
+# Steps: wheels info build tests latency kernels. Arguments pick some of them, in that order, e.g.
+#   bash bench/gpu_check.sh wheels build tests     # then, in a later call on the same machine:
+#   bash bench/gpu_check.sh latency kernels        # (where one call has a time limit)
 #
 # Fetch the wheels beforehand on a machine with network (same Python minor as the GPU machine;
 # torch is NOT included: the GPU machine's own CUDA torch is used):
@@ -22,8 +25,11 @@ DEST="${OUT:-gpu_check_out}"
 WHEELS="${WHEELS:-.whl}"
 PY="${PYTHON:-python3}"
 mkdir -p "$DEST"
-: > "$DEST/status.txt"
+touch "$DEST/status.txt"  # appended to: split runs keep one record
 failed=0
+
+WANT=" ${*:-wheels info build tests latency kernels} "
+wanted() { [[ "$WANT" == *" $1 "* ]]; }
 
 step() {  # step NAME CMD...: runs CMD, output to $DEST/NAME.log, records the exit code
     local name=$1; shift
@@ -34,16 +40,16 @@ step() {  # step NAME CMD...: runs CMD, output to $DEST/NAME.log, records the ex
     [ $rc -eq 0 ] || { failed=1; echo "   $name FAILED (rc $rc), see $DEST/$name.log"; tail -5 "$DEST/$name.log"; }
 }
 
-if [ -d "$WHEELS" ] && ls "$WHEELS"/*.whl > /dev/null 2>&1; then
+if wanted wheels && [ -d "$WHEELS" ] && ls "$WHEELS"/*.whl > /dev/null 2>&1; then
     step install_wheels "$PY" -m pip install --no-index --find-links "$WHEELS" \
         diffusers transformers accelerate safetensors tqdm matplotlib pytest ninja
 fi
-step info_before "$PY" -c "import torch; print(torch.__version__, torch.version.cuda, torch.cuda.is_available(), torch.cuda.get_device_name(0) if torch.cuda.is_available() else '')"
-nvidia-smi > "$DEST/nvidia-smi.txt" 2>&1 || true
-step build env MAX_JOBS="${MAX_JOBS:-8}" "$PY" setup.py build_ext --inplace
-step pyext_info "$PY" -m pyext info
-step tests "$PY" -m pytest -q --junitxml="$DEST/tests.xml" tests
-step latency "$PY" -m bench.latency --preset gpu --out "$DEST/latency"
-step kernels "$PY" -m bench.kernels --json "$DEST/kernels.json"
+wanted info && step info_before "$PY" -c "import torch; print(torch.__version__, torch.version.cuda, torch.cuda.is_available(), torch.cuda.get_device_name(0) if torch.cuda.is_available() else '')"
+wanted info && { nvidia-smi > "$DEST/nvidia-smi.txt" 2>&1 || true; }
+wanted build && step build env MAX_JOBS="${MAX_JOBS:-8}" "$PY" setup.py build_ext --inplace
+wanted build && step pyext_info "$PY" -m pyext info
+wanted tests && step tests "$PY" -m pytest -q --junitxml="$DEST/tests.xml" tests
+wanted latency && step latency "$PY" -m bench.latency --preset gpu --out "$DEST/latency"
+wanted kernels && step kernels "$PY" -m bench.kernels --json "$DEST/kernels.json"
 cat "$DEST/status.txt"
 exit $failed
