@@ -313,6 +313,7 @@ def run_row(name: str, spec: dict) -> dict:
         "denoiser_it_per_s": preset.steps / stages["denoising"] if stages.get("denoising") else None,
         "peak_memory_bytes": peak, "peak_memory_kind": peak_kind, "weight_bytes": _weight_bytes(pipe),
         "dtype": str(pipe.unet.dtype).replace("torch.", ""), "steps": list(steps),
+        "load_average_1m": os.getloadavg()[0],  # other processes' load: on a shared machine, the noise
     }
     if "pyext_attention" in steps:  # proof that pyext's kernel ran, and how often torch's did instead
         import pyext.attention

@@ -67,6 +67,10 @@ def write_markdown(report: dict, path: str) -> None:
         "The seed column is the published Titan RTX table (512x512, 50 DDIM steps, real SD1.5 weights), for "
         "reference only: different machine, and on other presets a different workload.",
     ]
+    loads = [r["load_average_1m"] for r in rows.values() if "load_average_1m" in r]
+    if loads:
+        lines.append(f"1-minute load average at the end of each row: {min(loads):.1f} to {max(loads):.1f} "
+                     f"on {m['cpu_count']} CPUs (above the CPU count, other processes shared the machine).")
     missing = [r for r in report.get("rows_planned", []) if r not in rows]
     if missing:
         lines += ["", f"**Incomplete: rows not run (yet): {', '.join(missing)}.**"]
