@@ -32,8 +32,8 @@ from pyext.dispatch import PyextError
 
 ARCHS = ("sd15", "sdxl", "sd3", "flux")
 SIZES = ("tiny", "full")
-# Full Flux is 12B parameters: 48 GB in fp32. Building it needs an explicit 16-bit
-# dtype or device="meta", so a default call cannot exhaust a machine's memory.
+# Full Flux is 16.8B parameters (12B transformer + 4.8B T5): 67 GB in fp32. Building it needs
+# an explicit 16-bit dtype or device="meta", so a default call cannot exhaust a machine's memory.
 _FP32_REFUSED = {("flux", "full")}
 
 
@@ -95,8 +95,9 @@ def _build_component(name: str, cls_name: str, config: dict, dtype: torch.dtype,
         return _TOKENIZERS[cls_name](config)
     if cls_name.endswith("Scheduler"):  # holds float32 CPU tensors of its own: no default dtype/device
         return getattr(diffusers, cls_name).from_config(config)
-    torch.manual_seed(seed * 1_000_003 + zlib.crc32(name.encode()))  # per component: independent of build order
-    with _construction(dtype, device):
+    # fork_rng: seeding here must not change the caller's random stream.
+    with torch.random.fork_rng(devices=[]), _construction(dtype, device):
+        torch.manual_seed(seed * 1_000_003 + zlib.crc32(name.encode()))  # per component: independent of order
         if hasattr(transformers, cls_name):
             cls = getattr(transformers, cls_name)
             return cls(cls.config_class(**config)).eval()
@@ -127,13 +128,13 @@ def build_pipeline(arch: str, size: str = "tiny", dtype: torch.dtype = torch.flo
     """
     import diffusers
 
-    if not (isinstance(dtype, torch.dtype) and dtype.is_floating_point) or dtype.itemsize < 2:
+    if dtype not in (torch.float32, torch.float16, torch.bfloat16):
         raise PyextError(f"pyext.offline.build_pipeline: dtype {dtype} not supported; use float32, float16 or bfloat16")
     spec = load_config(arch, size)
     meta = str(device) == "meta"
     if (arch, size) in _FP32_REFUSED and dtype == torch.float32 and not meta:
-        raise PyextError(f"pyext.offline.build_pipeline: {arch}/{size} in float32 needs ~48 GB; "
-                         "pass dtype=torch.bfloat16 (24 GB) or device='meta'")
+        raise PyextError(f"pyext.offline.build_pipeline: {arch}/{size} in float32 needs ~67 GB; "
+                         "pass dtype=torch.bfloat16 (~34 GB) or device='meta'")
     parts = {name: _build_component(name, comp["class"], comp["config"], dtype, "meta" if meta else "cpu", seed)
              for name, comp in spec["components"].items()}
     pipe = getattr(diffusers, spec["pipeline"])(**parts, **spec["extra"])

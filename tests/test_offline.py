@@ -36,9 +36,15 @@ def test_weights_are_seeded(arch):
         assert any(not torch.equal(sa[k], sc[k]) for k in sa if sa[k].is_floating_point()), f"{name}: seed ignored"
 
 
-def test_dtype_is_applied():
-    pipe = offline.build_pipeline("sd15", "tiny", dtype=torch.bfloat16)
-    assert all(p.dtype == torch.bfloat16 for m in _modules(pipe).values() for p in m.parameters())
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
+def test_dtype_is_applied_and_callers_rng_untouched(dtype):
+    torch.manual_seed(123)
+    expected = torch.rand(3)
+    torch.manual_seed(123)
+    pipe = offline.build_pipeline("sd15", "tiny", dtype=dtype)
+    assert torch.equal(torch.rand(3), expected)  # building did not consume or reseed the caller's stream
+    assert all(p.dtype == dtype for m in _modules(pipe).values() for p in m.parameters())
+    assert torch.get_default_dtype() == torch.float32
 
 
 # Published parameter counts of the real checkpoints (millions), to 0.1%.

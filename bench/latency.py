@@ -1,0 +1,516 @@
+"""The seed's SD1.5 latency table, end to end, one row per optimisation.
+
+    python -m bench.latency --preset {gpu,cpu,tiny} --out DIR [--model PATH_OR_ID]
+                            [--rows a,b,c] [--repeats N]
+
+Each row runs in a fresh process (forked from a clean server): rows cannot leak state (patched
+attention, compiled graphs, allocator caches) into each other, and the process's
+peak memory is that row's. The parent builds the model once (random weights from
+pyext.offline unless --model names real ones), saves it, and every row loads it.
+Outputs in DIR: latency.json, latency.md, latency.png, images/<row>.pt, logs/<row>.log.
+"""
+from __future__ import annotations
+
+import argparse
+import functools
+import json
+import os
+import platform
+import multiprocessing
+import shutil
+import signal
+import sys
+import tempfile
+import time
+import traceback
+from dataclasses import asdict, dataclass
+
+import torch
+
+PROMPT = "a photo of an astronaut riding a horse on mars"
+SEED = 0
+
+
+@dataclass(frozen=True)
+class Preset:
+    size: str            # pyext.offline size of sd15 when no --model is given
+    device: str
+    height: int
+    width: int
+    steps: int           # DDIM steps of a timed run
+    warmup_steps: int    # steps of the untimed warm-up run (same shapes, so kernels/caches are ready)
+    repeats: int         # timed runs; the row reports their median
+    row_timeout_s: int   # a row still running after this is reported as timed out
+    skip: tuple = ()     # ((row, reason), ...) rows this preset does not run
+    threads: int = 0     # torch.set_num_threads in each row; 0 keeps torch's default
+
+
+PRESETS = {
+    # The seed's setting: one 512x512 image, 50 DDIM steps, classifier-free guidance (UNet batch 2).
+    "gpu": Preset("full", "cuda", 512, 512, 50, 50, 3, 900),
+    # The same full SD1.5 architecture, scaled to finish all rows in minutes on 2 cores:
+    # 256x256 instead of 512x512 (latents 32x32 instead of 64x64), 2 steps instead of 50,
+    # 1 timed run after a 1-step warm-up. A long row timeout leaves torch.compile its chance.
+    "cpu": Preset("full", "cpu", 256, 256, 2, 1, 1, 600),
+    # CI: the tiny sd15 of pyext.offline, seconds for all rows.
+    # One thread: tiny ops gain nothing from two, and on a shared machine a stalled
+    # second thread only adds noise.
+    "tiny": Preset("tiny", "cpu", 64, 64, 2, 1, 1, 120, threads=1, skip=(
+        ("torch_compile", "not run in preset tiny: inductor needs minutes on CPU; see presets cpu/gpu"),)),
+}
+
+# row -> (half precision?, steps applied in order). Cumulative like the seed's table, with two
+# restarts: the attention rows start again from channels_last (a traced graph freezes the
+# attention it was traced with), and pyext_optimize gets the pipeline as `original` loads it
+# (fp32): the one call decides dtype, attention, fp8, memory format itself.
+ROWS = {
+    "original": (False, ("classic_attention",)),
+    "fp16": (True, ("classic_attention",)),
+    "channels_last": (True, ("classic_attention", "channels_last")),
+    "traced_unet": (True, ("classic_attention", "channels_last", "trace_unet")),
+    "memory_efficient_attention": (True, ("channels_last", "sdpa_attention", "pyext_attention")),
+    "sdpa_attention": (True, ("channels_last", "sdpa_attention")),
+    "xformers": (True, ("channels_last", "xformers")),
+    "pyext_fp8": (True, ("channels_last", "sdpa_attention", "pyext_fp8")),
+    "pyext_optimize": (False, ("pyext_optimize",)),
+    "torch_compile": (True, ("channels_last", "sdpa_attention", "torch_compile")),
+}
+
+# The seed's published Titan RTX figures (seconds), shown beside ours for reference.
+SEED_TITAN_RTX = {"original": 9.50, "fp16": 3.61, "channels_last": 3.30, "traced_unet": 3.21,
+                  "memory_efficient_attention": 2.63}
+
+# A row whose image is this far from the original row's is flagged. fp16/bf16 through the
+# whole pipeline stays well above it; a broken kernel (wrong head split, garbage) falls to
+# the level of an unrelated image, which latency.json reports as "unrelated_psnr_db".
+MIN_PSNR_DB = 20.0
+
+
+class RowUnavailable(Exception):
+    """This row cannot run here; the message is the reason shown in the table."""
+
+
+def half_dtype(device: str):
+    # CPU has no fast fp16 GEMM; bf16 is the CPU's half precision (labelled so in the table).
+    return torch.float16 if device == "cuda" else torch.bfloat16
+
+
+def unavailable(name: str, preset: Preset) -> str | None:
+    """Why a row cannot run here, when that is known without loading a model; else None."""
+    import importlib.util
+
+    skipped = dict(preset.skip).get(name)
+    if skipped:
+        return skipped
+    steps = ROWS[name][1]
+    if "pyext_attention" in steps and importlib.util.find_spec("pyext.attention") is None:
+        return "pyext.attention not available (module missing)"
+    if "xformers" in steps:
+        if importlib.util.find_spec("xformers") is None:
+            return "xformers not installed"
+        if preset.device != "cuda":
+            return "xformers memory-efficient attention needs CUDA"
+    if "pyext_optimize" in steps:
+        import pyext
+        if not hasattr(pyext, "optimize"):
+            return "pyext.optimize does not exist yet"
+    return None
+
+
+# ---------------------------------------------------------------- row steps
+class TracedUNet(torch.nn.Module):
+    """The seed's wrapper: the pipeline keeps calling `pipe.unet(...)`, the traced graph runs."""
+
+    def __init__(self, unet, traced):
+        super().__init__()
+        self.traced = traced  # a ScriptModule holding the UNet's weights
+        self.config, self.dtype, self.device = unet.config, unet.dtype, unet.device
+        self.in_channels = unet.config.in_channels
+
+    def forward(self, sample, timestep, encoder_hidden_states, return_dict=True, **unused):
+        extra = {k: v for k, v in unused.items() if v is not None}
+        if extra:  # the graph was traced without them: refuse rather than ignore
+            raise RuntimeError(f"TracedUNet: traced without {sorted(extra)}")
+        out = self.traced(sample, timestep, encoder_hidden_states)[0]
+        if return_dict:
+            from diffusers.models.unets.unet_2d_condition import UNet2DConditionOutput
+            return UNet2DConditionOutput(sample=out)
+        return (out,)
+
+
+def _trace_unet(pipe, preset):
+    unet = pipe.unet
+    dev, dtype = unet.device, unet.dtype
+    g = torch.Generator().manual_seed(1)
+    h, w = preset.height // pipe.vae_scale_factor, preset.width // pipe.vae_scale_factor
+    # As the pipeline calls it: CFG batch 2, a 0-d integer timestep, 77 text tokens.
+    inputs = (torch.randn(2, unet.config.in_channels, h, w, generator=g).to(dev, dtype),
+              torch.tensor(981, device=dev),
+              torch.randn(2, 77, unet.config.cross_attention_dim, generator=g).to(dev, dtype))
+    unet.forward = functools.partial(unet.forward, return_dict=False)  # as the seed: tuples trace
+    with torch.no_grad():
+        traced = torch.jit.trace(unet, inputs, check_trace=False)
+    pipe.unet = TracedUNet(unet, traced)
+
+
+def _apply_step(pipe, step, preset, notes: dict):
+    """Applies one row step to `pipe` (returns the pipeline); what it did goes to `notes`."""
+    from diffusers.models import attention_processor as ap
+
+    if step == "classic_attention":  # the pre-PyTorch-2 processor: explicit softmax(QK^T)V
+        pipe.unet.set_attn_processor(ap.AttnProcessor())
+        pipe.vae.set_attn_processor(ap.AttnProcessor())
+    elif step == "sdpa_attention":
+        pipe.unet.set_attn_processor(ap.AttnProcessor2_0())
+        pipe.vae.set_attn_processor(ap.AttnProcessor2_0())
+    elif step == "channels_last":
+        pipe.unet.to(memory_format=torch.channels_last)
+    elif step == "trace_unet":
+        _trace_unet(pipe, preset)
+    elif step == "pyext_attention":
+        try:
+            import pyext.attention
+        except ImportError as e:
+            raise RowUnavailable(f"pyext.attention not available ({e})")
+        report = pyext.attention.apply(pipe)
+        if report.patched == 0:
+            raise RuntimeError(f"pyext.attention patched no layer: {report}")
+    elif step == "xformers":
+        try:
+            import xformers  # noqa: F401
+        except ImportError as e:
+            raise RowUnavailable(f"xformers not installed ({e})")
+        if preset.device != "cuda":
+            raise RowUnavailable("xformers memory-efficient attention needs CUDA")
+        pipe.enable_xformers_memory_efficient_attention()
+    elif step == "pyext_fp8":
+        import pyext
+
+        report = pyext.quantize_fp8(pipe.unet)
+        notes["pyext_fp8"] = (f"{len(report.converted)} UNet layers in fp8, their weights "
+                              f"{report.bytes_before / 2**20:.1f} -> {report.bytes_after / 2**20:.1f} MiB")
+    elif step == "pyext_optimize":
+        import pyext
+
+        if not hasattr(pyext, "optimize"):
+            raise RowUnavailable("pyext.optimize does not exist yet")
+        pipe = pyext.optimize(pipe, height=preset.height, width=preset.width) or pipe
+        if hasattr(pyext, "report"):
+            notes["pyext_optimize"] = " ".join(str(pyext.report(pipe)).split())
+    elif step == "torch_compile":
+        pipe.unet = torch.compile(pipe.unet)
+    else:
+        raise ValueError(f"unknown step {step!r}")
+    return pipe
+
+
+# ---------------------------------------------------------------- measuring one row
+class StageClock:
+    """Wall time per pipeline stage, by wrapping the components' entry points on this instance."""
+
+    def __init__(self, device):
+        self.sync = torch.cuda.synchronize if device == "cuda" else (lambda: None)
+        self.totals = {}
+
+    def wrap(self, owner, attr, stage):
+        inner = getattr(owner, attr)
+
+        def timed(*args, **kwargs):
+            self.sync()
+            t0 = time.perf_counter()
+            out = inner(*args, **kwargs)
+            self.sync()
+            self.totals[stage] = self.totals.get(stage, 0.0) + time.perf_counter() - t0
+            return out
+        setattr(owner, attr, timed)
+
+    def reset(self):
+        self.totals = {}
+
+
+def _weight_bytes(pipe) -> int:
+    total = 0
+    for name in ("unet", "text_encoder", "vae"):
+        module = getattr(pipe, name)
+        seen = set()  # a tensor shared by two modules counts once
+        for t in list(module.parameters()) + list(module.buffers()):
+            if isinstance(t, torch.Tensor) and t.data_ptr() not in seen:
+                seen.add(t.data_ptr())
+                total += t.numel() * t.element_size()
+    return total
+
+
+def _reset_peak_rss() -> bool:
+    """Linux: writing 5 to clear_refs resets VmHWM, so the peak covers only what follows."""
+    try:
+        with open("/proc/self/clear_refs", "w") as f:
+            f.write("5")
+        return True
+    except OSError:
+        return False
+
+
+def _peak_rss_bytes() -> int:
+    with open("/proc/self/status") as f:
+        for line in f:
+            if line.startswith("VmHWM:"):
+                return int(line.split()[1]) * 1024
+    raise RuntimeError("no VmHWM in /proc/self/status")
+
+
+def run_row(name: str, spec: dict) -> dict:
+    """Runs one row in this process; returns its measurements (and writes its image)."""
+    import pyext.offline
+
+    preset = Preset(**spec["preset"])
+    half, steps = ROWS[name]
+    dtype = half_dtype(preset.device) if half else torch.float32
+    if preset.threads:
+        torch.set_num_threads(preset.threads)
+    torch.manual_seed(SEED)
+    t0 = time.perf_counter()
+    pipe = pyext.offline.load_pipeline(spec["model_path"], dtype=dtype, device=preset.device)
+    from diffusers import DDIMScheduler
+    if not isinstance(pipe.scheduler, DDIMScheduler):  # the seed's table is DDIM (real SD1.5 ships PNDM)
+        pipe.scheduler = DDIMScheduler.from_config(pipe.scheduler.config)
+    notes = {}
+    for step in steps:
+        pipe = _apply_step(pipe, step, preset, notes)
+    clock = StageClock(preset.device)
+    clock.wrap(pipe.text_encoder, "forward", "text_encoding")
+    clock.wrap(pipe.unet, "forward", "denoising")
+    clock.wrap(pipe.vae, "decode", "vae_decode")
+
+    def generate(n_steps, seed=SEED):
+        with torch.inference_mode():
+            return pipe(PROMPT, height=preset.height, width=preset.width, num_inference_steps=n_steps,
+                        guidance_scale=7.5, output_type="pt",
+                        generator=torch.Generator("cpu").manual_seed(seed)).images
+
+    generate(preset.warmup_steps)
+    setup_s = time.perf_counter() - t0
+    if preset.device == "cuda":
+        torch.cuda.synchronize()
+        torch.cuda.reset_peak_memory_stats()
+    rss_reset = _reset_peak_rss() if preset.device == "cpu" else False
+    runs = []
+    for _ in range(spec["repeats"]):
+        clock.reset()
+        t = time.perf_counter()
+        image = generate(preset.steps)
+        if preset.device == "cuda":
+            torch.cuda.synchronize()
+        runs.append((time.perf_counter() - t, dict(clock.totals)))
+    if preset.device == "cuda":
+        peak, peak_kind = torch.cuda.max_memory_allocated(), "torch.cuda.max_memory_allocated during timed runs"
+    else:
+        peak = _peak_rss_bytes()
+        peak_kind = "process peak RSS (VmHWM) " + ("during timed runs" if rss_reset else "incl. loading")
+    latency, stages = sorted(runs, key=lambda r: r[0])[len(runs) // 2]  # the median run
+    result = {
+        "latency_s": latency, "latencies_s": [r[0] for r in runs], "setup_s": setup_s,
+        "stages_s": {**stages, "other": latency - sum(stages.values())},
+        "denoiser_it_per_s": preset.steps / stages["denoising"] if stages.get("denoising") else None,
+        "peak_memory_bytes": peak, "peak_memory_kind": peak_kind, "weight_bytes": _weight_bytes(pipe),
+        "dtype": str(pipe.unet.dtype).replace("torch.", ""), "steps": list(steps),
+        "load_average_1m": os.getloadavg()[0],  # other processes' load: on a shared machine, the noise
+    }
+    if "pyext_attention" in steps:  # proof that pyext's kernel ran, and how often torch's did instead
+        import pyext.attention
+        st = pyext.attention.status(pipe)
+        notes["pyext_attention"] = (f"backend {st['backend'] or 'auto'}: {st['patched']} layers patched, "
+                                    f"{st['pyext_calls']} pyext calls, {st['fallbacks']} fallbacks to torch")
+    result["notes"] = notes
+    os.makedirs(os.path.join(spec["out"], "images"), exist_ok=True)
+    torch.save(image.float().cpu(), os.path.join(spec["out"], "images", f"{name}.pt"))
+    if name == "original":  # what an unrelated image scores: the floor the threshold sits above
+        torch.save(generate(preset.steps, seed=SEED + 1).float().cpu(),
+                   os.path.join(spec["out"], "images", "unrelated_seed.pt"))
+    return result
+
+
+def _worker(name: str, spec_path: str, result_path: str) -> None:
+    with open(spec_path) as f:
+        spec = json.load(f)
+    try:
+        result = run_row(name, spec)
+    except RowUnavailable as e:
+        result = {"reason": str(e)}
+    except Exception as e:  # any failure is this row's reason; the traceback goes to its log
+        traceback.print_exc()
+        result = {"reason": f"failed: {type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''}"[:300]}
+    with open(result_path, "w") as f:
+        json.dump(result, f)
+
+
+# ---------------------------------------------------------------- the parent
+def compare_images(out: str, rows: dict) -> float | None:
+    """Adds max_abs_diff / psnr_db / check to every measured row; returns the unrelated image's PSNR."""
+    def load(name):
+        path = os.path.join(out, "images", f"{name}.pt")
+        return torch.load(path) if os.path.exists(path) else None
+
+    def psnr(a, b):  # images in [0, 1]
+        mse = torch.mean((a - b) ** 2).item()
+        return float("inf") if mse == 0 else 10 * torch.log10(torch.tensor(1.0 / mse)).item()
+
+    ref, unrelated = load("original"), load("unrelated_seed")
+    for name, row in rows.items():
+        image = load(name) if "latency_s" in row else None
+        if image is None:
+            continue
+        if not torch.isfinite(image).all():
+            row["check"] = "FAIL: non-finite image"
+        elif ref is None:
+            row["check"] = "no reference (original row missing)"
+        else:
+            row["max_abs_diff"] = (image - ref).abs().max().item()
+            row["psnr_db"] = psnr(image, ref)
+            row["check"] = "ok" if row["psnr_db"] >= MIN_PSNR_DB else f"FAIL: PSNR < {MIN_PSNR_DB:g} dB"
+    return psnr(unrelated, ref) if ref is not None and unrelated is not None else None
+
+
+def machine_info(device: str) -> dict:
+    info = {"platform": platform.platform(), "python": platform.python_version(), "cpu": platform.processor(),
+            "cpu_count": os.cpu_count(), "torch_threads": torch.get_num_threads()}
+    try:
+        with open("/proc/cpuinfo") as f:
+            info["cpu"] = next(l.split(":", 1)[1].strip() for l in f if l.startswith("model name"))
+        info["load_average"] = os.getloadavg()
+    except (OSError, StopIteration):
+        pass
+    if device == "cuda":
+        info["gpu"] = torch.cuda.get_device_name(0)
+        info["cuda"] = torch.version.cuda
+    return info
+
+
+def versions() -> dict:
+    import diffusers
+    import transformers
+
+    import pyext
+    return {"torch": torch.__version__, "diffusers": diffusers.__version__, "transformers": transformers.__version__,
+            "pyext": pyext.__version__, "pyext_extension": "loaded" if pyext._ext.EXT is not None else "missing"}
+
+
+def prepare_model(model: str | None, preset: Preset, workdir: str) -> tuple[str, str]:
+    """(path or id every row loads, what the weights are)."""
+    if model:
+        return model, f"real: {model}"
+    import pyext.offline
+
+    path = os.path.join(workdir, "model")
+    pyext.offline.build_pipeline("sd15", preset.size, seed=SEED).save_pretrained(path)
+    return path, "random"
+
+
+def run(preset_name: str, out: str, model: str | None = None, rows: list[str] | None = None,
+        repeats: int | None = None) -> dict:
+    from tqdm import tqdm
+
+    preset = PRESETS[preset_name]
+    rows = rows or list(ROWS)
+    unknown = [r for r in rows if r not in ROWS]
+    if unknown:
+        raise SystemExit(f"bench.latency: unknown rows {unknown}; rows are {list(ROWS)}")
+    if "original" not in rows:  # every row is checked against it
+        rows = ["original"] + rows
+    os.makedirs(os.path.join(out, "logs"), exist_ok=True)
+    shutil.rmtree(os.path.join(out, "images"), ignore_errors=True)
+    workdir = tempfile.mkdtemp(prefix="bench_latency_")
+    try:
+        print(f"bench.latency: preparing sd15 ({preset.size}) ...", flush=True)
+        model_path, weights = prepare_model(model, preset, workdir)
+        spec = {"preset": asdict(preset), "model_path": model_path, "out": os.path.abspath(out),
+                "repeats": repeats or preset.repeats}
+        spec_path = os.path.join(workdir, "spec.json")
+        with open(spec_path, "w") as f:
+            json.dump(spec, f)
+        # Rows are forked from a server process that imported torch and diffusers once and never
+        # computed (no thread pools, no CUDA context): each row starts clean without paying the
+        # imports again (seconds per row on a busy machine).
+        ctx = multiprocessing.get_context("forkserver")
+        ctx.set_forkserver_preload(["torch", "diffusers", "transformers", "pyext", "bench.latency"])
+        results = {}
+        report = {
+            "preset": preset_name, "preset_parameters": asdict(preset), "repeats": spec["repeats"],
+            "model": "sd15 " + (preset.size if not model else model), "weights": weights, "prompt": PROMPT,
+            "seed": SEED, "guidance_scale": 7.5, "scheduler": "DDIMScheduler", "min_psnr_db": MIN_PSNR_DB,
+            "versions": versions(), "rows": results, "rows_planned": rows, "seed_titan_rtx_s": SEED_TITAN_RTX,
+        }
+        bar = tqdm(rows, desc="rows", unit="row")
+        for name in bar:
+            bar.set_postfix_str(name)
+            reason = unavailable(name, preset)
+            t0 = time.perf_counter()
+            results[name] = ({"reason": reason} if reason else
+                             _run_in_subprocess(ctx, name, spec_path, workdir, out, preset.row_timeout_s))
+            results[name]["row_wall_s"] = time.perf_counter() - t0  # the whole row: load, set-up, runs
+            tqdm.write(f"  {name:28s} {_short(results[name])}  (row took {results[name]['row_wall_s']:.1f} s)")
+            _write_outputs(report, out, preset)  # after every row: a long run killed midway keeps its rows
+    finally:
+        shutil.rmtree(workdir, ignore_errors=True)
+    return report
+
+
+def _write_outputs(report: dict, out: str, preset: Preset) -> None:
+    from bench import plot
+
+    report["machine"] = machine_info(preset.device)
+    report["unrelated_psnr_db"] = compare_images(out, report["rows"])
+    with open(os.path.join(out, "latency.json"), "w") as f:
+        json.dump(report, f, indent=1)
+    plot.write_markdown(report, os.path.join(out, "latency.md"))
+    plot.write_chart(report, os.path.join(out, "latency.png"))
+
+
+def _short(row: dict) -> str:
+    return f"{row['latency_s']:.3f} s" if "latency_s" in row else f"n/a: {row['reason']}"
+
+
+def _row_process(name, spec_path, result_path, log_path):
+    """Entry of a row's process: its output goes to the row's log."""
+    log = os.open(log_path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644)
+    os.dup2(log, 1)
+    os.dup2(log, 2)
+    _worker(name, spec_path, result_path)
+
+
+def _run_in_subprocess(ctx, name, spec_path, workdir, out, timeout_s) -> dict:
+    result_path = os.path.join(workdir, f"{name}.json")
+    proc = ctx.Process(target=_row_process, args=(name, spec_path, result_path,
+                                                  os.path.join(out, "logs", f"{name}.log")))
+    proc.start()
+    try:
+        proc.join(timeout_s)
+        timed_out = proc.is_alive()
+    finally:  # also on Ctrl-C / SIGTERM of the parent: a row must not outlive the benchmark
+        if proc.is_alive():
+            proc.kill()
+            proc.join()
+    if timed_out:
+        return {"reason": f"timed out after {timeout_s} s (log: logs/{name}.log)"}
+    if not os.path.exists(result_path):
+        return {"reason": f"worker died with exit code {proc.exitcode} (log: logs/{name}.log)"}
+    with open(result_path) as f:
+        return json.load(f)
+
+
+def main(argv=None):
+    p = argparse.ArgumentParser(prog="python -m bench.latency", description=__doc__.split("\n\n")[0])
+    p.add_argument("--preset", choices=list(PRESETS), default="tiny")
+    p.add_argument("--out", default="bench_out")
+    p.add_argument("--model", help="local folder or hub id of real SD1.5-style weights (default: random weights)")
+    p.add_argument("--rows", help=f"comma-separated subset of {','.join(ROWS)}")
+    p.add_argument("--repeats", type=int)
+    args = p.parse_args(argv)
+    # SIGTERM unwinds like Ctrl-C, so the running row's process is killed too (see _run_in_subprocess).
+    signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))
+    report = run(args.preset, args.out, args.model, args.rows.split(",") if args.rows else None, args.repeats)
+    print(open(os.path.join(args.out, "latency.md")).read())
+    return report
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,140 @@
+"""bench.latency end to end on the tiny preset, and its image check on synthetic images."""
+import json
+import math
+import os
+import subprocess
+import sys
+
+import pytest
+import torch
+
+from bench import latency, plot
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+# Rows that must produce a number on any machine (CPU included).
+ALWAYS_RUN = ("original", "fp16", "channels_last", "traced_unet", "sdpa_attention", "pyext_fp8")
+
+
+@pytest.fixture(scope="module")
+def tiny_report(tmp_path_factory):
+    out = tmp_path_factory.mktemp("bench_out")
+    subprocess.run([sys.executable, "-m", "bench.latency", "--preset", "tiny", "--out", str(out)],
+                   cwd=ROOT, check=True, timeout=600, stdout=subprocess.DEVNULL)
+    with open(out / "latency.json") as f:
+        return out, json.load(f)
+
+
+@pytest.mark.slow
+def test_tiny_preset_reports_every_row(tiny_report):
+    out, report = tiny_report
+    assert list(report["rows"]) == list(latency.ROWS)
+    for name, row in report["rows"].items():
+        if "latency_s" in row:
+            assert row["latency_s"] > 0 and math.isfinite(row["latency_s"]), name
+            assert set(row["stages_s"]) >= {"text_encoding", "denoising", "vae_decode"}, name
+            assert row["peak_memory_bytes"] > row["weight_bytes"] > 0, name
+            assert row["check"] == "ok", (name, row["check"])
+        else:
+            assert isinstance(row["reason"], str) and row["reason"], name
+    for name in ALWAYS_RUN:
+        assert "latency_s" in report["rows"][name], (name, report["rows"][name])
+    assert report["rows"]["original"]["psnr_db"] == float("inf")  # the reference against itself
+    assert report["rows"]["fp16"]["dtype"] == "bfloat16"  # CPU runs bf16 for the half-precision rows
+    assert report["rows"]["pyext_fp8"]["weight_bytes"] < report["rows"]["fp16"]["weight_bytes"]
+    assert report["weights"] == "random"
+    assert report["unrelated_psnr_db"] < latency.MIN_PSNR_DB  # the threshold separates unrelated images
+    assert {"torch", "diffusers", "pyext"} <= set(report["versions"])
+
+
+@pytest.mark.slow
+def test_tiny_preset_writes_table_and_chart(tiny_report):
+    out, report = tiny_report
+    md = (out / "latency.md").read_text()
+    for name in latency.ROWS:
+        assert f"| {name} |" in md
+    assert "9.50 s" in md and "random" in md  # the seed's figure beside ours; weights declared
+    png = (out / "latency.png").read_bytes()
+    assert png[:8] == b"\x89PNG\r\n\x1a\n" and len(png) > 5000
+
+
+def _fake_row(**extra):
+    return {"latency_s": 1.0, "stages_s": {}, "denoiser_it_per_s": 1.0, "peak_memory_bytes": 2, "weight_bytes": 1,
+            "dtype": "float32", **extra}
+
+
+def test_image_check_flags_wrong_and_non_finite_rows(tmp_path):
+    images = tmp_path / "images"
+    images.mkdir()
+    ref = torch.rand(1, 3, 16, 16, generator=torch.Generator().manual_seed(0))
+    torch.save(ref, images / "original.pt")
+    torch.save(ref + 1e-3, images / "close.pt")
+    torch.save(torch.rand(1, 3, 16, 16), images / "wrong.pt")
+    torch.save(torch.full_like(ref, float("nan")), images / "nan.pt")
+    rows = {n: _fake_row() for n in ("original", "close", "wrong", "nan")} | {"missing": {"reason": "n/a here"}}
+    latency.compare_images(str(tmp_path), rows)
+    assert rows["original"]["check"] == "ok" and rows["close"]["check"] == "ok"
+    assert rows["close"]["max_abs_diff"] == pytest.approx(1e-3, rel=1e-2)
+    assert rows["close"]["psnr_db"] == pytest.approx(60.0, abs=0.1)
+    assert rows["wrong"]["check"].startswith("FAIL") and rows["nan"]["check"].startswith("FAIL")
+    assert "check" not in rows["missing"]
+
+
+def test_unavailable_rows_say_why():
+    cpu = latency.PRESETS["cpu"]
+    assert "CUDA" in latency.unavailable("xformers", cpu) or "not installed" in latency.unavailable("xformers", cpu)
+    assert latency.unavailable("original", cpu) is None
+    assert "tiny" in latency.unavailable("torch_compile", latency.PRESETS["tiny"])
+
+
+def test_markdown_shows_reasons_and_failures(tmp_path):
+    report = {
+        "preset": "tiny", "preset_parameters": {"width": 64, "height": 64, "steps": 2, "warmup_steps": 1},
+        "repeats": 1, "model": "sd15 tiny", "weights": "random", "prompt": "p", "min_psnr_db": 20.0,
+        "machine": {"cpu": "x", "cpu_count": 2, "torch_threads": 2}, "versions": {"torch": "t"},
+        "seed_titan_rtx_s": latency.SEED_TITAN_RTX, "unrelated_psnr_db": 12.0,
+        "rows": {"original": _fake_row(check="ok", psnr_db=float("inf")),
+                 "fp16": _fake_row(latency_s=0.5, check="FAIL: PSNR < 20 dB", psnr_db=3.0),
+                 "xformers": {"reason": "xformers not installed"}},
+    }
+    plot.write_markdown(report, tmp_path / "t.md")
+    md = (tmp_path / "t.md").read_text()
+    assert "n/a: xformers not installed" in md and "FAIL: PSNR < 20 dB" in md and "2.00x" in md
+    plot.write_chart(report, tmp_path / "t.png")
+    assert (tmp_path / "t.png").stat().st_size > 1000
+
+
+def test_kernels_table_runs_suites_and_reports_missing_ones(monkeypatch):
+    import types
+
+    from bench import kernels
+
+    fake = types.ModuleType("bench.fake")
+    fake.run = lambda: [{"bench": "upcast", "n": 4, "ms": 0.25}, {"bench": "upcast", "n": 8, "ms": 0.5},
+                        {"bench": "linear", "shape": "(2, 3)", "gflops": 1.5}]
+    broken = types.ModuleType("bench.broken")
+    broken.run = lambda: 1 / 0
+    monkeypatch.setitem(sys.modules, "bench.fake", fake)
+    monkeypatch.setitem(sys.modules, "bench.broken", broken)
+    results = {n: kernels.run_suite(n) for n in ("fake", "broken", "no_such_suite")}
+    assert len(results["fake"]["rows"]) == 3
+    assert results["broken"]["reason"].startswith("failed: ZeroDivisionError")
+    assert results["no_such_suite"]["reason"].startswith("not available")
+    table = kernels.format_table(results)
+    assert "### fake: upcast" in table and "### fake: linear" in table
+    assert "| 8 | 0.5 |" in table and "| (2, 3) | 1.5 |" in table
+    assert "| broken | failed: ZeroDivisionError" in table
+
+
+def test_make_bench_picks_the_preset_from_the_machine(monkeypatch):
+    from bench import run
+
+    seen = []
+    monkeypatch.setattr(latency, "main", lambda argv: seen.append(argv))
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
+    run.main([])
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    run.main(["--rows", "original"])
+    run.main(["--preset", "tiny", "--out", "x"])
+    assert seen == [["--preset", "cpu", "--out", "bench_out"],
+                    ["--rows", "original", "--preset", "gpu", "--out", "bench_out"],
+                    ["--preset", "tiny", "--out", "x"]]
