@@ -38,5 +38,9 @@ bench-kernels: build
 info: build
 	$(PY) -m pyext info
 
+# On a CUDA machine without network: wheels from .whl/ (see bench/gpu_check.sh), build, GPU tests, gpu bench preset.
+gpu-check:
+	bash bench/gpu_check.sh
+
 clean:
 	rm -rf build pyext/_C*.so pyext/_build_info.py $(VENV)/.built
