@@ -30,8 +30,9 @@ class OptimizeOptions:
         Halves those weights; costs a little speed and ~30 dB SQNR per layer.
     fp8_skip: name regexes kept in full precision (norms, embeddings, first/last layers by default).
     keep_original_weights: keep a CPU copy of fp8-converted weights so `restore` is exact.
-    channels_last: "auto" (UNet denoisers) | True | False. Speed for conv-heavy models.
-    compile: "none" | "trace" (torch.jit.trace of the UNet, as the diffusers guide does) | "compile".
+    channels_last: "auto" (UNet denoisers and the VAE) | True | False. Speed for conv-heavy models.
+    compile: "auto" (trace UNets that can be traced) | "none" | "trace" (torch.jit.trace of the
+        UNet per input shape, as the diffusers guide does) | "compile" (torch.compile, minutes up front).
     compile_backend: torch.compile backend for compile="compile".
     vae_tiling: "auto" (tile only images larger than a tile) | "on" | "off". Bounded VAE memory.
     vae_slicing: "auto" (when tiling or offload is planned) | True | False. Decode a batch one image at a time.
@@ -47,7 +48,7 @@ class OptimizeOptions:
     fp8_skip: tuple = DEFAULT_SKIP
     keep_original_weights: bool = False
     channels_last: object = "auto"
-    compile: str = "none"
+    compile: str = "auto"
     compile_backend: str = "inductor"
     vae_tiling: str = "auto"
     vae_slicing: object = "auto"
@@ -167,24 +168,26 @@ def _undo_fp8(module, exact):
 
 
 def _step_channels_last(pipe, opts, state, ctx):
-    den = ctx["denoiser"]
-    want = opts.channels_last
-    if want == "auto":
-        want = type(den).__name__ == "UNet2DConditionModel"
-        reason = "transformer denoisers have no convolutions to speed up"
-    else:
+    targets = {ctx["denoiser_name"]: ctx["denoiser"]}
+    if isinstance(getattr(pipe, "vae", None), nn.Module):
+        targets["vae"] = pipe.vae
+    for name, module in targets.items():
+        want = opts.channels_last
         reason = "channels_last=False"
-    if not want:
-        state.entries.append(Entry(ctx["denoiser_name"], "channels_last", "skipped", reason))
-        return
-    convs = [m.weight for m in den.modules() if isinstance(m, nn.Conv2d) and m.weight.dim() == 4]
-    if convs and all(w.is_contiguous(memory_format=torch.channels_last) for w in convs if w.is_floating_point()):
-        state.entries.append(Entry(ctx["denoiser_name"], "channels_last", "already", "weights in NHWC order"))
-        return
-    den.to(memory_format=torch.channels_last)
-    state.entries.append(Entry(ctx["denoiser_name"], "channels_last", "applied", "weights in NHWC order"))
-    state.undo.append((f"{ctx['denoiser_name']}: channels_last",
-                       lambda: (den.to(memory_format=torch.contiguous_format), "contiguous format again")[1]))
+        if want == "auto":
+            want = name == "vae" or type(module).__name__ == "UNet2DConditionModel"
+            reason = "transformer denoisers have no convolutions to speed up"
+        if not want:
+            state.entries.append(Entry(name, "channels_last", "skipped", reason))
+            continue
+        convs = [m.weight for m in module.modules() if isinstance(m, nn.Conv2d) and m.weight.is_floating_point()]
+        if convs and all(w.is_contiguous(memory_format=torch.channels_last) for w in convs):
+            state.entries.append(Entry(name, "channels_last", "already", "weights in NHWC order"))
+            continue
+        module.to(memory_format=torch.channels_last)
+        state.entries.append(Entry(name, "channels_last", "applied", "conv weights in NHWC order"))
+        state.undo.append((f"{name}: channels_last",
+                           lambda m=module: (m.to(memory_format=torch.contiguous_format), "contiguous format again")[1]))
 
 
 def _step_attention(pipe, opts, state, ctx):
@@ -232,6 +235,13 @@ def _step_compile(pipe, opts, state, ctx):
     if opts.compile == "none":
         state.entries.append(Entry(name, "compile", "skipped", "compile='none' (compilation costs minutes up front)"))
         return
+    if opts.compile == "auto":
+        from pyext.traced import trace_reason
+
+        if trace_reason(den, ctx["offload"]):  # nothing cheap and safe to do: say so, stay eager
+            state.entries.append(Entry(name, "compile", "skipped",
+                                       f"auto: {trace_reason(den, ctx['offload'])}; compile='compile' is an option"))
+            return
     if opts.compile == "compile":
         if getattr(den, "_compiled_call_impl", None) is not None:
             state.entries.append(Entry(name, "compile", "already", "torch.compile"))
@@ -242,16 +252,15 @@ def _step_compile(pipe, opts, state, ctx):
         return
     from pyext.traced import TracedUNet, trace_reason
 
-    if isinstance(den, TracedUNet):
+    if isinstance(den, TracedUNet) or isinstance(getattr(pipe, "unet", None), TracedUNet):
         state.entries.append(Entry(name, "compile", "already", "traced"))
         return
     reason = trace_reason(den, ctx["offload"])
     if reason:
         state.entries.append(Entry(name, "compile", "skipped", f"trace: {reason}"))
         return
-    traced = TracedUNet(den, ctx["height"], ctx["width"], opts.batch)
-    pipe.unet = traced
-    state.entries.append(Entry(name, "compile", "applied", traced.describe()))
+    pipe.unet = TracedUNet(den)
+    state.entries.append(Entry(name, "compile", "applied", pipe.unet.describe()))
     state.undo.append((f"{name}: trace", lambda: (setattr(pipe, "unet", den), "eager UNet again")[1]))
 
 

@@ -1,13 +1,17 @@
 """The UNet traced with torch.jit.trace, as diffusers' memory guide does ("traced UNet" row).
 
-A trace bakes the example's shapes and control flow into the graph, so running it
-on other shapes could be silently wrong. TracedUNet therefore keeps the eager UNet
-and uses the trace only for calls that match the traced signature exactly.
+A trace bakes the example's shapes and shape-dependent control flow into the graph,
+so running it on other shapes could be silently wrong. TracedUNet therefore traces
+lazily, once per exact input signature (shapes, dtypes, devices) on the first call
+that has it, keeps a few such graphs, and runs the eager UNet for anything else
+(extra conditioning, more signatures than it keeps).
 """
 from __future__ import annotations
 
 import torch
 import torch.nn as nn
+
+MAX_GRAPHS = 4  # each graph holds references to the weights, not copies: cheap to keep a few
 
 
 def trace_reason(unet: nn.Module, offload_mode: str) -> str | None:
@@ -18,6 +22,10 @@ def trace_reason(unet: nn.Module, offload_mode: str) -> str | None:
         return "the UNet takes added conditioning (e.g. SDXL's text_time) that a traced graph cannot take"
     if offload_mode != "none":
         return "offload hooks move weights during the call; a trace would bake in their devices"
+    from pyext.nn.fp8 import FP8Conv2d, FP8Linear
+
+    if any(isinstance(m, (FP8Linear, FP8Conv2d)) for m in unet.modules()):
+        return "fp8 layers reinterpret their storage (dtype views), which torch.jit.trace cannot record"
     return None
 
 
@@ -30,26 +38,17 @@ class _Plain(nn.Module):
         return self.unet(sample, timestep, encoder_hidden_states, return_dict=False)[0]
 
 
+def _signature(*tensors) -> tuple:
+    return tuple((tuple(t.shape), t.dtype, t.device) for t in tensors)
+
+
 class TracedUNet(nn.Module):
-    def __init__(self, unet: nn.Module, height: int, width: int, batch: int):
+    def __init__(self, unet: nn.Module):
         super().__init__()
         self.unet = unet
         self.config = unet.config
-        p = next(unet.parameters())
-        dtype = next((q.dtype for q in unet.parameters() if q.is_floating_point()), torch.float32)
-        h, w = height // 8, width // 8
-        g = torch.Generator().manual_seed(0)
-        example = (torch.randn(batch, unet.config.in_channels, h, w, generator=g).to(p.device, dtype),
-                   torch.tensor(999, device=p.device),
-                   torch.randn(batch, 77, unet.config.cross_attention_dim, generator=g).to(p.device, dtype))
-        self.signature = self._signature(*example)
-        with torch.no_grad():
-            self.traced = torch.jit.trace(_Plain(unet).eval(), example, check_trace=False)
+        self.graphs: dict[tuple, torch.jit.ScriptModule] = {}
         self.hits = self.misses = 0
-
-    @staticmethod
-    def _signature(sample, timestep, encoder_hidden_states):
-        return tuple((tuple(t.shape), t.dtype, t.device) for t in (sample, timestep, encoder_hidden_states))
 
     @property
     def dtype(self):
@@ -60,19 +59,30 @@ class TracedUNet(nn.Module):
         return self.unet.device
 
     def describe(self) -> str:
-        (s, _, _), _, (e, _, _) = self.signature
-        return f"torch.jit.trace for sample {list(s)} and text {list(e)}; other shapes run eagerly"
+        return (f"torch.jit.trace of the UNet, traced on the first call of each input shape "
+                f"(up to {MAX_GRAPHS}); other calls run eagerly")
 
     def forward(self, sample, timestep, encoder_hidden_states=None, *args, return_dict: bool = True, **kwargs):
         from diffusers.models.unets.unet_2d_condition import UNet2DConditionOutput
 
         if not torch.is_tensor(timestep):
             timestep = torch.tensor(timestep, device=sample.device)
-        plain_call = not args and all(v is None or v == {} for v in kwargs.values())
-        if plain_call and torch.is_tensor(encoder_hidden_states) and \
-                self._signature(sample, timestep, encoder_hidden_states) == self.signature:
+        graph = None
+        # Offload hooks (accelerate's, or diffusers' group offload) may be added after
+        # optimize; they move weights around each call, which a trace must not bake in.
+        hooked = any(hasattr(m, a) for m in (self, self.unet) for a in ("_hf_hook", "_diffusers_hook"))
+        if not hooked and not args and torch.is_tensor(encoder_hidden_states) and \
+                all(v is None or v == {} for v in kwargs.values()):
+            key = _signature(sample, timestep, encoder_hidden_states)
+            graph = self.graphs.get(key)
+            if graph is None and len(self.graphs) < MAX_GRAPHS:
+                with torch.no_grad():
+                    graph = self.graphs[key] = torch.jit.trace(_Plain(self.unet).eval(),
+                                                               (sample, timestep, encoder_hidden_states),
+                                                               check_trace=False)
+        if graph is not None:
             self.hits += 1
-            out = self.traced(sample, timestep, encoder_hidden_states)
+            out = graph(sample, timestep, encoder_hidden_states)
         else:
             self.misses += 1
             out = self.unet(sample, timestep, encoder_hidden_states, *args, return_dict=False, **kwargs)[0]

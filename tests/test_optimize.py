@@ -58,14 +58,30 @@ def test_images_match_unoptimized(arch, combo, references):
         assert psnr(out, references[arch]) >= tol, str(pyext.report(pipe))
 
 
-def test_trace_matches_and_falls_back_on_other_shapes(references):
-    pipe = pyext.optimize(build_pipeline("sd15", "tiny"), compile="trace", height=64, width=64, **LOSSLESS)
-    assert type(pipe.unet).__name__ == "TracedUNet"
+def test_trace_matches_and_traces_each_shape_once(references):
+    pipe = pyext.optimize(build_pipeline("sd15", "tiny"), compile="trace", **LOSSLESS)
+    unet = pipe.unet
+    assert type(unet).__name__ == "TracedUNet"
     assert np.abs(generate(pipe) - references["sd15"]).max() <= 1e-3
-    assert pipe.unet.hits == 2 and pipe.unet.misses == 0
-    generate(pipe, size=96)  # another resolution: runs the eager UNet, never the baked trace
-    assert pipe.unet.misses == 2
-    assert "trace" in " ".join(n for n in pyext.restore(pipe)) and type(pipe.unet).__name__ == "UNet2DConditionModel"
+    assert unet.hits == 2 and unet.misses == 0 and len(unet.graphs) == 1
+    assert generate(pipe, size=96).shape == (1, 96, 96, 3)  # a new shape gets its own graph, never the old one
+    assert len(unet.graphs) == 2 and unet.misses == 0
+    sample = torch.randn(2, 4, 8, 8)
+    text = torch.randn(2, 77, unet.config.cross_attention_dim)
+    with torch.no_grad():  # a call with extra conditioning runs the eager UNet
+        eager = unet(sample, torch.tensor(10), text, cross_attention_kwargs={"scale": 1.0}, return_dict=False)[0]
+        traced = unet(sample, torch.tensor(10), text, return_dict=False)[0]
+    assert unet.misses == 1
+    torch.testing.assert_close(eager, traced)
+    assert "trace" in " ".join(pyext.restore(pipe)) and type(pipe.unet).__name__ == "UNet2DConditionModel"
+
+
+def test_trace_runs_eagerly_once_offload_hooks_appear(references):
+    pipe = pyext.optimize(build_pipeline("sd15", "tiny"), **LOSSLESS)  # compile="auto" traces the UNet
+    assert type(pipe.unet).__name__ == "TracedUNet"
+    pipe.enable_model_cpu_offload(device="cpu")
+    assert np.abs(generate(pipe) - references["sd15"]).max() <= 1e-3
+    assert pipe.unet.graphs == {} and pipe.unet.misses == 2
 
 
 def test_trace_skips_sdxl_with_reason():
