@@ -50,8 +50,8 @@ PRESETS = {
     "gpu": Preset("full", "cuda", 512, 512, 50, 50, 3, 900),
     # The same full SD1.5 architecture, scaled to finish all rows in minutes on 2 cores:
     # 256x256 instead of 512x512 (latents 32x32 instead of 64x64), 2 steps instead of 50,
-    # 1 timed run after a 1-step warm-up. A long row timeout leaves torch.compile its chance.
-    "cpu": Preset("full", "cpu", 256, 256, 2, 1, 1, 600),
+    # median of 3 timed runs after a 1-step warm-up. A long row timeout leaves torch.compile its chance.
+    "cpu": Preset("full", "cpu", 256, 256, 2, 1, 3, 600),
     # CI: the tiny sd15 of pyext.offline, seconds for all rows.
     # One thread: tiny ops gain nothing from two, and on a shared machine a stalled
     # second thread only adds noise.

@@ -195,3 +195,18 @@ def test_compiles_fullgraph():
     x = torch.randn(5, 40)
     compiled = torch.compile(f, fullgraph=True, backend="aot_eager")
     torch.testing.assert_close(compiled(x), f(x))
+
+
+@needs_ext
+@pytest.mark.parametrize("n,k,tile_rows,expected_gemms", [(64, 64, 0, 1), (17, 33, 0, 1), (1000, 64, 256, 4),
+                                                           (1000, 64, 300, 4), (5, 64, 300, 1)])
+def test_linear_cpp_tiles_evenly(n, k, tile_rows, expected_gemms):
+    """A small weight is one GEMM; a forced tile width splits N into even tiles (a regression:
+    an off-by-a-ratio tile count once split every layer into one-row GEMMs)."""
+    x = torch.randn(3, k, dtype=torch.bfloat16)
+    w, s = fp8_quantize(torch.randn(n, k))
+    with torch.profiler.profile() as prof:
+        y = torch.ops.pyext_C.fp8_linear(x, w.view(torch.uint8), s, None, tile_rows)
+    gemms = sum(e.count for e in prof.key_averages() if e.key in ("aten::mm", "aten::addmm"))
+    assert gemms == expected_gemms
+    assert rel_err(y, fp8_linear_reference(x, w, s)) < 1e-2

@@ -86,8 +86,8 @@ at::Tensor fp8_linear_cpu(const at::Tensor& x, const at::Tensor& w, const at::Te
   // and split N evenly (no odd tail shape). tile_rows > 0 overrides, for the bench.
   const int64_t esize = x.element_size();
   constexpr int64_t kTileBytes = 8 << 20;
-  int64_t tile = tile_rows > 0 ? tile_rows : std::max<int64_t>(16, kTileBytes / (K * esize));
-  const int64_t ntiles = (N + tile - 1) / std::min(tile, N);
+  int64_t tile = std::min(N, tile_rows > 0 ? tile_rows : std::max<int64_t>(16, kTileBytes / (K * esize)));
+  const int64_t ntiles = (N + tile - 1) / tile;
   tile = (N + ntiles - 1) / ntiles;
   // One scratch buffer per thread, reused across calls and layers (no page faults per call).
   thread_local at::Tensor buffer;
