@@ -13,7 +13,9 @@ namespace pyext::cpu {
 
 enum class OutType { kBF16 = 0, kF16 = 1, kF32 = 2 };
 
-using Fp8RowFn = void (*)(const uint8_t* src, void* dst, int64_t n, float scale);
+// stream: the output is large and not read back soon (a whole-weight upcast), so the
+// kernel may use non-temporal stores that skip the read-for-ownership of each line.
+using Fp8RowFn = void (*)(const uint8_t* src, void* dst, int64_t n, float scale, bool stream);
 
 Fp8RowFn fp8_row_kernel_scalar(OutType out);
 Fp8RowFn fp8_row_kernel_avx2(OutType out);

@@ -38,8 +38,8 @@ inline __m256i to_bf16_lanes(__m256 v) {
 }
 
 template <OutType kOut>
-void rows_avx2(const uint8_t* src, void* dst, int64_t n, float scale) {
-  if (!(scale_is_simd_safe(scale))) return fp8_row_kernel_scalar(kOut)(src, dst, n, scale);
+void rows_avx2(const uint8_t* src, void* dst, int64_t n, float scale, bool /*stream*/) {
+  if (!(scale_is_simd_safe(scale))) return fp8_row_kernel_scalar(kOut)(src, dst, n, scale, false);
   const __m256 scale256 = _mm256_set1_ps(scale * 256.0f);
   int64_t i = 0;
   for (; i + 16 <= n; i += 16) {
@@ -60,7 +60,7 @@ void rows_avx2(const uint8_t* src, void* dst, int64_t n, float scale) {
   }
   if (i < n) {
     const size_t esize = kOut == OutType::kF32 ? 4 : 2;
-    fp8_row_kernel_scalar(kOut)(src + i, static_cast<char*>(dst) + i * esize, n - i, scale);
+    fp8_row_kernel_scalar(kOut)(src + i, static_cast<char*>(dst) + i * esize, n - i, scale, false);
   }
 }
 

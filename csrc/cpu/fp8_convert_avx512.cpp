@@ -18,7 +18,7 @@ inline __m512i to_bf16_lanes(__m512 v) {
   return _mm512_mask_blend_epi32(is_nan, rounded, _mm512_srli_epi32(bits, 16));
 }
 
-template <OutType kOut>
+template <OutType kOut, bool kStream = false>
 inline void step32(const uint8_t* src, void* dst, __m512 scale256, __mmask32 mask) {
   const __m512i x = _mm512_cvtepu8_epi16(_mm256_maskz_loadu_epi8(mask, src));
   const __m512i sign = _mm512_slli_epi16(_mm512_and_si512(x, _mm512_set1_epi16(0x80)), 8);
@@ -29,7 +29,18 @@ inline void step32(const uint8_t* src, void* dst, __m512 scale256, __mmask32 mas
   const __m512 lo = _mm512_mul_ps(_mm512_cvtph_ps(_mm512_castsi512_si256(h)), scale256);
   const __m512 hi = _mm512_mul_ps(_mm512_cvtph_ps(_mm512_extracti64x4_epi64(h, 1)), scale256);
   const __mmask16 mlo = static_cast<__mmask16>(mask), mhi = static_cast<__mmask16>(mask >> 16);
-  if constexpr (kOut == OutType::kF32) {
+  if constexpr (kStream) {  // full 64-byte aligned lines only (see rows_avx512)
+    if constexpr (kOut == OutType::kF32) {
+      _mm512_stream_ps(static_cast<float*>(dst), lo);
+      _mm512_stream_ps(static_cast<float*>(dst) + 16, hi);
+    } else {
+      const __m256i a = kOut == OutType::kF16 ? _mm512_cvtps_ph(lo, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC)
+                                              : _mm512_cvtepi32_epi16(to_bf16_lanes(lo));
+      const __m256i b = kOut == OutType::kF16 ? _mm512_cvtps_ph(hi, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC)
+                                              : _mm512_cvtepi32_epi16(to_bf16_lanes(hi));
+      _mm512_stream_si512(static_cast<__m512i*>(dst), _mm512_inserti64x4(_mm512_castsi256_si512(a), b, 1));
+    }
+  } else if constexpr (kOut == OutType::kF32) {
     float* out = static_cast<float*>(dst);
     _mm512_mask_storeu_ps(out, mlo, lo);
     _mm512_mask_storeu_ps(out + 16, mhi, hi);
@@ -49,12 +60,22 @@ inline void step32(const uint8_t* src, void* dst, __m512 scale256, __mmask32 mas
 }
 
 template <OutType kOut>
-void rows_avx512(const uint8_t* src, void* dst, int64_t n, float scale) {
-  if (!scale_is_simd_safe(scale)) return fp8_row_kernel_scalar(kOut)(src, dst, n, scale);
+void rows_avx512(const uint8_t* src, void* dst, int64_t n, float scale, bool stream) {
+  if (!scale_is_simd_safe(scale)) return fp8_row_kernel_scalar(kOut)(src, dst, n, scale, false);
   const __m512 scale256 = _mm512_set1_ps(scale * 256.0f);
   constexpr int64_t kEsize = kOut == OutType::kF32 ? 4 : 2;
   char* out = static_cast<char*>(dst);
   int64_t i = 0;
+  if (stream) {
+    // Cached stores up to the first 64-byte line boundary, then whole lines with
+    // non-temporal stores; the fence orders them before the caller reads the output.
+    while (i + 32 <= n && reinterpret_cast<uintptr_t>(out + i * kEsize) % 64 != 0) {
+      step32<kOut>(src + i, out + i * kEsize, scale256, ~__mmask32(0));
+      i += 32;
+    }
+    for (; i + 32 <= n; i += 32) step32<kOut, true>(src + i, out + i * kEsize, scale256, ~__mmask32(0));
+    _mm_sfence();
+  }
   for (; i + 32 <= n; i += 32) step32<kOut>(src + i, out + i * kEsize, scale256, ~__mmask32(0));
   if (i < n) step32<kOut>(src + i, out + i * kEsize, scale256, _bzhi_u32(~0u, static_cast<unsigned>(n - i)));
 }

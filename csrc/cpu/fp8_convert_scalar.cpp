@@ -49,7 +49,7 @@ struct DecodeTable {
 };
 
 template <OutType kOut>
-void rows_scalar(const uint8_t* src, void* dst, int64_t n, float scale) {
+void rows_scalar(const uint8_t* src, void* dst, int64_t n, float scale, bool /*stream*/) {
   static const DecodeTable table;
   for (int64_t i = 0; i < n; ++i) {
     const float v = table.value[src[i]] * scale;

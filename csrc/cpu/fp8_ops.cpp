@@ -41,15 +41,17 @@ void upcast_rows(const uint8_t* src, const float* scale, bool per_row, int64_t r
   const int64_t esize = dtype == at::kFloat ? 4 : 2;
   char* out = static_cast<char*>(dst);
   constexpr int64_t kGrainElems = 1 << 15;  // enough work per task to amortise the fork
+  // Outputs larger than the L2s are not read back from cache anyway: stream them to memory.
+  const bool stream = nrows * cols * esize > (4 << 20);
   if (!per_row) {
     const int64_t n = nrows * cols;
     const uint8_t* s = src + row0 * cols;
-    at::parallel_for(0, n, kGrainElems, [&](int64_t b, int64_t e) { fn(s + b, out + b * esize, e - b, scale[0]); });
+    at::parallel_for(0, n, kGrainElems, [&](int64_t b, int64_t e) { fn(s + b, out + b * esize, e - b, scale[0], stream); });
     return;
   }
   at::parallel_for(0, nrows, std::max<int64_t>(1, kGrainElems / std::max<int64_t>(cols, 1)), [&](int64_t b, int64_t e) {
     for (int64_t r = b; r < e; ++r)
-      fn(src + (row0 + r) * cols, out + r * cols * esize, cols, scale[row0 + r]);
+      fn(src + (row0 + r) * cols, out + r * cols * esize, cols, scale[row0 + r], stream);
   });
 }
 
