@@ -27,15 +27,18 @@ def _modules(pipe) -> dict[str, nn.Module]:
 
 
 def detect(pipe) -> OffloadState:
-    from diffusers.hooks.group_offloading import _get_top_level_group_offload_hook
+    from diffusers.hooks.group_offloading import _GROUP_OFFLOADING
 
     if getattr(pipe, "hf_device_map", None):
         return OffloadState("device_map")
     groups = {}
     for name, module in _modules(pipe).items():
-        hook = _get_top_level_group_offload_hook(module) if hasattr(module, "_diffusers_hook") else None
-        if hook is not None:
-            groups[name] = hook.config
+        # block level hooks the top module's blocks, leaf level every leaf: look at all of them
+        for sub in module.modules():
+            hook = sub._diffusers_hook.get_hook(_GROUP_OFFLOADING) if hasattr(sub, "_diffusers_hook") else None
+            if hook is not None:
+                groups[name] = hook.config
+                break
     if groups:
         return OffloadState("group", group_configs=groups)
     if any(hasattr(m, "_hf_hook") for m in _modules(pipe).values()):

@@ -68,7 +68,7 @@ def test_image_check_flags_wrong_and_non_finite_rows(tmp_path):
     ref = torch.rand(1, 3, 16, 16, generator=torch.Generator().manual_seed(0))
     torch.save(ref, images / "original.pt")
     torch.save(ref + 1e-3, images / "close.pt")
-    torch.save(torch.rand(1, 3, 16, 16), images / "wrong.pt")
+    torch.save(torch.rand(1, 3, 16, 16, generator=torch.Generator().manual_seed(1)), images / "wrong.pt")
     torch.save(torch.full_like(ref, float("nan")), images / "nan.pt")
     rows = {n: _fake_row() for n in ("original", "close", "wrong", "nan")} | {"missing": {"reason": "n/a here"}}
     latency.compare_images(str(tmp_path), rows)
