@@ -30,6 +30,20 @@ def has_kernel(name: str) -> bool:
     return EXT is not None and hasattr(torch.ops.pyext_C, name)
 
 
+def kernel_missing(name: str) -> str | None:
+    """Why torch.ops.pyext_C.<name> cannot run in this process, or None: a backend's `unavailable`."""
+    if has_kernel(name):
+        return None
+    return EXT_ERROR or f"pyext._C was built without the {name} kernel; rebuild it"
+
+
+def cuda_kernel_missing(name: str) -> str | None:
+    """As kernel_missing, for the CUDA implementation of the kernel."""
+    if EXT is not None and has_kernel(name) and not EXT.built_with_cuda():
+        return "pyext._C was built without CUDA kernels (CPU torch or no nvcc)"
+    return kernel_missing(name)
+
+
 def cuda_kernels_built() -> bool:
     return EXT is not None and bool(EXT.built_with_cuda())
 

@@ -24,7 +24,7 @@ class PyextError(ValueError):
 class Backend:
     name: str
     run: Callable
-    reasons: Callable[..., list[str]]
+    reasons: Callable[..., list[str]] = lambda *args: []
     unavailable: Callable[[], str | None] = lambda: None
     advisory: Callable[..., list[str]] = lambda *args: []
     devices: tuple[str, ...] = ("cpu", "cuda")

@@ -16,7 +16,7 @@ import torch
 import torch.nn as nn
 
 from pyext import offload, planner
-from pyext.nn.fp8 import DEFAULT_SKIP, FP8Conv2d, FP8Linear, quantize_fp8, restore_fp8
+from pyext.nn.fp8 import DEFAULT_SKIP, quantize_fp8, restore_fp8
 
 
 @dataclass
@@ -238,9 +238,9 @@ def _step_compile(pipe, opts, state, ctx):
     if opts.compile == "auto":
         from pyext.traced import trace_reason
 
-        if trace_reason(den, ctx["offload"]):  # nothing cheap and safe to do: say so, stay eager
-            state.entries.append(Entry(name, "compile", "skipped",
-                                       f"auto: {trace_reason(den, ctx['offload'])}; compile='compile' is an option"))
+        reason = trace_reason(den, ctx["offload"])
+        if reason:  # nothing cheap and safe to do: say so, stay eager
+            state.entries.append(Entry(name, "compile", "skipped", f"auto: {reason}; compile='compile' is an option"))
             return
     if opts.compile == "compile":
         if getattr(den, "_compiled_call_impl", None) is not None:

@@ -10,7 +10,6 @@ from __future__ import annotations
 import re
 from dataclasses import dataclass, field
 
-import torch
 import torch.nn as nn
 
 GB = 1 << 30

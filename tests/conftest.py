@@ -23,3 +23,18 @@ needs_ext = pytest.mark.skipif(EXT is None, reason="pyext._C is not built")
 @pytest.fixture(autouse=True)
 def _seed():
     torch.manual_seed(0)
+
+
+def run_in_triton_interpreter(script: str, timeout: int = 900) -> dict:
+    """Runs `script` in a fresh interpreter with TRITON_INTERPRET=1 (it must be set before triton is
+    imported, and other test modules may have imported it already); returns the JSON of its last line."""
+    import json
+    import os
+    import subprocess
+    import sys
+
+    pytest.importorskip("triton")
+    env = dict(os.environ, TRITON_INTERPRET="1")
+    proc = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, env=env, timeout=timeout)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    return json.loads(proc.stdout.strip().splitlines()[-1])

@@ -2,13 +2,11 @@
 (TRITON_INTERPRET must be set before triton is imported, and other test modules may
 already have imported it here). fp16/fp32 only: the interpreter's bf16 dot is broken.
 Tolerance as in test_attention_op.py: <= 2x the error of same-dtype PyTorch math + eps."""
-import json
-import os
-import subprocess
-import sys
 import textwrap
 
 import pytest
+
+from tests.conftest import run_in_triton_interpreter
 
 SCRIPT = textwrap.dedent("""
     import json, torch
@@ -49,11 +47,7 @@ EPS = {"torch.float16": 1e-4, "torch.float32": 1e-6}
 
 
 def test_triton_attention_in_interpreter():
-    pytest.importorskip("triton")
-    env = dict(os.environ, TRITON_INTERPRET="1")
-    proc = subprocess.run([sys.executable, "-c", SCRIPT], capture_output=True, text=True, env=env, timeout=900)
-    assert proc.returncode == 0, proc.stderr[-3000:]
-    result = json.loads(proc.stdout.strip().splitlines()[-1])
+    result = run_in_triton_interpreter(SCRIPT, timeout=900)
     assert len(result["cases"]) == 9 * 3 * 2
     for case in result["cases"]:
         assert case["shape_ok"] and case["dtype_ok"], case

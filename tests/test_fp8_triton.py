@@ -1,13 +1,9 @@
 """The Triton fp8 linear kernel, run by Triton's interpreter on CPU in a subprocess
 (TRITON_INTERPRET must be set before triton is imported). fp16/fp32 activations:
 the interpreter's bf16 dot is broken, the bf16 path is for GPUs."""
-import json
-import os
-import subprocess
-import sys
 import textwrap
 
-import pytest
+from tests.conftest import run_in_triton_interpreter
 
 SCRIPT = textwrap.dedent("""
     import json, torch
@@ -41,11 +37,7 @@ SCRIPT = textwrap.dedent("""
 
 
 def test_triton_fp8_linear_in_interpreter():
-    pytest.importorskip("triton")
-    env = dict(os.environ, TRITON_INTERPRET="1")
-    proc = subprocess.run([sys.executable, "-c", SCRIPT], capture_output=True, text=True, env=env, timeout=600)
-    assert proc.returncode == 0, proc.stderr[-3000:]
-    result = json.loads(proc.stdout.strip().splitlines()[-1])
+    result = run_in_triton_interpreter(SCRIPT, timeout=600)
     for case in result["cases"]:
         assert case["shape_ok"], case
         assert case["err"] <= 2 * case["torch_err"] + 1e-3, case

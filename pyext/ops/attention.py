@@ -8,13 +8,14 @@ from __future__ import annotations
 
 import importlib.util
 import math
+from functools import partial
 from typing import Optional
 
 import torch
 import torch.nn.functional as F
 
 from pyext import dispatch
-from pyext._ext import EXT_ERROR, has_kernel
+from pyext._ext import kernel_missing
 from pyext.dispatch import Backend, PyextError
 from pyext.kernels import interpreter_advisory, triton_devices, triton_unavailable
 
@@ -59,12 +60,6 @@ def _scale(q, scale) -> float:
 
 
 # ----------------------------------------------------------------------------- cpp (CPU)
-
-def _cpp_unavailable():
-    if has_kernel("attention"):
-        return None
-    return EXT_ERROR or "pyext._C was built without the attention kernel; rebuild it"
-
 
 def _cpp_advisory(q, k, v, scale):
     # Measured on Zen 4 (`python -m bench.attention`, README): the AVX-512 paths beat CPU
@@ -117,24 +112,20 @@ def _xformers(q, k, v, scale):
     return out.transpose(1, 2)
 
 
-def _no_reasons(*args):
-    return []
-
-
 dispatch.register("attention", Backend(
-    "cpp", _cpp, _no_reasons, _cpp_unavailable, _cpp_advisory, devices=("cpu",),
+    "cpp", _cpp, unavailable=partial(kernel_missing, "attention"), advisory=_cpp_advisory, devices=("cpu",),
     doc="C++ flash attention (AVX-512 BF16 / AVX-512 / AVX2 / scalar), O(seq) memory"))
 dispatch.register("attention", Backend(
     "triton", _triton, _triton_reasons, triton_unavailable, interpreter_advisory, devices=triton_devices(),
     doc="Triton flash attention, head dim split into power-of-two parts; cpu only under TRITON_INTERPRET=1"))
 
 dispatch.register("attention", Backend(
-    "sdpa", _sdpa, _no_reasons, doc="torch.nn.functional.scaled_dot_product_attention"))
+    "sdpa", _sdpa, doc="torch.nn.functional.scaled_dot_product_attention"))
 dispatch.register("attention", Backend(
-    "xformers", _xformers, _no_reasons, _xformers_unavailable, devices=("cuda",),
+    "xformers", _xformers, unavailable=_xformers_unavailable, devices=("cuda",),
     doc="xformers.ops.memory_efficient_attention"))
 dispatch.register("attention", Backend(
-    "reference", attention_reference, _no_reasons, doc="naive fp32 math; O(seq^2) memory; the test oracle"))
+    "reference", attention_reference, doc="naive fp32 math; O(seq^2) memory; the test oracle"))
 
 
 @torch.library.custom_op("pyext::attention", mutates_args=())

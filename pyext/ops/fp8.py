@@ -7,13 +7,14 @@ bit (upcast) or to bf16 rounding (linear).
 """
 from __future__ import annotations
 
+from functools import partial
 from typing import Optional
 
 import torch
 import torch.nn.functional as F
 
 from pyext import dispatch
-from pyext._ext import EXT_ERROR, has_kernel
+from pyext._ext import cuda_kernel_missing, kernel_missing
 from pyext.dispatch import Backend, PyextError
 from pyext.kernels import interpreter_advisory, triton_devices, triton_unavailable
 
@@ -120,25 +121,6 @@ def fp8_linear_reference(x, w, scale, bias=None):
 
 # ----------------------------------------------------------------------------- backends
 
-def _ext_missing(kernel: str):
-    def unavailable():
-        if has_kernel(kernel):
-            return None
-        return EXT_ERROR or f"pyext._C was built without the {kernel} kernel"
-    return unavailable
-
-
-def _cuda_kernel_missing() -> Optional[str]:
-    from pyext._ext import cuda_kernels_built
-    if not has_kernel("fp8_upcast_out"):
-        return EXT_ERROR or "pyext._C has no fp8 kernels"
-    return None if cuda_kernels_built() else "pyext._C was built without CUDA kernels (CPU torch or no nvcc)"
-
-
-def _no_reasons(*args) -> list[str]:
-    return []
-
-
 def _upcast_ext(w, scale, out):
     torch.ops.pyext_C.fp8_upcast_out(w, scale, out)
 
@@ -148,13 +130,13 @@ def _upcast_ref(w, scale, out):
 
 
 dispatch.register("fp8_upcast", Backend(
-    "cuda", _upcast_ext, _no_reasons, _cuda_kernel_missing, devices=("cuda",),
+    "cuda", _upcast_ext, unavailable=partial(cuda_kernel_missing, "fp8_upcast_out"), devices=("cuda",),
     doc="CUDA C++ kernel, 16-byte vector loads"))
 dispatch.register("fp8_upcast", Backend(
-    "cpp", _upcast_ext, _no_reasons, _ext_missing("fp8_upcast_out"), devices=("cpu",),
+    "cpp", _upcast_ext, unavailable=partial(kernel_missing, "fp8_upcast_out"), devices=("cpu",),
     doc="C++ AVX-512/AVX2/scalar kernel chosen at run time, at::parallel_for"))
 dispatch.register("fp8_upcast", Backend(
-    "reference", _upcast_ref, _no_reasons, doc="PyTorch ops; the semantics and test oracle"))
+    "reference", _upcast_ref, doc="PyTorch ops; the semantics and test oracle"))
 
 
 def _linear_triton_reasons(x, w, scale, bias):
@@ -173,14 +155,14 @@ def _linear_cpp(x, w, scale, bias):
 
 
 dispatch.register("fp8_linear", Backend(
-    "cpp", _linear_cpp, _no_reasons, _ext_missing("fp8_linear"), devices=("cpu",),
+    "cpp", _linear_cpp, unavailable=partial(kernel_missing, "fp8_linear"), devices=("cpu",),
     doc="C++: upcasts weight tiles into an L2-sized buffer, oneDNN/MKL GEMM per tile"))
 dispatch.register("fp8_linear", Backend(
     "triton", _linear_triton, _linear_triton_reasons, triton_unavailable, interpreter_advisory,
     devices=triton_devices(),
     doc="Triton GEMM that dequantises fp8 weight tiles in its main loop"))
 dispatch.register("fp8_linear", Backend(
-    "reference", fp8_linear_reference, _no_reasons, doc="F.linear on the upcast weight"))
+    "reference", fp8_linear_reference, doc="F.linear on the upcast weight"))
 
 
 # ----------------------------------------------------------------------------- custom ops

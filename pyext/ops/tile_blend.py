@@ -17,12 +17,13 @@ Two modes (both stream tiles in raster order; see pyext/vae.py):
 """
 from __future__ import annotations
 
+from functools import partial
 from typing import Optional
 
 import torch
 
 from pyext import dispatch
-from pyext._ext import EXT_ERROR, has_kernel
+from pyext._ext import cuda_kernel_missing, kernel_missing
 from pyext.dispatch import Backend, PyextError
 
 DTYPES = (torch.float32, torch.float16, torch.bfloat16)
@@ -110,34 +111,18 @@ def tile_blend_reference(tile, out, oy, ox, mode, sizes, above, left, bottom, ri
 
 # ----------------------------------------------------------------------------- backends
 
-def _no_reasons(*args) -> list[str]:
-    return []
-
-
-def _ext_missing() -> Optional[str]:
-    return None if has_kernel("tile_blend") else (EXT_ERROR or "pyext._C was built without the tile_blend kernel")
-
-
-def _cuda_missing() -> Optional[str]:
-    from pyext._ext import cuda_kernels_built
-    missing = _ext_missing()
-    if missing:
-        return missing
-    return None if cuda_kernels_built() else "pyext._C was built without CUDA kernels (CPU torch or no nvcc)"
-
-
 def _run_ext(tile, out, oy, ox, mode, sizes, above, left, bottom, right) -> None:
     torch.ops.pyext_C.tile_blend(tile, out, oy, ox, mode, sizes, above, left, bottom, right)
 
 
 dispatch.register("tile_blend", Backend(
-    "cuda", _run_ext, _no_reasons, _cuda_missing, devices=("cuda",),
+    "cuda", _run_ext, unavailable=partial(cuda_kernel_missing, "tile_blend"), devices=("cuda",),
     doc="CUDA C++ kernel, one thread per output element, one launch per tile"))
 dispatch.register("tile_blend", Backend(
-    "cpp", _run_ext, _no_reasons, _ext_missing, devices=("cpu",),
+    "cpp", _run_ext, unavailable=partial(kernel_missing, "tile_blend"), devices=("cpu",),
     doc="C++ AVX-512/scalar row kernel, at::parallel_for over (channel, row)"))
 dispatch.register("tile_blend", Backend(
-    "reference", tile_blend_reference, _no_reasons, doc="PyTorch ops; the semantics and test oracle"))
+    "reference", tile_blend_reference, doc="PyTorch ops; the semantics and test oracle"))
 
 
 # ----------------------------------------------------------------------------- custom op
