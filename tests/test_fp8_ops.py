@@ -135,7 +135,7 @@ def rel_err(a, b):
 
 
 @needs_ext
-@pytest.mark.parametrize("x_shape", [(1, 33), (7, 64), (2, 5, 96), (300, 130)])
+@pytest.mark.parametrize("x_shape", [(1, 33), (13, 7), (7, 64), (2, 5, 96), (300, 130)])
 @pytest.mark.parametrize("n", [1, 17, 520])
 @pytest.mark.parametrize("dtype", DTYPES)
 @pytest.mark.parametrize("bias", [False, True])
@@ -198,11 +198,12 @@ def test_compiles_fullgraph():
 
 
 @needs_ext
-@pytest.mark.parametrize("n,k,tile_rows,expected_gemms", [(64, 64, 0, 1), (17, 33, 0, 1), (1000, 64, 256, 4),
+@pytest.mark.parametrize("n,k,tile_rows,expected_gemms", [(64, 64, -1, 1), (17, 33, -1, 1), (1000, 64, 256, 4),
                                                            (1000, 64, 300, 4), (5, 64, 300, 1)])
 def test_linear_cpp_tiles_evenly(n, k, tile_rows, expected_gemms):
-    """A small weight is one GEMM; a forced tile width splits N into even tiles (a regression:
-    an off-by-a-ratio tile count once split every layer into one-row GEMMs)."""
+    """The upcast-and-GEMM path (tile_rows != 0; the fused GEMM calls no torch GEMM): a small
+    weight is one GEMM; a forced tile width splits N into even tiles (a regression: an
+    off-by-a-ratio tile count once split every layer into one-row GEMMs)."""
     x = torch.randn(3, k, dtype=torch.bfloat16)
     w, s = fp8_quantize(torch.randn(n, k))
     with torch.profiler.profile() as prof:
@@ -221,3 +222,31 @@ def test_upcast_large_outputs_stream_exactly(simd, per_channel, dtype):
     out = torch.empty(w.shape, dtype=dtype)
     fp8_upcast(w, scale, out=out, backend="cpp")
     assert same_bits(out, fp8_upcast_reference(w, scale, dtype))
+
+
+def finite_codes_weight(n):
+    """(n, 254) weight whose rows are rotations of every finite e4m3 code."""
+    codes = torch.tensor([c for c in range(256) if c & 0x7F != 0x7F], dtype=torch.uint8)
+    return torch.stack([codes.roll(i) for i in range(n)]).view(FP8)
+
+
+@needs_ext
+@pytest.mark.parametrize("per_channel", [True, False])
+def test_linear_cpp_decodes_every_code_exactly(simd, per_channel):
+    """x = identity picks single weights out: y must be exactly the upcast weight (the fused
+    bf16 GEMM decodes codes itself, subnormals included, and scales in its epilogue)."""
+    w = finite_codes_weight(70)
+    s = torch.rand(70 if per_channel else 1) * 3 + 1e-3
+    x = torch.eye(254, dtype=torch.bfloat16)
+    y = fp8_linear(x, w, s, backend="cpp")
+    assert torch.equal(y, fp8_upcast_reference(w, s, torch.bfloat16).t())
+
+
+@needs_ext
+def test_linear_cpp_propagates_nan_codes(simd):
+    codes = fp8_quantize(torch.randn(70, 41))[0].view(torch.uint8).clone()
+    codes[3, 5], codes[66, 40] = 0x7F, 0xFF  # the two NaN codes, one in the last (odd) k column
+    x = torch.randn(9, 41, dtype=torch.bfloat16)
+    y = fp8_linear(x, codes.view(FP8), torch.ones(70), backend="cpp")
+    nan_cols = y.isnan().all(0)
+    assert nan_cols[3] and nan_cols[66] and nan_cols.sum() == 2 and not y[:, ~nan_cols].isnan().any()

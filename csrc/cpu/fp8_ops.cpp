@@ -9,6 +9,7 @@
 #include <algorithm>
 
 #include "fp8_convert.h"
+#include "fp8_gemm.h"
 
 namespace pyext::cpu {
 namespace {
@@ -82,10 +83,28 @@ at::Tensor fp8_linear_cpu(const at::Tensor& x, const at::Tensor& w, const at::Te
   if (M == 0 || N == 0) return y.view(out_shape);
   if (K == 0) return (bias ? y.copy_(bias->expand({M, N})) : y.zero_()).view(out_shape);
 
+  // bf16 on AVX512_BF16: the GEMM decodes the fp8 weight in its own packing step.
+  if (tile_rows == 0 && x.scalar_type() == at::kBFloat16 && simd_level() == SimdLevel::kAvx512 &&
+      fp8_gemm_supported()) {
+    const at::Tensor bc = bias ? bias->contiguous() : at::Tensor();
+    TORCH_CHECK(!bias || (bc.scalar_type() == at::kBFloat16 && bc.numel() == N), "pyext fp8_linear: bias must be bf16[N]");
+    const Fp8GemmArgs args{reinterpret_cast<const uint16_t*>(x2.data_ptr()),
+                           static_cast<const uint8_t*>(wc.data_ptr()), sc.data_ptr<float>(), sc.numel() == 1,
+                           bias ? reinterpret_cast<const uint16_t*>(bc.data_ptr()) : nullptr,
+                           reinterpret_cast<uint16_t*>(y.data_ptr()), M, N, K};
+    const int64_t units = fp8_gemm_units(M, N);
+    // Enough multiply-adds per thread to be worth waking the pool (a unit is 6 x 64 x K).
+    const int64_t grain = std::max<int64_t>(1, (int64_t{1} << 20) / (6 * 64 * K));
+    at::parallel_for(0, units, grain, [&](int64_t b, int64_t e) { fp8_gemm_bf16_avx512(args, b, e); });
+    return y.view(out_shape);
+  }
+
+  // Otherwise upcast the weight tile by tile into a buffer and use torch's GEMM.
   // Tile width (weight rows upcast at once). Narrow tiles keep the upcast weight in
   // cache but cost GEMM efficiency (every call re-packs x, and each distinct tile shape
   // is another oneDNN primitive), so tiles are as wide as an L3-sized buffer allows
-  // and split N evenly (no odd tail shape). tile_rows > 0 overrides, for the bench.
+  // and split N evenly (no odd tail shape). tile_rows > 0 sets the width, for the bench;
+  // tile_rows < 0 takes this path with the automatic width.
   const int64_t esize = x.element_size();
   constexpr int64_t kTileBytes = 8 << 20;
   int64_t tile = std::min(N, tile_rows > 0 ? tile_rows : std::max<int64_t>(16, kTileBytes / (K * esize)));

@@ -1,0 +1,196 @@
+// AVX-512 + AVX512_BF16 unit of the fp8-weight GEMM (see fp8_gemm.h).
+//
+// Register tile: kRows rows of x times one 64-channel panel = 6 x 4 zmm fp32
+// accumulators. Each step takes one k pair: the panel holds, for that pair, 64
+// channels x (w[n][k], w[n][k+1]) as four vectors, and x's (k, k+1) pair is broadcast
+// as one 32-bit lane, so vdpbf16ps does 2 multiply-adds per lane (as oneDNN's bf16
+// GEMM does).
+#if defined(__x86_64__) && (defined(__GNUC__) || defined(__clang__))
+#pragma GCC target("avx512f,avx512bw,avx512vl,avx512dq,avx512bf16,avx2,fma,bmi2")
+#include <immintrin.h>
+
+#include <algorithm>
+#include <cstdlib>
+#include <cstring>
+#include <memory>
+#include <new>
+
+#include "fp8_gemm.h"
+
+namespace pyext::cpu {
+namespace {
+
+constexpr int kRows = 6;      // rows of x per register tile
+constexpr int kVecs = 4;      // 16-channel vectors per panel
+constexpr int kPanel = 16 * kVecs;
+
+// 32 e4m3fn codes -> 32 bf16, exact. Normal codes only need the exponent rebiased
+// (bf16 keeps e4m3's 3 mantissa bits); the 7 subnormal magnitudes come from a table,
+// and NaN (magnitude 0x7f) becomes a quiet bf16 NaN.
+inline __m512i decode32(const uint8_t* src, __mmask32 valid) {
+  const __m512i x = _mm512_cvtepu8_epi16(_mm256_maskz_loadu_epi8(valid, src));
+  const __m512i mag = _mm512_and_si512(x, _mm512_set1_epi16(0x7f));
+  const __m512i sign = _mm512_slli_epi16(_mm512_and_si512(x, _mm512_set1_epi16(0x80)), 8);
+  // bf16 bits of m * 2^-9 for m = 0..7 (index = magnitude; only lanes below 8 use it).
+  const __m512i subnormals = _mm512_set_epi16(0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0,
+                                              0, 0, 0x3c60, 0x3c40, 0x3c20, 0x3c00, 0x3bc0, 0x3b80, 0x3b00, 0);
+  __m512i v = _mm512_add_epi16(_mm512_slli_epi16(mag, 4), _mm512_set1_epi16(120 << 7));
+  v = _mm512_mask_mov_epi16(v, _mm512_cmplt_epu16_mask(mag, _mm512_set1_epi16(8)),
+                            _mm512_permutexvar_epi16(mag, subnormals));
+  v = _mm512_mask_mov_epi16(v, _mm512_cmpeq_epi16_mask(mag, _mm512_set1_epi16(0x7f)), _mm512_set1_epi16(0x7fc0));
+  return _mm512_or_si512(v, sign);
+}
+
+// In-register transpose of a 16 x 16 matrix of 32-bit lanes (r[i] = row i).
+inline void transpose16(__m512i r[16]) {
+  __m512i t[16];
+  for (int i = 0; i < 16; i += 2) {
+    t[i] = _mm512_unpacklo_epi32(r[i], r[i + 1]);
+    t[i + 1] = _mm512_unpackhi_epi32(r[i], r[i + 1]);
+  }
+  for (int i = 0; i < 16; i += 4) {  // r[i + e] = element 4L+e of rows i..i+3 in 128-bit lane L
+    r[i] = _mm512_unpacklo_epi64(t[i], t[i + 2]);
+    r[i + 1] = _mm512_unpackhi_epi64(t[i], t[i + 2]);
+    r[i + 2] = _mm512_unpacklo_epi64(t[i + 1], t[i + 3]);
+    r[i + 3] = _mm512_unpackhi_epi64(t[i + 1], t[i + 3]);
+  }
+  for (int e = 0; e < 4; ++e) {
+    t[e] = _mm512_shuffle_i32x4(r[e], r[e + 4], 0x88);
+    t[e + 4] = _mm512_shuffle_i32x4(r[e], r[e + 4], 0xdd);
+    t[e + 8] = _mm512_shuffle_i32x4(r[e + 8], r[e + 12], 0x88);
+    t[e + 12] = _mm512_shuffle_i32x4(r[e + 8], r[e + 12], 0xdd);
+  }
+  for (int e = 0; e < 8; ++e) {
+    r[e] = _mm512_shuffle_i32x4(t[e], t[e + 8], 0x88);
+    r[e + 8] = _mm512_shuffle_i32x4(t[e], t[e + 8], 0xdd);
+  }
+}
+
+// Decodes channels [n0, n0 + 64) of w into packed[pair][64 channels][2] bf16, zero
+// past N and past K.
+void pack_panel(const uint8_t* w, int64_t N, int64_t K, int64_t n0, uint16_t* packed) {
+  const int64_t pairs = (K + 1) / 2;
+  for (int g = 0; g < kVecs; ++g) {
+    for (int64_t k = 0; k < K; k += 32) {
+      const __mmask32 valid = K - k >= 32 ? ~__mmask32(0) : _bzhi_u32(~0u, static_cast<unsigned>(K - k));
+      __m512i r[16];
+      for (int i = 0; i < 16; ++i) {
+        const int64_t n = n0 + g * 16 + i;
+        r[i] = n < N ? decode32(w + n * K + k, valid) : _mm512_setzero_si512();
+      }
+      transpose16(r);  // r[j] = pair k/2 + j of the 16 channels
+      const int64_t count = std::min<int64_t>(16, pairs - k / 2);
+      for (int64_t j = 0; j < count; ++j)
+        _mm512_store_si512(packed + ((k / 2 + j) * kPanel + g * 16) * 2, r[j]);
+    }
+  }
+}
+
+// y[rows][n0 .. n0 + 64) for `R` rows starting at x.
+template <int R>
+void tile(const uint16_t* x, int64_t K, const uint16_t* packed, const Fp8GemmArgs& a, int64_t m0, int64_t n0) {
+  __m512 acc[R][kVecs];
+  for (int r = 0; r < R; ++r)
+    for (int v = 0; v < kVecs; ++v) acc[r][v] = _mm512_setzero_ps();
+  const int64_t full_pairs = K / 2;
+  for (int64_t p = 0; p < full_pairs; ++p) {
+    const uint16_t* b = packed + p * kPanel * 2;
+    __m512i bv[kVecs];
+    for (int v = 0; v < kVecs; ++v) bv[v] = _mm512_load_si512(b + v * 32);
+    for (int r = 0; r < R; ++r) {
+      int32_t pair;
+      std::memcpy(&pair, x + r * K + 2 * p, 4);
+      const __m512bh xv = (__m512bh)_mm512_set1_epi32(pair);
+      for (int v = 0; v < kVecs; ++v) acc[r][v] = _mm512_dpbf16_ps(acc[r][v], xv, (__m512bh)bv[v]);
+    }
+  }
+  if (K % 2) {  // last, unpaired k: never read past the row (the panel's partner is zero)
+    const uint16_t* b = packed + full_pairs * kPanel * 2;
+    for (int r = 0; r < R; ++r) {
+      const __m512bh xv = (__m512bh)_mm512_set1_epi32(x[r * K + K - 1]);
+      for (int v = 0; v < kVecs; ++v)
+        acc[r][v] = _mm512_dpbf16_ps(acc[r][v], xv, (__m512bh)_mm512_load_si512(b + v * 32));
+    }
+  }
+  // Epilogue: scale per channel, bias, round to bf16 (RNE), store.
+  for (int v = 0; v < kVecs; ++v) {
+    const int64_t n = n0 + v * 16;
+    if (n >= a.N) break;
+    const __mmask16 m = a.N - n >= 16 ? __mmask16(0xffff) : static_cast<__mmask16>((1u << (a.N - n)) - 1);
+    const __m512 s = a.per_tensor ? _mm512_set1_ps(a.scale[0]) : _mm512_maskz_loadu_ps(m, a.scale + n);
+    __m512 bias = _mm512_setzero_ps();
+    if (a.bias)
+      bias = _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(_mm256_maskz_loadu_epi16(m, a.bias + n)), 16));
+    for (int r = 0; r < R; ++r) {
+      const __m512 out = _mm512_fmadd_ps(acc[r][v], s, bias);
+      _mm256_mask_storeu_epi16(a.y + (m0 + r) * a.N + n, m, (__m256i)_mm512_cvtneps_pbh(out));
+    }
+  }
+}
+
+struct FreeDeleter {
+  void operator()(void* p) const { std::free(p); }
+};
+
+}  // namespace
+
+int64_t fp8_gemm_units(int64_t M, int64_t N) {
+  return ((N + kPanel - 1) / kPanel) * ((M + kRows - 1) / kRows);
+}
+
+void fp8_gemm_bf16_avx512(const Fp8GemmArgs& a, int64_t unit_begin, int64_t unit_end) {
+  const int64_t blocks = (a.M + kRows - 1) / kRows;
+  const size_t bytes = static_cast<size_t>((a.K + 1) / 2) * kPanel * 2 * sizeof(uint16_t);
+  // One packed panel per thread, reused across calls and layers.
+  thread_local std::unique_ptr<uint16_t, FreeDeleter> buffer;
+  thread_local size_t capacity = 0;
+  if (capacity < bytes) {
+    buffer.reset(static_cast<uint16_t*>(std::aligned_alloc(64, (bytes + 63) / 64 * 64)));
+    if (!buffer) throw std::bad_alloc();  // at::parallel_for rethrows it on the caller's thread
+    capacity = bytes;
+  }
+  uint16_t* packed = buffer.get();
+  const int64_t panels = (a.N + kPanel - 1) / kPanel;
+  for (int64_t u = unit_begin; u < unit_end;) {
+    const int64_t panel = u / blocks, n0 = panel * kPanel;
+    const int64_t first = u, last = std::min(unit_end, (panel + 1) * blocks);
+    pack_panel(a.w, a.N, a.K, n0, packed);
+    // While this panel computes, pull the next panel's fp8 rows into L2, a share per
+    // tile: packing then decodes from cache instead of waiting on DRAM.
+    const uint8_t* next = panel + 1 < panels ? a.w + (n0 + kPanel) * a.K : nullptr;
+    const int64_t next_bytes = next ? std::min<int64_t>(kPanel, a.N - n0 - kPanel) * a.K : 0;
+    const int64_t share = (next_bytes + (last - first) * 64 - 1) / ((last - first) * 64) * 64;
+    for (; u < last; ++u) {
+      if (next) {
+        for (int64_t off = (u - first) * share, end = std::min(next_bytes, off + share); off < end; off += 64)
+          _mm_prefetch(reinterpret_cast<const char*>(next + off), _MM_HINT_T1);
+      }
+      const int64_t m0 = (u % blocks) * kRows;
+      const uint16_t* x = a.x + m0 * a.K;
+      switch (std::min<int64_t>(kRows, a.M - m0)) {
+        case 6: tile<6>(x, a.K, packed, a, m0, n0); break;
+        case 5: tile<5>(x, a.K, packed, a, m0, n0); break;
+        case 4: tile<4>(x, a.K, packed, a, m0, n0); break;
+        case 3: tile<3>(x, a.K, packed, a, m0, n0); break;
+        case 2: tile<2>(x, a.K, packed, a, m0, n0); break;
+        default: tile<1>(x, a.K, packed, a, m0, n0); break;
+      }
+    }
+  }
+}
+
+bool fp8_gemm_supported() {
+  __builtin_cpu_init();
+  return __builtin_cpu_supports("avx512f") && __builtin_cpu_supports("avx512bw") &&
+         __builtin_cpu_supports("avx512vl") && __builtin_cpu_supports("avx512bf16");
+}
+
+}  // namespace pyext::cpu
+#else
+#include "fp8_gemm.h"
+namespace pyext::cpu {
+int64_t fp8_gemm_units(int64_t, int64_t) { return 0; }
+void fp8_gemm_bf16_avx512(const Fp8GemmArgs&, int64_t, int64_t) {}
+bool fp8_gemm_supported() { return false; }
+}  // namespace pyext::cpu
+#endif
