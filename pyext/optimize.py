@@ -352,7 +352,23 @@ def optimize(pipe, options: OptimizeOptions | None = None, **kwargs):
     _step_offload(pipe, opts, state, ctx)
     _step_compile(pipe, opts, state, ctx)  # last: it captures the final modules
     pipe._pyext_state = state
+    _release_freed_memory()
     return pipe
+
+
+def _release_freed_memory() -> None:
+    """Hands the heap pages freed by the casts (the fp32 weights, 2 GB for SD1.5) back to the OS.
+
+    glibc keeps freed medium-sized blocks in its heap, so without this the process keeps
+    ~80 MB of dead fp32 weights resident after a cast of SD1.5. No-op off glibc."""
+    import ctypes
+    import gc
+
+    gc.collect()
+    try:
+        ctypes.CDLL("libc.so.6").malloc_trim(0)
+    except (OSError, AttributeError):
+        pass
 
 
 @dataclass
