@@ -3,6 +3,7 @@
 #include <torch/extension.h>
 
 #include "cpu/cpu_features.h"
+#include "cpu/fp8_gemm.h"
 
 TORCH_LIBRARY(pyext_C, m) {}  // each kernel family adds its ops with TORCH_LIBRARY_FRAGMENT
 
@@ -12,6 +13,8 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
     std::vector<std::string> levels;
     for (SimdLevel l : {SimdLevel::kScalar, SimdLevel::kAvx2, SimdLevel::kAvx512})
       if (static_cast<int>(l) <= static_cast<int>(pyext::cpu::simd_level())) levels.push_back(pyext::cpu::simd_name(l));
+    // bf16 dot products: the fused fp8 GEMM and the bf16 attention kernel use them.
+    if (pyext::cpu::simd_level() == SimdLevel::kAvx512 && pyext::cpu::fp8_gemm_supported()) levels.push_back("avx512_bf16");
     return levels;
   }, "SIMD levels the CPU kernels use on this machine (PYEXT_CPU_SIMD caps them).");
   m.def("built_with_cuda", [] {

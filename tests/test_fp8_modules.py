@@ -50,8 +50,10 @@ def test_channels_last_conv():
     x = torch.randn(1, 4, 6, 6)
     ref = conv(x)
     conv.to(memory_format=torch.channels_last)
-    assert conv.weight.is_contiguous()
+    # The codes follow the module's memory format, (out, kh, kw, in) rows, as the fp8 conv GEMM reads them.
+    assert conv.weight.is_contiguous(memory_format=torch.channels_last) and not conv.weight.is_contiguous()
     torch.testing.assert_close(conv(x.to(memory_format=torch.channels_last)), ref)
+    torch.testing.assert_close(conv(x), ref)
 
 
 def test_state_dict_round_trip_without_requantizing():

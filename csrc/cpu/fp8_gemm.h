@@ -11,14 +11,24 @@
 
 namespace pyext::cpu {
 
+// A convolution runs as an implicit GEMM over channels-last activations: row m of the
+// GEMM is output pixel m, and its K = kh * kw * C inputs are the C channels of each of
+// the kh * kw input pixels under the kernel (read in place, zeros outside the image).
+struct Conv2dGeometry {
+  int64_t batch, H, W, C;  // input, NHWC
+  int64_t OH, OW;          // output
+  int64_t kh, kw, sh, sw, ph, pw;
+};
+
 struct Fp8GemmArgs {
-  const uint16_t* x;     // (M, K) bf16 bits, row-major, contiguous
-  const uint8_t* w;      // (N, K) e4m3fn codes, row-major, contiguous
+  const uint16_t* x;     // linear: (M, K) bf16 bits, row-major; conv: NHWC input
+  const uint8_t* w;      // (N, K) e4m3fn codes, row-major; conv: (N, kh, kw, C)
   const float* scale;    // N floats, or 1 when per_tensor
   bool per_tensor;
   const uint16_t* bias;  // N bf16 bits or nullptr
-  uint16_t* y;           // (M, N) bf16 bits, row-major, contiguous
+  uint16_t* y;           // (M, N) bf16 bits, row-major (conv: NHWC output)
   int64_t M, N, K;
+  const Conv2dGeometry* conv = nullptr;  // set for a convolution (C must be even)
 };
 
 // Work is a grid of (64-channel panel, block of rows) units; a thread runs a

@@ -24,6 +24,10 @@ constexpr int kRows = 6;      // rows of x per register tile
 constexpr int kVecs = 4;      // 16-channel vectors per panel
 constexpr int kPanel = 16 * kVecs;
 
+struct FreeDeleter {
+  void operator()(const void* p) const { std::free(const_cast<void*>(p)); }
+};
+
 // 32 e4m3fn codes -> 32 bf16, exact. Normal codes only need the exponent rebiased
 // (bf16 keeps e4m3's 3 mantissa bits); the 7 subnormal magnitudes come from a table,
 // and NaN (magnitude 0x7f) becomes a quiet bf16 NaN.
@@ -86,28 +90,34 @@ void pack_panel(const uint8_t* w, int64_t N, int64_t K, int64_t n0, uint16_t* pa
   }
 }
 
-// y[rows][n0 .. n0 + 64) for `R` rows starting at x.
+// y[m0 .. m0 + R)[n0 .. n0 + 64). rows[t * R + r] points at the C inputs of row r for
+// tap t (a linear has one tap: its row of x); the panel holds the taps one after another.
 template <int R>
-void tile(const uint16_t* x, int64_t K, const uint16_t* packed, const Fp8GemmArgs& a, int64_t m0, int64_t n0) {
+void tile(const uint16_t* const* rows, int64_t taps, int64_t C, const uint16_t* packed, const Fp8GemmArgs& a,
+          int64_t m0, int64_t n0) {
   __m512 acc[R][kVecs];
   for (int r = 0; r < R; ++r)
     for (int v = 0; v < kVecs; ++v) acc[r][v] = _mm512_setzero_ps();
-  const int64_t full_pairs = K / 2;
-  for (int64_t p = 0; p < full_pairs; ++p) {
-    const uint16_t* b = packed + p * kPanel * 2;
-    __m512i bv[kVecs];
-    for (int v = 0; v < kVecs; ++v) bv[v] = _mm512_load_si512(b + v * 32);
-    for (int r = 0; r < R; ++r) {
-      int32_t pair;
-      std::memcpy(&pair, x + r * K + 2 * p, 4);
-      const __m512bh xv = (__m512bh)_mm512_set1_epi32(pair);
-      for (int v = 0; v < kVecs; ++v) acc[r][v] = _mm512_dpbf16_ps(acc[r][v], xv, (__m512bh)bv[v]);
+  const int64_t full_pairs = C / 2;
+  for (int64_t t = 0; t < taps; ++t) {
+    const uint16_t* const* x = rows + t * R;
+    const uint16_t* panel = packed + t * full_pairs * kPanel * 2;
+    for (int64_t p = 0; p < full_pairs; ++p) {
+      const uint16_t* b = panel + p * kPanel * 2;
+      __m512i bv[kVecs];
+      for (int v = 0; v < kVecs; ++v) bv[v] = _mm512_load_si512(b + v * 32);
+      for (int r = 0; r < R; ++r) {
+        int32_t pair;
+        std::memcpy(&pair, x[r] + 2 * p, 4);
+        const __m512bh xv = (__m512bh)_mm512_set1_epi32(pair);
+        for (int v = 0; v < kVecs; ++v) acc[r][v] = _mm512_dpbf16_ps(acc[r][v], xv, (__m512bh)bv[v]);
+      }
     }
   }
-  if (K % 2) {  // last, unpaired k: never read past the row (the panel's partner is zero)
+  if (C % 2) {  // a linear's last, unpaired k: never read past the row (the panel's partner is zero)
     const uint16_t* b = packed + full_pairs * kPanel * 2;
     for (int r = 0; r < R; ++r) {
-      const __m512bh xv = (__m512bh)_mm512_set1_epi32(x[r * K + K - 1]);
+      const __m512bh xv = (__m512bh)_mm512_set1_epi32(rows[r][C - 1]);
       for (int v = 0; v < kVecs; ++v)
         acc[r][v] = _mm512_dpbf16_ps(acc[r][v], xv, (__m512bh)_mm512_load_si512(b + v * 32));
     }
@@ -128,9 +138,45 @@ void tile(const uint16_t* x, int64_t K, const uint16_t* packed, const Fp8GemmArg
   }
 }
 
-struct FreeDeleter {
-  void operator()(void* p) const { std::free(p); }
-};
+// Row pointers of the R rows from m0, per tap: rows of x for a linear; for a convolution
+// the input pixel under each tap of each output pixel, or a zero row outside the image.
+void row_pointers(const Fp8GemmArgs& a, int64_t m0, int R, const uint16_t* zeros, const uint16_t** rows) {
+  if (!a.conv) {
+    for (int r = 0; r < R; ++r) rows[r] = a.x + (m0 + r) * a.K;
+    return;
+  }
+  const Conv2dGeometry& g = *a.conv;
+  for (int r = 0; r < R; ++r) {
+    const int64_t m = m0 + r, ow = m % g.OW, oh = (m / g.OW) % g.OH, b = m / (g.OW * g.OH);
+    for (int64_t dy = 0; dy < g.kh; ++dy) {
+      const int64_t ih = oh * g.sh - g.ph + dy;
+      for (int64_t dx = 0; dx < g.kw; ++dx) {
+        const int64_t iw = ow * g.sw - g.pw + dx;
+        const bool inside = ih >= 0 && ih < g.H && iw >= 0 && iw < g.W;
+        rows[(dy * g.kw + dx) * R + r] = inside ? a.x + ((b * g.H + ih) * g.W + iw) * g.C : zeros;
+      }
+    }
+  }
+}
+
+template <int R>
+void run_tile(const Fp8GemmArgs& a, int64_t m0, int64_t n0, const uint16_t* packed, const uint16_t* zeros,
+              const uint16_t** rows) {
+  row_pointers(a, m0, R, zeros, rows);
+  const int64_t taps = a.conv ? a.conv->kh * a.conv->kw : 1;
+  tile<R>(rows, taps, a.conv ? a.conv->C : a.K, packed, a, m0, n0);
+}
+
+template <typename T>
+T* grow(std::unique_ptr<T, FreeDeleter>& buf, size_t& capacity, size_t bytes, bool zero) {
+  if (capacity < bytes) {
+    buf.reset(static_cast<T*>(std::aligned_alloc(64, (bytes + 63) / 64 * 64)));
+    if (!buf) throw std::bad_alloc();  // at::parallel_for rethrows it on the caller's thread
+    capacity = bytes;
+    if (zero) std::memset(buf.get(), 0, bytes);
+  }
+  return buf.get();
+}
 
 }  // namespace
 
@@ -140,16 +186,15 @@ int64_t fp8_gemm_units(int64_t M, int64_t N) {
 
 void fp8_gemm_bf16_avx512(const Fp8GemmArgs& a, int64_t unit_begin, int64_t unit_end) {
   const int64_t blocks = (a.M + kRows - 1) / kRows;
-  const size_t bytes = static_cast<size_t>((a.K + 1) / 2) * kPanel * 2 * sizeof(uint16_t);
-  // One packed panel per thread, reused across calls and layers.
-  thread_local std::unique_ptr<uint16_t, FreeDeleter> buffer;
-  thread_local size_t capacity = 0;
-  if (capacity < bytes) {
-    buffer.reset(static_cast<uint16_t*>(std::aligned_alloc(64, (bytes + 63) / 64 * 64)));
-    if (!buffer) throw std::bad_alloc();  // at::parallel_for rethrows it on the caller's thread
-    capacity = bytes;
-  }
-  uint16_t* packed = buffer.get();
+  const int64_t taps = a.conv ? a.conv->kh * a.conv->kw : 1;
+  // Per-thread scratch, reused across calls and layers: the packed panel, a zero row for
+  // the padding of convolutions, and the tile's row pointers.
+  thread_local std::unique_ptr<uint16_t, FreeDeleter> panel_buf, zero_buf;
+  thread_local std::unique_ptr<const uint16_t*, FreeDeleter> rows_buf;
+  thread_local size_t panel_cap = 0, zero_cap = 0, rows_cap = 0;
+  uint16_t* packed = grow(panel_buf, panel_cap, static_cast<size_t>((a.K + 1) / 2) * kPanel * 2 * 2, false);
+  const uint16_t* zeros = a.conv ? grow(zero_buf, zero_cap, static_cast<size_t>(a.conv->C) * 2, true) : nullptr;
+  const uint16_t** rows = grow(rows_buf, rows_cap, static_cast<size_t>(taps) * kRows * sizeof(void*), false);
   const int64_t panels = (a.N + kPanel - 1) / kPanel;
   for (int64_t u = unit_begin; u < unit_end;) {
     const int64_t panel = u / blocks, n0 = panel * kPanel;
@@ -166,14 +211,13 @@ void fp8_gemm_bf16_avx512(const Fp8GemmArgs& a, int64_t unit_begin, int64_t unit
           _mm_prefetch(reinterpret_cast<const char*>(next + off), _MM_HINT_T1);
       }
       const int64_t m0 = (u % blocks) * kRows;
-      const uint16_t* x = a.x + m0 * a.K;
       switch (std::min<int64_t>(kRows, a.M - m0)) {
-        case 6: tile<6>(x, a.K, packed, a, m0, n0); break;
-        case 5: tile<5>(x, a.K, packed, a, m0, n0); break;
-        case 4: tile<4>(x, a.K, packed, a, m0, n0); break;
-        case 3: tile<3>(x, a.K, packed, a, m0, n0); break;
-        case 2: tile<2>(x, a.K, packed, a, m0, n0); break;
-        default: tile<1>(x, a.K, packed, a, m0, n0); break;
+        case 6: run_tile<6>(a, m0, n0, packed, zeros, rows); break;
+        case 5: run_tile<5>(a, m0, n0, packed, zeros, rows); break;
+        case 4: run_tile<4>(a, m0, n0, packed, zeros, rows); break;
+        case 3: run_tile<3>(a, m0, n0, packed, zeros, rows); break;
+        case 2: run_tile<2>(a, m0, n0, packed, zeros, rows); break;
+        default: run_tile<1>(a, m0, n0, packed, zeros, rows); break;
       }
     }
   }

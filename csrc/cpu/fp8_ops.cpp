@@ -34,6 +34,9 @@ void check_fp8_weight(const at::Tensor& w, const at::Tensor& scale) {
               "pyext fp8: scale must have 1 or weight.size(0) elements");
 }
 
+// The fused GEMM runs here (PYEXT_CPU_SIMD=avx512 or uncapped, and the CPU has AVX512_BF16).
+bool fused_gemm_available() { return simd_level() == SimdLevel::kAvx512 && fp8_gemm_supported(); }
+
 // Upcasts rows [row0, row0 + nrows) of a (rows, cols) fp8 matrix into dst,
 // in parallel. A single (per-tensor) scale is split by element chunks instead.
 void upcast_rows(const uint8_t* src, const float* scale, bool per_row, int64_t row0, int64_t nrows,
@@ -84,8 +87,7 @@ at::Tensor fp8_linear_cpu(const at::Tensor& x, const at::Tensor& w, const at::Te
   if (K == 0) return (bias ? y.copy_(bias->expand({M, N})) : y.zero_()).view(out_shape);
 
   // bf16 on AVX512_BF16: the GEMM decodes the fp8 weight in its own packing step.
-  if (tile_rows == 0 && x.scalar_type() == at::kBFloat16 && simd_level() == SimdLevel::kAvx512 &&
-      fp8_gemm_supported()) {
+  if (tile_rows == 0 && x.scalar_type() == at::kBFloat16 && fused_gemm_available()) {
     const at::Tensor bc = bias ? bias->contiguous() : at::Tensor();
     TORCH_CHECK(!bias || (bc.scalar_type() == at::kBFloat16 && bc.numel() == N), "pyext fp8_linear: bias must be bf16[N]");
     const Fp8GemmArgs args{reinterpret_cast<const uint16_t*>(x2.data_ptr()),
@@ -126,9 +128,45 @@ at::Tensor fp8_linear_cpu(const at::Tensor& x, const at::Tensor& w, const at::Te
   return y.view(out_shape);
 }
 
+// Convolution as an implicit GEMM over channels-last activations (see fp8_gemm.h).
+// x: (B, C, H, W) bf16 in channels-last memory; w: (N, kh, kw, C) uint8 codes.
+// Returns (B, N, OH, OW) bf16 in channels-last memory.
+at::Tensor fp8_conv2d_cpu(const at::Tensor& x, const at::Tensor& w, const at::Tensor& scale,
+                          const std::optional<at::Tensor>& bias, at::IntArrayRef stride, at::IntArrayRef padding) {
+  TORCH_CHECK(fused_gemm_available(), "pyext fp8_conv2d: the C++ kernel needs AVX-512 and AVX512_BF16");
+  TORCH_CHECK(w.scalar_type() == at::kByte && w.dim() == 4, "pyext fp8_conv2d: weight must be uint8 (N, kh, kw, C)");
+  TORCH_CHECK(x.scalar_type() == at::kBFloat16 && x.dim() == 4 && x.size(1) == w.size(3) && x.size(1) % 2 == 0,
+              "pyext fp8_conv2d: x must be bf16 (B, C, H, W) with an even C matching the weight");
+  TORCH_CHECK(stride.size() == 2 && padding.size() == 2 && stride[0] > 0 && stride[1] > 0 && padding[0] >= 0 &&
+              padding[1] >= 0, "pyext fp8_conv2d: stride and padding must be two non-negative ints (stride > 0)");
+  TORCH_CHECK(scale.scalar_type() == at::kFloat && (scale.numel() == 1 || scale.numel() == w.size(0)),
+              "pyext fp8_conv2d: scale must be float32 with 1 or N elements");
+  const at::Tensor xc = x.contiguous(at::MemoryFormat::ChannelsLast), wc = w.contiguous(), sc = scale.contiguous();
+  const Conv2dGeometry g{x.size(0), x.size(2), x.size(3), x.size(1), 0, 0, w.size(1), w.size(2),
+                         stride[0], stride[1], padding[0], padding[1]};
+  const int64_t OH = (g.H + 2 * g.ph - g.kh) / g.sh + 1, OW = (g.W + 2 * g.pw - g.kw) / g.sw + 1;
+  TORCH_CHECK(OH > 0 && OW > 0, "pyext fp8_conv2d: the kernel is larger than the padded input");
+  Conv2dGeometry geom = g;
+  geom.OH = OH;
+  geom.OW = OW;
+  const int64_t N = w.size(0), M = g.batch * OH * OW, K = g.kh * g.kw * g.C;
+  at::Tensor y = at::empty({g.batch, N, OH, OW}, x.options().memory_format(at::MemoryFormat::ChannelsLast));
+  if (M == 0 || N == 0) return y;
+  const at::Tensor bc = bias ? bias->contiguous() : at::Tensor();
+  TORCH_CHECK(!bias || (bc.scalar_type() == at::kBFloat16 && bc.numel() == N), "pyext fp8_conv2d: bias must be bf16[N]");
+  Fp8GemmArgs args{reinterpret_cast<const uint16_t*>(xc.data_ptr()), static_cast<const uint8_t*>(wc.data_ptr()),
+                   sc.data_ptr<float>(), sc.numel() == 1, bias ? reinterpret_cast<const uint16_t*>(bc.data_ptr()) : nullptr,
+                   reinterpret_cast<uint16_t*>(y.data_ptr()), M, N, K};
+  args.conv = &geom;
+  const int64_t grain = std::max<int64_t>(1, (int64_t{1} << 20) / (6 * 64 * K));
+  at::parallel_for(0, fp8_gemm_units(M, N), grain, [&](int64_t b, int64_t e) { fp8_gemm_bf16_avx512(args, b, e); });
+  return y;
+}
+
 }  // namespace
 
 TORCH_LIBRARY_FRAGMENT(pyext_C, m) {
+  m.def("fp8_conv2d(Tensor x, Tensor w, Tensor scale, Tensor? bias, int[] stride, int[] padding) -> Tensor");
   m.def("fp8_upcast_out(Tensor w, Tensor scale, Tensor(a!) out) -> ()");
   m.def("fp8_linear(Tensor x, Tensor w, Tensor scale, Tensor? bias, int tile_rows=0) -> Tensor");
 }
@@ -136,6 +174,7 @@ TORCH_LIBRARY_FRAGMENT(pyext_C, m) {
 TORCH_LIBRARY_IMPL(pyext_C, CPU, m) {
   m.impl("fp8_upcast_out", fp8_upcast_out_cpu);
   m.impl("fp8_linear", fp8_linear_cpu);
+  m.impl("fp8_conv2d", fp8_conv2d_cpu);
 }
 
 }  // namespace pyext::cpu

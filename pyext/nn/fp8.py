@@ -17,6 +17,8 @@ import torch
 import torch.nn as nn
 
 from pyext.ops.fp8 import FP8, fp8_quantize, fp8_upcast
+from pyext.ops.fp8_conv import _cpp_reasons as _fp8_conv_cpp_reasons
+from pyext.ops.fp8_conv import _cpp_unavailable as _fp8_conv_cpp_unavailable
 
 # Names (regexes, searched in the module's qualified name) kept in full precision by
 # default: norms, embeddings/modulation and the first and last layers, where fp8
@@ -60,8 +62,12 @@ class _FP8Storage:
         # Learn the dtype the cast asks for from a probe tensor, then let the module move.
         self.compute_dtype = fn(torch.empty(0, dtype=self.compute_dtype)).dtype
         out = super()._apply(fn, recurse)
-        if not self.weight.is_contiguous():  # e.g. .to(memory_format=channels_last): the kernels want rows
-            self.weight.data = self.weight.data.contiguous()
+        # The kernels read dense rows: (out, in) for a linear; for a conv, (out, in, kh, kw)
+        # or, once the module is channels-last, (out, kh, kw, in), which the fp8 conv GEMM
+        # reads in place (the codes follow the module's memory format like any conv weight).
+        w = self.weight
+        if not (w.is_contiguous() or (w.dim() == 4 and w.is_contiguous(memory_format=torch.channels_last))):
+            self.weight.data = w.data.contiguous()
         return out
 
     def _fp8_extra_repr(self) -> str:
@@ -122,13 +128,18 @@ class FP8Conv2d(_FP8Storage, nn.Conv2d):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if x.dtype != self.compute_dtype:
             x = x.to(self.compute_dtype)
-        w8 = self.fp8_weight
+        bias = self.bias if self.bias is None or self.bias.dtype == x.dtype else self.bias.to(x.dtype)
+        args = (x, self.weight, self.scale, bias, self.stride, self.padding, self.dilation, self.groups)
+        if self.weight.is_contiguous(memory_format=torch.channels_last) and isinstance(self.padding, tuple) and \
+                _fp8_conv_cpp_unavailable() is None and not _fp8_conv_cpp_reasons(*args):
+            return torch.ops.pyext.fp8_conv2d(*args, "cpp")  # reads the fp8 codes in place
+        # Otherwise upcast the whole weight in its memory layout, then torch's conv.
+        w8 = self.fp8_weight if self.weight.is_contiguous() else self.fp8_weight.permute(0, 2, 3, 1)
         if torch.compiler.is_compiling():  # let the compiler own the buffer
             weight = fp8_upcast(w8, self.scale, x.dtype)
         else:
             weight = fp8_upcast(w8, self.scale, x.dtype, out=_workspace(w8.numel(), x.dtype, x.device).view(w8.shape))
-        bias = self.bias if self.bias is None or self.bias.dtype == x.dtype else self.bias.to(x.dtype)
-        return self._conv_forward(x, weight, bias)
+        return self._conv_forward(x, weight if self.weight.is_contiguous() else weight.permute(0, 3, 1, 2), bias)
 
     def extra_repr(self) -> str:
         return super().extra_repr() + ", " + self._fp8_extra_repr()

@@ -1,7 +1,8 @@
 """Public ops. Each is a torch.library custom op (torch.ops.pyext.*) with several backends."""
 from pyext.ops.attention import attention, attention_reference
 from pyext.ops.fp8 import FP8, FP8_MAX, fp8_linear, fp8_quantize, fp8_upcast
+from pyext.ops.fp8_conv import fp8_conv2d
 from pyext.ops.tile_blend import tile_blend_diffusers, tile_blend_normalized
 
-__all__ = ["FP8", "FP8_MAX", "attention", "attention_reference", "fp8_linear", "fp8_quantize", "fp8_upcast",
+__all__ = ["FP8", "FP8_MAX", "attention", "attention_reference", "fp8_conv2d", "fp8_linear", "fp8_quantize", "fp8_upcast",
            "tile_blend_diffusers", "tile_blend_normalized"]

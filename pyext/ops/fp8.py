@@ -156,7 +156,8 @@ def _linear_cpp(x, w, scale, bias):
 
 dispatch.register("fp8_linear", Backend(
     "cpp", _linear_cpp, unavailable=partial(kernel_missing, "fp8_linear"), devices=("cpu",),
-    doc="C++: upcasts weight tiles into an L2-sized buffer, oneDNN/MKL GEMM per tile"))
+    doc="C++: bf16 on AVX512_BF16 CPUs: a GEMM that decodes fp8 in its packing step; "
+        "otherwise weight tiles upcast into a cache-sized buffer, torch GEMM per tile"))
 dispatch.register("fp8_linear", Backend(
     "triton", _linear_triton, _linear_triton_reasons, triton_unavailable, interpreter_advisory,
     devices=triton_devices(),

@@ -1,0 +1,116 @@
+"""fp8_conv2d: a convolution whose weight stays in fp8 (e4m3) storage.
+
+The C++ backend runs the convolution as an implicit GEMM over channels-last
+activations and decodes the fp8 weight inside the GEMM's packing step (the GEMM of
+fp8_linear), so no full-precision copy of the weight is ever written. It takes bf16
+on CPUs with AVX512_BF16; everything else takes the reference (upcast + F.conv2d),
+and FP8Conv2d uses its own upcast-into-a-reused-buffer path for those inputs.
+"""
+from __future__ import annotations
+
+from functools import partial
+from typing import Optional, Sequence
+
+import torch
+import torch.nn.functional as F
+
+from pyext import dispatch
+from pyext._ext import cpu_capabilities, kernel_missing
+from pyext.dispatch import Backend
+from pyext.ops.fp8 import _check_dtype, _check_weight, _fail, fp8_upcast_reference
+
+
+def _pair(v) -> list[int]:
+    return [int(v), int(v)] if isinstance(v, int) else [int(a) for a in v]
+
+
+def _out_format(x: torch.Tensor):
+    """The memory format F.conv2d gives its output for this input."""
+    cl = x.is_contiguous(memory_format=torch.channels_last) and not x.is_contiguous()
+    return torch.channels_last if cl else torch.contiguous_format
+
+
+def fp8_conv2d_reference(x, w, scale, bias=None, stride=1, padding=0, dilation=1, groups=1):
+    return F.conv2d(x, fp8_upcast_reference(w, scale, x.dtype), bias, stride, padding, dilation, groups)
+
+
+def _cpp_unavailable() -> Optional[str]:
+    missing = kernel_missing("fp8_conv2d")
+    if missing:
+        return missing
+    if "avx512_bf16" not in cpu_capabilities():
+        return "needs AVX-512 with AVX512_BF16 (this CPU lacks it, or PYEXT_CPU_SIMD caps it)"
+    return None
+
+
+def _cpp_reasons(x, w, scale, bias, stride, padding, dilation, groups) -> list[str]:
+    reasons = []
+    if x.device.type != "cpu":
+        reasons.append(f"runs on cpu only, got {x.device}")
+    if x.dtype != torch.bfloat16:
+        reasons.append(f"computes in bfloat16 only, got {x.dtype}")
+    if groups != 1:
+        reasons.append(f"groups must be 1, got {groups}")
+    if _pair(dilation) != [1, 1]:
+        reasons.append(f"dilation must be 1, got {dilation}")
+    if x.dim() == 4 and x.shape[1] % 2:
+        reasons.append(f"input channels must be even (bf16 pairs), got {x.shape[1]}")
+    if x.dim() == 4 and not (x.is_contiguous(memory_format=torch.channels_last) and _out_format(x) == torch.channels_last):
+        reasons.append("x must be channels-last (x.contiguous(memory_format=torch.channels_last); "
+                       "pyext.optimize sets it)")
+    return reasons
+
+
+def _conv_cpp(x, w, scale, bias, stride, padding, dilation, groups):
+    return torch.ops.pyext_C.fp8_conv2d(x, w.permute(0, 2, 3, 1), scale, bias, _pair(stride), _pair(padding))
+
+
+dispatch.register("fp8_conv2d", Backend(
+    "cpp", _conv_cpp, _cpp_reasons, _cpp_unavailable, devices=("cpu",),
+    doc="C++ implicit GEMM over channels-last bf16 activations, fp8 decoded in the GEMM's packing step"))
+dispatch.register("fp8_conv2d", Backend(
+    "reference", fp8_conv2d_reference, doc="F.conv2d on the upcast weight"))
+
+
+@torch.library.custom_op("pyext::fp8_conv2d", mutates_args=())
+def _fp8_conv2d_op(x: torch.Tensor, w: torch.Tensor, scale: torch.Tensor, bias: Optional[torch.Tensor],
+                   stride: Sequence[int], padding: Sequence[int], dilation: Sequence[int], groups: int,
+                   backend: Optional[str] = None) -> torch.Tensor:
+    args = (x, w, scale, bias, list(stride), list(padding), list(dilation), groups)
+    out = dispatch.select("fp8_conv2d", args, backend).run(*args)
+    return out.contiguous(memory_format=_out_format(x))
+
+
+@_fp8_conv2d_op.register_fake
+def _(x, w, scale, bias, stride, padding, dilation, groups, backend=None):
+    size = [x.shape[0], w.shape[0]]
+    for i in range(2):
+        size.append((x.shape[2 + i] + 2 * padding[i] - dilation[i] * (w.shape[2 + i] - 1) - 1) // stride[i] + 1)
+    return x.new_empty(size).contiguous(memory_format=_out_format(x))
+
+
+def fp8_conv2d(x: torch.Tensor, w: torch.Tensor, scale: torch.Tensor, bias: Optional[torch.Tensor] = None,
+               stride=1, padding=0, dilation=1, groups: int = 1, backend: Optional[str] = None) -> torch.Tensor:
+    """F.conv2d(x, fp8_upcast(w, scale, x.dtype), bias, ...) without materialising the upcast weight
+    where the C++ backend can take the input (see the module docstring). Integer padding only."""
+    op = "fp8_conv2d"
+    _check_weight(op, w, scale)
+    if not isinstance(x, torch.Tensor) or x.dim() != 4:
+        _fail(op, f"x must be a 4-D (batch, channels, height, width) tensor, got {dispatch.describe(x)}")
+    _check_dtype(op, x.dtype, "x.dtype")
+    if w.dim() != 4 or x.shape[1] != w.shape[1] * groups:
+        _fail(op, f"weight must be (out, in/groups, kh, kw) with in = x.shape[1]; got x {tuple(x.shape)}, "
+              f"weight {tuple(w.shape)}, groups {groups}")
+    if x.device != w.device:
+        _fail(op, f"x is on {x.device} but weight is on {w.device}")
+    if bias is not None and (bias.shape != (w.shape[0],) or bias.dtype != x.dtype or bias.device != x.device):
+        _fail(op, f"bias must be {x.dtype}[{w.shape[0]}] on {x.device}, got {dispatch.describe(bias)}")
+    if isinstance(padding, str):
+        _fail(op, f"padding must be integers, got {padding!r}")
+    stride, padding, dilation = _pair(stride), _pair(padding), _pair(dilation)
+    if min(stride) < 1 or min(padding) < 0 or min(dilation) < 1:
+        _fail(op, f"stride and dilation must be >= 1 and padding >= 0; got {stride}, {padding}, {dilation}")
+    for i in range(2):
+        if x.shape[2 + i] + 2 * padding[i] < dilation[i] * (w.shape[2 + i] - 1) + 1:
+            _fail(op, f"the kernel {tuple(w.shape[2:])} is larger than the padded input {tuple(x.shape[2:])}")
+    return torch.ops.pyext.fp8_conv2d(x, w.view(torch.uint8), scale, bias, stride, padding, dilation, groups, backend)

@@ -1,0 +1,120 @@
+"""fp8_conv2d (implicit-GEMM conv on fp8 codes) and FP8Conv2d's choice of path."""
+import pytest
+import torch
+import torch.nn as nn
+import torch.nn.functional as F
+
+from pyext import PyextError
+from pyext._ext import EXT, cpu_capabilities
+from pyext.nn import quantize_fp8
+from pyext.ops import fp8_conv2d, fp8_quantize
+from pyext.ops.fp8 import fp8_upcast_reference
+from pyext.ops.fp8_conv import fp8_conv2d_reference
+
+CL = torch.channels_last
+needs_fused = pytest.mark.skipif(EXT is None or "avx512_bf16" not in cpu_capabilities(),
+                                 reason="the fused fp8 conv needs pyext._C on a CPU with AVX512_BF16")
+
+
+def rel_err(a, b):
+    return ((a.double() - b.double()).norm() / b.double().norm().clamp_min(1e-30)).item()
+
+
+def make(b, c, h, w, n, k, per_channel=True, bias=True):
+    x = torch.randn(b, c, h, w, dtype=torch.bfloat16).contiguous(memory_format=CL)
+    wq, s = fp8_quantize(torch.randn(n, c, k, k) / (c * k * k) ** 0.5, per_channel)
+    return x, wq, s, torch.randn(n, dtype=torch.bfloat16) if bias else None
+
+
+@needs_fused
+@pytest.mark.parametrize("b,c,h,w,n,k,stride,padding", [
+    (1, 2, 5, 7, 3, 3, 1, 1), (2, 6, 9, 8, 70, 3, 2, 1), (1, 8, 6, 6, 64, 1, 1, 0), (2, 10, 7, 5, 17, 3, 1, 0),
+    (1, 4, 4, 4, 5, 2, 2, 1), (1, 12, 11, 13, 130, 3, 1, 2), (3, 64, 8, 8, 1, 3, 2, 0), (1, 320, 6, 5, 96, 3, 1, 1)])
+@pytest.mark.parametrize("per_channel", [True, False])
+@pytest.mark.parametrize("bias", [True, False])
+def test_cpp_matches_exact_conv(b, c, h, w, n, k, stride, padding, per_channel, bias):
+    x, wq, s, bb = make(b, c, h, w, n, k, per_channel, bias)
+    y = fp8_conv2d(x, wq, s, bb, stride, padding, backend="cpp")
+    ref = fp8_conv2d(x, wq, s, bb, stride, padding, backend="reference")
+    exact = F.conv2d(x.double(), fp8_upcast_reference(wq, s, torch.float32).double(),
+                     None if bb is None else bb.double(), stride, padding)
+    assert y.shape == exact.shape and y.dtype == torch.bfloat16 and y.is_contiguous(memory_format=CL)
+    # Error vs float64 within 2x the bf16 reference's own (plus bf16 output rounding headroom).
+    assert rel_err(y, exact) <= 2 * rel_err(ref, exact) + 2e-3
+
+
+@needs_fused
+def test_cpp_padding_rows_are_zero_even_with_nonfinite_neighbours():
+    """Zero padding must be zeros, not whatever sits next to the image in memory."""
+    x, wq, s, _ = make(1, 4, 5, 5, 8, 3)
+    big = torch.full((2, 4, 5, 5), float("inf"), dtype=torch.bfloat16).contiguous(memory_format=CL)
+    big[1:] = x
+    y = fp8_conv2d(big[1:], wq, s, None, 1, 1, backend="cpp")
+    assert torch.isfinite(y).all()
+    assert rel_err(y, fp8_conv2d_reference(x, wq, s, None, 1, 1)) < 1e-2
+
+
+@needs_fused
+def test_cpp_backend_says_why_it_cannot_run():
+    x, wq, s, bb = make(1, 4, 6, 6, 8, 3)
+    for bad, why in [(x.float(), "bfloat16 only"), (x.contiguous(), "channels-last")]:
+        with pytest.raises(PyextError, match=why):
+            fp8_conv2d(bad, wq, s, None, 1, 1, backend="cpp")
+    with pytest.raises(PyextError, match="groups must be 1"):
+        fp8_conv2d(x, fp8_quantize(torch.randn(8, 2, 3, 3))[0], s, None, 1, 1, groups=2, backend="cpp")
+    with pytest.raises(PyextError, match="input channels must be even"):
+        x3, w3, s3, _ = make(1, 3, 6, 6, 8, 3)
+        fp8_conv2d(x3, w3, s3, None, 1, 1, backend="cpp")
+    # Without a forced backend, the same inputs fall back to the reference.
+    torch.testing.assert_close(fp8_conv2d(x.float(), wq, s, None, 1, 1),
+                               fp8_conv2d_reference(x.float(), wq, s, None, 1, 1))
+
+
+def test_errors_name_the_op():
+    x, wq, s, _ = make(1, 4, 6, 6, 8, 3)
+    with pytest.raises(PyextError, match=r"pyext.fp8_conv2d: weight must be .* in = x.shape\[1\]"):
+        fp8_conv2d(x[:, :2], wq, s)
+    with pytest.raises(PyextError, match="padding must be integers"):
+        fp8_conv2d(x, wq, s, padding="same")
+    with pytest.raises(PyextError, match="larger than the padded input"):
+        fp8_conv2d(x[:, :, :2], wq, s)
+    with pytest.raises(PyextError, match="x must be a 4-D"):
+        fp8_conv2d(x[0], wq, s)
+    with pytest.raises(PyextError, match="bias must be"):
+        fp8_conv2d(x, wq, s, torch.zeros(7, dtype=torch.bfloat16))
+
+
+@pytest.mark.parametrize("backend", ["cpp", "reference"])
+def test_opcheck(backend):
+    if backend == "cpp" and (EXT is None or "avx512_bf16" not in cpu_capabilities()):
+        pytest.skip("no fused fp8 conv here")
+    x, wq, s, bb = make(2, 6, 7, 5, 10, 3)
+    codes = wq.view(torch.uint8)
+    torch.library.opcheck(torch.ops.pyext.fp8_conv2d, (x, codes, s, bb, [2, 1], [1, 0], [1, 1], 1, backend))
+
+
+def _conv_calls(model, x):
+    with torch.profiler.profile() as prof:
+        y = model(x)
+    counts = {e.key: e.count for e in prof.key_averages()}
+    return y, counts.get("pyext_C::fp8_conv2d", 0), counts.get("aten::convolution", 0)
+
+
+@needs_fused
+def test_module_takes_the_fused_path_when_channels_last():
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Conv2d(16, 32, 3, padding=1), nn.SiLU(), nn.Conv2d(32, 16, 3, stride=2, padding=1))
+    model = model.to(torch.bfloat16)
+    x = torch.randn(2, 16, 12, 10, dtype=torch.bfloat16)
+    ref = model(x)
+    quantize_fp8(model, skip=(), )
+    y_nchw, fused, aten = _conv_calls(model, x)  # NCHW module and input: the upcast path
+    assert fused == 0 and aten == 2 and model[0].weight.is_contiguous()
+    model.to(memory_format=CL)  # the codes follow the module's memory format
+    assert model[0].weight.is_contiguous(memory_format=CL) and not model[0].weight.is_contiguous()
+    y_cl, fused, aten = _conv_calls(model, x.contiguous(memory_format=CL))
+    assert fused == 2 and aten == 0
+    assert rel_err(y_cl, y_nchw) < 1e-2 and rel_err(y_cl, ref) < 0.06  # fp8 weights: ~30 dB
+    model.to(memory_format=torch.contiguous_format)
+    assert model[0].weight.is_contiguous()
+    assert rel_err(model(x), y_nchw) == 0
