@@ -19,7 +19,7 @@ import torch.nn as nn
 import torch.nn.functional as F
 
 import pyext
-from pyext.nn import FP8Linear, quantize_fp8
+from pyext.nn import FP8Conv2d, FP8Linear, quantize_fp8
 from pyext.ops import fp8_quantize, fp8_upcast
 
 # (name, tokens M, in K, out N): SD1.5 at the cpu preset's 256x256 (latents 32x32, batch 2 for CFG), Flux scaled
@@ -66,9 +66,11 @@ def bench_upcast(rows=4096, cols=4096) -> list[dict]:
         # caches and TLB entries before every 1 ms pyext call and time that instead.
         t_pyext = compare({"x": lambda: fp8_upcast(w, scale, out=buf)}, repeats=21, warmup=3)["x"]
         t_torch = compare({"x": lambda: buf.copy_(w)}, repeats=7, warmup=1)["x"]
+        # The floor for any kernel that writes this output: PyTorch's vectorised fill of it.
+        t_fill = compare({"x": lambda: buf.fill_(1.0)}, repeats=21, warmup=3)["x"]
         n = rows * cols
         out.append(dict(bench="fp8_upcast", dtype=str(dtype).removeprefix("torch."), elements=n,
-                        pyext_ms=t_pyext * 1e3, torch_ms=t_torch * 1e3,
+                        pyext_ms=t_pyext * 1e3, torch_ms=t_torch * 1e3, fill_only_ms=t_fill * 1e3,
                         pyext_gelem_s=n / t_pyext / 1e9, torch_gelem_s=n / t_torch / 1e9, speedup=t_torch / t_pyext))
     return out
 
@@ -108,29 +110,69 @@ def sd15_unet(dtype=torch.bfloat16) -> nn.Module:
 
 @torch.no_grad()
 def bench_unet(latent=32, batch=2, repeats=3) -> list[dict]:
-    """SD1.5-architecture UNet step, bf16 on CPU: bf16 vs diffusers layerwise fp8 vs pyext fp8."""
+    """SD1.5-architecture UNet step, bf16 on CPU: bf16 vs diffusers layerwise fp8 vs pyext fp8, in NCHW
+    and in channels-last (what pyext.optimize runs; there the fp8 convs read their codes in place)."""
     base = sd15_unet()
     g = torch.Generator().manual_seed(0)
     args = (torch.randn(batch, 4, latent, latent, generator=g, dtype=torch.bfloat16), torch.tensor([500]),
             torch.randn(batch, 77, 768, generator=g, dtype=torch.bfloat16))
+    args_cl = (args[0].contiguous(memory_format=torch.channels_last), *args[1:])
     ref = base(*args).sample.float()
+    cl = (lambda u: u.to(memory_format=torch.channels_last))
     variants = {"bf16": lambda u: u,
                 "diffusers_layerwise_fp8": lambda u: (u.enable_layerwise_casting(
                     storage_dtype=torch.float8_e4m3fn, compute_dtype=torch.bfloat16), u)[1],
-                "pyext_fp8": lambda u: (quantize_fp8(u), u)[1]}
+                "pyext_fp8": lambda u: (quantize_fp8(u), u)[1],
+                "bf16_channels_last": cl,
+                "pyext_fp8_channels_last": lambda u: cl((quantize_fp8(u), u)[1])}
     unets = {name: make(copy.deepcopy(base)) for name, make in variants.items()}
     del base
-    t = compare({name: (lambda u=u: u(*args)) for name, u in unets.items()}, repeats=repeats, warmup=1)
+    inputs = {name: args_cl if name.endswith("channels_last") else args for name in unets}
+    t = compare({name: (lambda u=u, a=inputs[name]: u(*a)) for name, u in unets.items()}, repeats=repeats, warmup=1)
     rows = []
     for name, unet in unets.items():
-        y = unet(*args).sample.float()
+        y = unet(*inputs[name]).sample.float()
         rows.append(dict(bench="sd15_unet_step", variant=name, latents=f"{batch}x4x{latent}x{latent}",
                          step_s=t[name], weight_mib=weight_bytes(unet) / 2**20,
                          rel_err_vs_bf16=((y - ref).norm() / ref.norm()).item()))
-    for r in rows:
-        r["latency_vs_bf16"] = r["step_s"] / rows[0]["step_s"]
-        r["weights_vs_bf16"] = r["weight_mib"] / rows[0]["weight_mib"]
+    by = {r["variant"]: r for r in rows}
+    for r in rows:  # each against bf16 in the same memory format
+        base_row = by["bf16_channels_last" if r["variant"].endswith("channels_last") else "bf16"]
+        r["latency_vs_bf16"] = r["step_s"] / base_row["step_s"]
+        r["weights_vs_bf16"] = r["weight_mib"] / base_row["weight_mib"]
     return rows
+
+
+# (name, batch, in C, H=W, out N, stride): SD1.5 UNet 3x3 convs at the cpu preset's 32x32 latents, CFG batch 2
+CONV_SHAPES = [
+    ("sd15 resnet 320 (32x32)", 2, 320, 32, 320, 1),
+    ("sd15 resnet 640 (16x16)", 2, 640, 16, 640, 1),
+    ("sd15 resnet 1280 (8x8)", 2, 1280, 8, 1280, 1),
+    ("sd15 up resnet 2560->1280 (8x8)", 2, 2560, 8, 1280, 1),
+    ("sd15 downsample 640 (16x16, stride 2)", 2, 640, 16, 640, 2),
+]
+
+
+@torch.no_grad()
+def bench_conv(shapes=CONV_SHAPES) -> list[dict]:
+    """3x3 convs, channels-last (as pyext.optimize runs them): bf16 vs pyext fp8 (fused GEMM on the
+    codes) vs pyext fp8 on NCHW (whole-weight upcast + torch conv) vs diffusers' layerwise casting."""
+    out = []
+    cl = torch.channels_last
+    for name, b, c, hw, n, stride in shapes:
+        conv = nn.Conv2d(c, n, 3, stride, 1).to(torch.bfloat16)
+        x = torch.randn(b, c, hw, hw, dtype=torch.bfloat16)
+        fp8 = FP8Conv2d.from_conv(conv)
+        fns = {"bf16": (copy.deepcopy(conv).to(memory_format=cl), x.contiguous(memory_format=cl)),
+               "fp8": (copy.deepcopy(fp8).to(memory_format=cl), x.contiguous(memory_format=cl)),
+               "fp8_nchw": (fp8, x),
+               "diff": (_layerwise_cast(copy.deepcopy(conv)).to(memory_format=cl), x.contiguous(memory_format=cl))}
+        t = compare({k: (lambda m=m, xx=xx: m(xx)) for k, (m, xx) in fns.items()})
+        out.append(dict(bench="fp8_conv3x3_channels_last", shape=name, bf16_ms=t["bf16"] * 1e3,
+                        pyext_fp8_ms=t["fp8"] * 1e3, pyext_fp8_nchw_ms=t["fp8_nchw"] * 1e3,
+                        diffusers_fp8_ms=t["diff"] * 1e3, pyext_vs_bf16=t["fp8"] / t["bf16"],
+                        diffusers_vs_bf16=t["diff"] / t["bf16"]))
+    return out
 
 
 def sqnr_db(y, ref) -> float:
@@ -168,7 +210,7 @@ def bench_sqnr() -> list[dict]:
 
 
 def run(skip_unet: bool = False) -> list[dict]:
-    rows = bench_upcast() + bench_linear() + bench_sqnr()
+    rows = bench_upcast() + bench_linear() + bench_conv() + bench_sqnr()
     if not skip_unet:
         rows += bench_unet()
     return rows

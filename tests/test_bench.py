@@ -138,3 +138,13 @@ def test_make_bench_picks_the_preset_from_the_machine(monkeypatch):
     assert seen == [["--preset", "cpu", "--out", "bench_out"],
                     ["--rows", "original", "--preset", "gpu", "--out", "bench_out"],
                     ["--preset", "tiny", "--out", "x"]]
+
+
+def test_fp8_layer_benches_run_on_small_shapes():
+    from bench import fp8
+
+    conv = fp8.bench_conv([("small", 1, 8, 6, 16, 1)])
+    lin = fp8.bench_linear([("small", 5, 32, 48)])
+    for row in conv + lin:
+        times = [v for k, v in row.items() if k.endswith("_ms")]
+        assert times and all(math.isfinite(t) and t > 0 for t in times), row
