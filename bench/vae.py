@@ -192,7 +192,7 @@ ABLATION = (  # each step adds one technique; PSNR vs the full decode of the sam
     ("+ context 8 latent px", dict(global_mid=False, consistent_tones=False, context=8)),
     ("+ subsampled whole-image statistics (previous default)", dict(global_mid=False, consistent_tones=True, context=8)),
     ("global mid block, per-tile statistics, receptive-field context", dict(global_mid=True, consistent_tones=False)),
-    ("global mid block + subsampled statistics (default)", dict(global_mid=True, consistent_tones=True)),
+    ("global mid block + pooled subsampled statistics (default)", dict(global_mid=True, consistent_tones=True)),
 )
 
 
