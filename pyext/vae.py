@@ -13,14 +13,15 @@ Tiling changes the numbers for three reasons, each handled here:
 - tile borders see zero padding instead of their neighbours: each tile runs with a margin
   of `context` real neighbours, cropped off before blending; by default the tiled part's
   receptive field, which makes every convolution in a tile's own region exact;
-- each tile normalises with its own GroupNorm statistics: with consistent_tones one small
-  run over a strided subsample of the whole input (small enough to be one tile) records
-  every GroupNorm's per-group statistics, and every tile is normalised with those.
+- each tile normalises with its own GroupNorm statistics: with consistent_tones small runs
+  over strided subsamples of the whole input (each one tile) record every GroupNorm's
+  per-group statistics, and every tile is normalised with those (_gather_stats).
 With global_mid and that context the statistics are the only difference left: with the
 full run's own statistics the tiled decode equals the full one to rounding (tested).
 Their estimate is the limit; a second pass collecting them from all tiles was tried and
 makes it worse (the statistics of later layers then fit the first pass's estimate of the
-earlier ones, and the error grows with depth), see bench/vae.py for the measurements.
+earlier ones, and the error grows with depth: 44.7 -> 35.2 -> 14.9 dB over two passes on
+a half-width SD VAE at 512 px).
 
 `tile_vae(vae)` patches one AutoencoderKL instance (instance attributes only) and
 `untile_vae(vae)` undoes it.
