@@ -1,8 +1,10 @@
 """Tiled VAE decode on CPU: full decode vs diffusers' tiling vs pyext's streaming tiling.
 
-    python -m bench.vae [--sizes 1024 2048] [--tile 512] [--json PATH] [--max-full 1024]
+    python -m bench.vae [--sizes 1024 2048] [--tile 512] [--latents random|smooth] [--json PATH] [--max-full 1024]
 
-SD 1.5's AutoencoderKL architecture with seeded random weights, seeded random latents.
+SD 1.5's AutoencoderKL architecture with seeded random weights, seeded latents: white
+noise ("random") or noise on a grid 8x coarser, bilinearly upsampled ("smooth", closer to
+the large-scale structure of a real image's latents).
 Each decode runs in a fresh subprocess, which reports its wall time and its peak RSS
 above the RSS it had just before decoding (VmHWM reset through /proc/self/clear_refs;
 glibc told to return every large free block to the OS at once, so the peak is the peak
@@ -36,8 +38,13 @@ def _vae(tile: int):
     return vae
 
 
-def _latents(size: int) -> torch.Tensor:
-    return torch.randn(1, 4, size // 8, size // 8, generator=torch.Generator().manual_seed(1))
+def _latents(size: int, kind: str = "random") -> torch.Tensor:
+    gen = torch.Generator().manual_seed(1)
+    n = size // 8
+    if kind == "random":
+        return torch.randn(1, 4, n, n, generator=gen)
+    coarse = torch.randn(1, 4, max(1, n // 8), max(1, n // 8), generator=gen)
+    return 2 * torch.nn.functional.interpolate(coarse, size=(n, n), mode="bilinear", align_corners=False)
 
 
 def _rss_kib(field: str) -> int:
@@ -53,7 +60,7 @@ def _child(method: str, size: int, tile: int, out_path: str) -> None:
     torch.set_num_threads(int(os.environ.get("BENCH_THREADS", "2")))
     from pyext.vae import tile_vae
     vae = _vae(tile)
-    z = _latents(tile if method == "one_tile" else size)
+    z = _latents(tile if method == "one_tile" else size, os.environ.get("BENCH_LATENTS", "random"))
     if method == "diffusers":
         vae.enable_tiling()
     elif method == "pyext":
@@ -154,13 +161,15 @@ def blend_times(size: int, tile: int, repeats: int = 3) -> dict:
 
 
 def run(sizes=(1024,), tile: int = 512, max_full: int = 1024, with_decodes: bool = True,
-        pyext_kwargs: dict | None = None) -> list[dict]:
+        pyext_kwargs: dict | None = None, latents: str = "random") -> list[dict]:
     """One row per size. pyext_kwargs: tile_vae options for the pyext decode (default: its defaults)."""
     os.environ["BENCH_PYEXT_KWARGS"] = json.dumps(pyext_kwargs or {})
+    os.environ["BENCH_LATENTS"] = latents
     rows = []
     with tempfile.TemporaryDirectory() as tmp:
         for size in sizes:
             row = {"bench": "vae_decode", "size": size, "tile": tile, "device": "cpu", "pyext_kwargs": pyext_kwargs or {},
+                   "latents": latents,
                    "threads": int(os.environ.get("BENCH_THREADS", "2"))}
             row.update(blend_times(size, tile))
             if with_decodes:
@@ -175,6 +184,39 @@ def run(sizes=(1024,), tile: int = 512, max_full: int = 1024, with_decodes: bool
                     for m in ("diffusers", "pyext"):
                         row[m]["psnr_vs_full_db"] = _psnr(torch.load(paths[m]), ref)
             rows.append(row)
+    return rows
+
+
+ABLATION = (  # each step adds one technique; PSNR vs the full decode of the same latents
+    ("blend only: per-tile network and statistics, no context", dict(global_mid=False, consistent_tones=False, context=0)),
+    ("+ context 8 latent px", dict(global_mid=False, consistent_tones=False, context=8)),
+    ("+ subsampled whole-image statistics (previous default)", dict(global_mid=False, consistent_tones=True, context=8)),
+    ("global mid block, per-tile statistics, receptive-field context", dict(global_mid=True, consistent_tones=False)),
+    ("global mid block + pooled subsampled statistics (default)", dict(global_mid=True, consistent_tones=True)),
+)
+
+
+def ablation(size: int, tile: int, latents: str, configs=ABLATION) -> list[dict]:
+    """PSNR and time of each tile_vae option set in one process (no memory figures)."""
+    from pyext.vae import tiled_run
+    torch.set_num_threads(int(os.environ.get("BENCH_THREADS", "2")))
+    vae = _vae(tile)
+    z = _latents(size, latents)
+    rows = []
+    with torch.no_grad():
+        t0 = time.perf_counter()
+        full = vae.decode(z).sample
+        rows.append({"config": "full decode", "seconds": time.perf_counter() - t0})
+        vae.enable_tiling()
+        t0 = time.perf_counter()
+        out = vae.decode(z).sample
+        rows.append({"config": "diffusers tiled", "seconds": time.perf_counter() - t0, "psnr_vs_full_db": _psnr(out, full)})
+        for name, kw in configs:
+            t0 = time.perf_counter()
+            out = tiled_run(vae, z, "decode", "normalized", **{"context": None, **kw})
+            rows.append({"config": name, "kwargs": kw, "seconds": time.perf_counter() - t0,
+                         "psnr_vs_full_db": _psnr(out, full)})
+            print(rows[-1], flush=True)
     return rows
 
 
@@ -200,13 +242,25 @@ def main(argv=None) -> None:
     p.add_argument("--max-full", type=int, default=1024, help="skip the full (non-tiled) decode above this size")
     p.add_argument("--blend-only", action="store_true", help="only time the blend step (no decodes)")
     p.add_argument("--pyext", default="{}", help='tile_vae options as JSON, e.g. \'{"mode": "diffusers"}\'')
+    p.add_argument("--latents", choices=("random", "smooth"), default="random", help="white-noise or smooth latents")
+    p.add_argument("--ablation", action="store_true", help="PSNR/time of each technique at the first size, in-process")
     p.add_argument("--json", help="write the rows here")
     p.add_argument("--child", nargs=4, help=argparse.SUPPRESS)
     a = p.parse_args(argv)
     if a.child:
         _child(a.child[0], int(a.child[1]), int(a.child[2]), a.child[3])
         return
-    rows = run(a.sizes, a.tile, a.max_full, with_decodes=not a.blend_only, pyext_kwargs=json.loads(a.pyext))
+    if a.ablation:
+        rows = ablation(a.sizes[0], a.tile, a.latents)
+        print("| config | latency s | PSNR vs full dB |\n|---|---|---|")
+        for r in rows:
+            print(f"| {r['config']} | {r['seconds']:.1f} | {r.get('psnr_vs_full_db', float('nan')):.2f} |")
+        if a.json:
+            with open(a.json, "w") as f:
+                json.dump(rows, f, indent=2)
+        return
+    rows = run(a.sizes, a.tile, a.max_full, with_decodes=not a.blend_only, pyext_kwargs=json.loads(a.pyext),
+               latents=a.latents)
     print(_table(rows))
     if a.json:
         with open(a.json, "w") as f:

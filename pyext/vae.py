@@ -6,14 +6,22 @@ the output image). Here each tile goes straight into a preallocated output throu
 one fused `tile_blend` call and is freed at once; only the overlap strips the next
 tiles need are kept (mode "diffusers") or nothing at all (mode "normalized").
 
-Each tile also normalises with its own GroupNorm statistics in diffusers, so tones
-shift from tile to tile. With consistent_tones=True one small run over a strided
-subsample of the whole input (small enough to be one tile) records every GroupNorm
-layer's per-group statistics, and every tile is then normalised with those
-whole-image statistics. (A pass over all tiles with their own statistics was tried
-first: its pooled variances come out 5-20% too large in deep layers and PSNR drops.)
-With context > 0 each tile also runs with a margin of real neighbours that is cropped
-off before blending, so tile borders no longer see zero padding.
+Tiling changes the numbers for three reasons, each handled here:
+- the decoder's mid block attends over the whole latent, a tile's only over the tile:
+  with global_mid the part of the network at latent resolution (mid block included) runs
+  once on the whole input, and only the up-sampling part (encode: down-sampling) is tiled;
+- tile borders see zero padding instead of their neighbours: each tile runs with a margin
+  of `context` real neighbours, cropped off before blending; by default the tiled part's
+  receptive field, which makes every convolution in a tile's own region exact;
+- each tile normalises with its own GroupNorm statistics: with consistent_tones small runs
+  over strided subsamples of the whole input (each one tile) record every GroupNorm's
+  per-group statistics, and every tile is normalised with those (_gather_stats).
+With global_mid and that context the statistics are the only difference left: with the
+full run's own statistics the tiled decode equals the full one to rounding (tested).
+Their estimate is the limit; a second pass collecting them from all tiles was tried and
+makes it worse (the statistics of later layers then fit the first pass's estimate of the
+earlier ones, and the error grows with depth: 44.7 -> 35.2 -> 14.9 dB over two passes on
+a half-width SD VAE at 512 px).
 
 `tile_vae(vae)` patches one AutoencoderKL instance (instance attributes only) and
 `untile_vae(vae)` undoes it.
@@ -51,8 +59,8 @@ class GroupNormStats:
     per forward gets two sets of statistics.
     """
 
-    def __init__(self, root: nn.Module):
-        self.norms = [m for m in root.modules() if isinstance(m, nn.GroupNorm)]
+    def __init__(self, *roots: nn.Module):
+        self.norms = [m for root in roots for m in root.modules() if isinstance(m, nn.GroupNorm)]
         self.mode: Optional[str] = None
         self.sums: dict = {}
         self.fixed: dict = {}
@@ -67,12 +75,12 @@ class GroupNormStats:
         self._calls[id(m)] = i + 1
         return (id(m), i)
 
-    def collect(self, m: nn.GroupNorm, x: torch.Tensor) -> None:
+    def collect(self, m: nn.GroupNorm, x: torch.Tensor, key) -> None:
         xs = x.float().reshape(x.shape[0], m.num_groups, -1)
         var, mean = torch.var_mean(xs, dim=-1, correction=0)
         cnt = xs.shape[-1]
         mean, var = mean.double(), var.double()
-        acc = self.sums.setdefault(self._key(m), [0.0, 0.0, 0])
+        acc = self.sums.setdefault(key, [0.0, 0.0, 0])
         acc[0] = acc[0] + mean * cnt
         acc[1] = acc[1] + (var + mean * mean) * cnt
         acc[2] += cnt
@@ -82,12 +90,10 @@ class GroupNormStats:
         self.fixed = {}
         for key, (s, ss, cnt) in self.sums.items():
             mean = s / cnt
-            var = (ss / cnt - mean * mean).clamp_min(0)
-            self.fixed[key] = (mean, var)
+            self.fixed[key] = (mean, (ss / cnt - mean * mean).clamp_min(0))
         self.sums = {}
 
-    def apply(self, m: nn.GroupNorm, x: torch.Tensor) -> torch.Tensor:
-        key = self._key(m)
+    def apply(self, m: nn.GroupNorm, x: torch.Tensor, key) -> torch.Tensor:
         if key not in self.fixed:  # a call the statistics pass never saw: fall back to the tile's own
             return nn.functional.group_norm(x, m.num_groups, m.weight, m.bias, m.eps)
         mean, var = self.fixed[key]
@@ -126,11 +132,14 @@ class GroupNormStats:
 
     def _forward_for(self, m: nn.GroupNorm, original: Callable) -> Callable:
         def forward(x, *args, **kwargs):
+            if self.mode is None:
+                return original(x, *args, **kwargs)
+            key = self._key(m)
             if self.mode == "apply":
-                return self.apply(m, x)
+                return self.apply(m, x, key)
             y = original(x, *args, **kwargs)
             if self.mode == "collect":
-                self.collect(m, x)
+                self.collect(m, x, key)
             return y
         return forward
 
@@ -142,43 +151,125 @@ def _spans(n: int, tile: int, stride: int) -> list[tuple[int, int]]:
     return [(i, min(i + tile, n)) for i in range(0, n, stride)]
 
 
-class _Job:
-    """One tiled decode or encode: the geometry and the per-tile function."""
+def _stages(vae, kind: str) -> list[tuple[Callable, nn.Module, float]]:
+    """The decoder (with post_quant_conv) or encoder (with quant_conv) as a sequence of
+    (call, module, resolution scale) steps, split down to single resnets and resamplers in
+    the plain blocks, so a run can stop at the first up- or after the last downsampling.
+    Same calls in the same order as Decoder.forward / Encoder.forward (no gradient checkpointing)."""
+    steps: list = []
 
-    def __init__(self, vae, kind: str, context: int = 0):
+    def add(module, scale=1.0, call=None):
+        if module is not None:
+            steps.append((call or module, module, scale))
+
+    def block(b, resample_attr, scale):
+        resamplers = getattr(b, resample_attr, None)
+        if hasattr(b, "resnets") and not hasattr(b, "attentions"):  # Up/DownDecoder/EncoderBlock2D
+            for r in b.resnets:
+                add(r, call=lambda x, r=r: r(x, temb=None))
+            for u in resamplers or []:
+                add(u, scale)
+        else:
+            add(b, scale if resamplers else 1.0)
+
+    if kind == "decode":
+        d = vae.decoder
+        add(vae.post_quant_conv)
+        add(d.conv_in)
+        add(d.mid_block, call=lambda x: d.mid_block(x, None))
+        for b in d.up_blocks:
+            block(b, "upsamplers", 2.0)
+        for m in (d.conv_norm_out, d.conv_act, d.conv_out):
+            add(m)
+    else:
+        e = vae.encoder
+        add(e.conv_in)
+        for b in e.down_blocks:
+            block(b, "downsamplers", 0.5)
+        for m in (e.mid_block, e.conv_norm_out, e.conv_act, e.conv_out, vae.quant_conv):
+            add(m)
+    return steps
+
+
+def _sequential(steps) -> Callable:
+    def run(x):
+        for call, _, _ in steps:
+            x = call(x)
+        return x
+    return run
+
+
+def _receptive_radius(steps, res: float) -> int:
+    """Latent pixels of input that one output pixel of `steps` depends on, per side
+    (convolutions only; GroupNorm is handled by the statistics). res: pixels per latent
+    pixel at the input of steps. A context this wide makes a tile's core exact."""
+    radius = 0.0
+    for _, module, scale in steps:
+        at = res * max(scale, 1.0)  # an upsampler's conv runs after its interpolation
+        for c in (m for m in module.modules() if isinstance(m, nn.Conv2d)):
+            k, d = c.kernel_size[0], c.dilation[0]
+            reach = (k - 1) * d if c.stride[0] > 1 else (k - 1) // 2 * d  # stride-2 pad (0, 1): one-sided
+            radius += reach / at
+        res *= scale
+    return int(-(-radius // 1))
+
+
+class _Job:
+    """One tiled decode or encode: the geometry and the per-tile function.
+
+    global_mid: run the part of the network at latent resolution once on the whole input
+    instead of per tile. Decode: post_quant_conv, conv_in, the mid block (whose attention
+    then sees the whole latent, as in a full decode) and the resnets before the first
+    upsampler; tiles run only the up-sampling part. Encode: tiles run the down-sampling
+    part into a latent-resolution feature map, then the last resnets, the mid block and
+    conv_out run once on it. That map (block_out_channels[-1] channels at latent size,
+    32 MiB for a 1024x1024 SD image) is small next to one tile's working set.
+    """
+
+    def __init__(self, vae, kind: str, context: Optional[int] = 0, global_mid: bool = False):
         f = vae.tile_overlap_factor
         n_down = len(vae.config.block_out_channels) - 1
         self.factor = 2 ** n_down
+        steps = _stages(vae, kind)
+        self.pre = self.post = None
+        if not global_mid:
+            tiled = steps
+        elif kind == "decode":
+            k = next((i for i, (_, _, sc) in enumerate(steps) if sc != 1), len(steps))
+            self.pre, tiled = _sequential(steps[:k]), steps[k:]
+        else:
+            k = max((i for i, (_, _, sc) in enumerate(steps) if sc != 1), default=-1) + 1
+            tiled, self.post = steps[:k], _sequential(steps[k:])
+        self.tiled_modules = [m for _, m, _ in tiled]
+        if context is None:  # just enough to make every tile's convolutions exact
+            context = _receptive_radius(tiled, 1.0 if kind == "decode" else float(self.factor))
         # extra input pixels run around each tile, then cropped off; given in latent pixels,
         # so encode windows stay aligned to the downsampling
         self.context = context if kind == "decode" else context * self.factor
         if kind == "decode":
             self.tile_in, self.tile_out = vae.tile_latent_min_size, vae.tile_sample_min_size
-            self.net, self.conv = vae.decoder, vae.post_quant_conv
             self.out_extent = lambda n: n * 2 ** n_down
         else:
             self.tile_in, self.tile_out = vae.tile_sample_min_size, vae.tile_latent_min_size
-            self.net, self.conv = vae.encoder, vae.quant_conv
 
             def out_extent(n):
                 for _ in range(n_down):  # each Downsample2D: pad (0,1,0,1), 3x3 stride-2 conv -> floor(n/2)
                     n //= 2
                 return n
             self.out_extent = out_extent
+        # without the split, the tile runs the whole module as diffusers does (same numbers)
+        if global_mid:
+            self.run = _sequential(tiled)
+        elif kind == "decode":
+            self.run = lambda x: vae.decoder(vae.post_quant_conv(x) if vae.post_quant_conv is not None else x)
+        else:
+            self.run = lambda x: vae.quant_conv(vae.encoder(x)) if vae.quant_conv is not None else vae.encoder(x)
         self.kind = kind
         self.stride = int(self.tile_in * (1 - f))       # as diffusers: overlap_size
         self.extent = int(self.tile_out * f)            # as diffusers: blend_extent
         self.row_limit = self.tile_out - self.extent    # as diffusers: row_limit
         if self.stride < 1:
             _fail(f"tile_overlap_factor={f} leaves no stride between {self.tile_in}-pixel tiles")
-
-    def run(self, x: torch.Tensor) -> torch.Tensor:
-        if self.kind == "decode":
-            if self.conv is not None:
-                x = self.conv(x)
-            return self.net(x)
-        h = self.net(x)
-        return self.conv(h) if self.conv is not None else h
 
     def window(self, span, n: int) -> tuple[int, int]:
         """The input range run for a tile span: the span plus `context` on each side."""
@@ -199,14 +290,21 @@ class _Job:
         return t
 
 
-def _gather_stats(job: _Job, x: torch.Tensor, stats: GroupNormStats) -> None:
-    """Statistics pass on a strided subsample of the whole input that fits in one tile:
-    one small full run, so every layer sees the whole image (and its global attention).
-    Strided, not averaged: averaging would shrink the variance of noisy latents."""
+def _gather_stats(job: _Job, x: torch.Tensor, h: torch.Tensor, stats: GroupNormStats) -> None:
+    """Whole-image statistics from small full runs on a strided subsample that fits in one
+    tile, so every layer sees the whole image. Strided, not averaged: averaging would shrink
+    the variance of noisy inputs. With global_mid (x: latents, h: their global features)
+    two subsamples are pooled: of the latents, run through the global part again (exact in
+    distribution for white-noise latents, whose subsample is white noise too), and of the
+    features (closer for smooth latents, whose features a stride barely changes). Each alone
+    loses 5-10 dB on the other kind of input (bench.vae --ablation); pooled, neither does."""
     s = max(1, -(-max(x.shape[-2:]) // job.tile_in))
     stats.mode = "collect"
     stats.start_tile()
-    job.run(x[..., s // 2::s, s // 2::s])
+    job.run(h[..., s // 2::s, s // 2::s])
+    if job.pre is not None:
+        stats.start_tile()
+        job.run(job.pre(x[..., s // 2::s, s // 2::s]))
     stats.finish()
     stats.mode = "apply"
 
@@ -285,25 +383,36 @@ def _stream_normalized(job: _Job, x: torch.Tensor, rows, cols, stats) -> torch.T
     return out
 
 
-def tiled_run(vae, x: torch.Tensor, kind: str, mode: str = "normalized", consistent_tones: bool = False,
-              context: int = 0) -> torch.Tensor:
+TONES = (False, True)
+
+
+def tiled_run(vae, x: torch.Tensor, kind: str, mode: str = "normalized", consistent_tones=False,
+              context: Optional[int] = 0, global_mid: bool = False) -> torch.Tensor:
     """Tiled decode (latents -> image) or encode (image -> moments) of `x`, streaming tiles.
 
     context: latent pixels of real neighbourhood run around each tile (x8 image pixels when
-    encoding) and cropped off before blending.
+    encoding) and cropped off before blending; None: the tiled part's receptive field.
+    consistent_tones: False: each tile its own GroupNorm statistics; True: whole-image
+    statistics from a strided subsample (_gather_stats). global_mid: see _Job.
     """
     if mode not in MODES:
         _fail(f"mode must be one of {MODES}, got {mode!r}")
-    job = _Job(vae, kind, context)
-    rows = _spans(x.shape[-2], job.tile_in, job.stride)
-    cols = _spans(x.shape[-1], job.tile_in, job.stride)
+    if consistent_tones not in TONES:
+        _fail(f"consistent_tones must be one of {TONES}, got {consistent_tones!r}")
+    job = _Job(vae, kind, context, global_mid)
+    h = job.pre(x) if job.pre is not None else x
+    rows = _spans(h.shape[-2], job.tile_in, job.stride)
+    cols = _spans(h.shape[-1], job.tile_in, job.stride)
     stream = _stream_diffusers if mode == "diffusers" else _stream_normalized
     if not consistent_tones:
-        return stream(job, x, rows, cols, None)
-    stats = GroupNormStats(job.net)
-    with stats.patched():
-        _gather_stats(job, x, stats)
-        return stream(job, x, rows, cols, stats)
+        out = stream(job, h, rows, cols, None)
+    else:
+        stats = GroupNormStats(*job.tiled_modules)
+        with stats.patched():
+            _gather_stats(job, x, h, stats)
+            out = stream(job, h, rows, cols, stats)
+    del h
+    return job.post(out) if job.post is not None else out
 
 
 # ----------------------------------------------------------------------------- patching
@@ -316,8 +425,9 @@ def _is_autoencoder_kl(vae) -> bool:
     return isinstance(vae, AutoencoderKL)
 
 
-def tile_vae(vae, mode: str = "normalized", consistent_tones: bool = True, tile_size: Optional[int] = None,
-             overlap: Optional[float] = None, context: Optional[int] = None, enable: bool = True) -> dict:
+def tile_vae(vae, mode: str = "normalized", consistent_tones=True, tile_size: Optional[int] = None,
+             overlap: Optional[float] = None, context: Optional[int] = None, global_mid: Optional[bool] = None,
+             enable: bool = True) -> dict:
     """Make this AutoencoderKL instance decode/encode large images with streaming tiles.
 
     Patches the instance's tiled_decode / _tiled_encode / tiled_encode (never the class,
@@ -325,12 +435,15 @@ def tile_vae(vae, mode: str = "normalized", consistent_tones: bool = True, tile_
     _encode still decide when to tile (use_tiling and the image larger than a tile) and
     decode()/encode() still split the batch when use_slicing is on.
     tile_size: output-side tile size in pixels (sets tile_sample_min_size and
-    tile_latent_min_size); overlap: tile_overlap_factor. context: latent pixels of real
-    neighbourhood run around each tile and cropped off (default: max(4, tile_latent_min_size
-    // 8) in normalized mode, 0 in diffusers mode so that mode gives diffusers' numbers).
+    tile_latent_min_size); overlap: tile_overlap_factor.
+    global_mid: run the latent-resolution part (mid block with its attention) once on the
+    whole input and tile only the up/down-sampling part (default: on in normalized mode, off
+    in diffusers mode so that mode gives diffusers' numbers).
+    context: latent pixels of real neighbourhood run around each tile and cropped off
+    (default: the tiled part's receptive field with global_mid (7 for the SD VAE), else
+    max(4, tile_latent_min_size // 8) in normalized mode and 0 in diffusers mode).
     consistent_tones: normalise every tile with whole-image GroupNorm statistics from a
-    strided subsample (SD VAE at 1024: +1.9 dB over per-tile statistics; on a tiny 3-level
-    test VAE it measured worse, so pass False there).
+    strided subsample instead of the tile's own (see README for what each buys).
     enable: also turn use_tiling on.
     Returns a report dict; other VAE classes are left alone (they keep diffusers' tiling).
     """
@@ -346,6 +459,10 @@ def tile_vae(vae, mode: str = "normalized", consistent_tones: bool = True, tile_
         _fail(f"tile_size must be a positive multiple of {factor} pixels, got {tile_size!r}")
     if context is not None and (not isinstance(context, int) or context < 0):
         _fail(f"context must be a non-negative int (latent pixels), got {context!r}")
+    if consistent_tones not in TONES:
+        _fail(f"consistent_tones must be one of {TONES}, got {consistent_tones!r}")
+    if global_mid is None:  # diffusers mode defaults to diffusers' numbers
+        global_mid = mode == "normalized"
     if _STATE in vae.__dict__:
         untile_vae(vae)
     state = {"saved": {name: vae.__dict__.get(name) for name in _PATCHED},
@@ -359,17 +476,17 @@ def tile_vae(vae, mode: str = "normalized", consistent_tones: bool = True, tile_
         vae.use_tiling = True
 
     def _context(self):
-        if context is not None:
+        if context is not None or global_mid:  # None: the receptive field of the tiled part
             return context
         return max(4, self.tile_latent_min_size // 8) if mode == "normalized" else 0
 
     def tiled_decode(self, z, return_dict=True):
         from diffusers.models.autoencoders.vae import DecoderOutput
-        dec = tiled_run(self, z, "decode", mode, consistent_tones, _context(self))
+        dec = tiled_run(self, z, "decode", mode, consistent_tones, _context(self), global_mid)
         return DecoderOutput(sample=dec) if return_dict else (dec,)
 
     def _tiled_encode(self, x):
-        return tiled_run(self, x, "encode", mode, consistent_tones, _context(self))
+        return tiled_run(self, x, "encode", mode, consistent_tones, _context(self), global_mid)
 
     def tiled_encode(self, x, return_dict=True):
         from diffusers.models.autoencoders.autoencoder_kl import AutoencoderKLOutput
@@ -381,7 +498,7 @@ def tile_vae(vae, mode: str = "normalized", consistent_tones: bool = True, tile_
         vae.__dict__[name] = types.MethodType(fn, vae)
     vae.__dict__[_STATE] = state
     return {"patched": True, "class": type(vae).__name__, "mode": mode, "consistent_tones": consistent_tones,
-            "context": _context(vae),
+            "context": _context(vae), "global_mid": global_mid,
             "tile_sample_min_size": vae.tile_sample_min_size, "tile_latent_min_size": vae.tile_latent_min_size,
             "tile_overlap_factor": vae.tile_overlap_factor, "use_tiling": vae.use_tiling,
             "use_slicing": getattr(vae, "use_slicing", False)}
@@ -400,3 +517,4 @@ def untile_vae(vae) -> bool:
     for k, v in state["settings"].items():
         setattr(vae, k, v)
     return True
+
