@@ -39,6 +39,8 @@ def test_cpp_matches_exact_conv(b, c, h, w, n, k, stride, padding, per_channel, 
     exact = F.conv2d(x.double(), fp8_upcast_reference(wq, s, torch.float32).double(),
                      None if bb is None else bb.double(), stride, padding)
     assert y.shape == exact.shape and y.dtype == torch.bfloat16 and y.is_contiguous(memory_format=CL)
+    y_nchw = fp8_conv2d(x.contiguous(), wq, s, bb, stride, padding, backend="cpp")  # reordered inside
+    assert torch.equal(y_nchw, y.contiguous()) and y_nchw.is_contiguous()
     # Error vs float64 within 2x the bf16 reference's own (plus bf16 output rounding headroom).
     assert rel_err(y, exact) <= 2 * rel_err(ref, exact) + 2e-3
 
@@ -57,9 +59,8 @@ def test_cpp_padding_rows_are_zero_even_with_nonfinite_neighbours():
 @needs_fused
 def test_cpp_backend_says_why_it_cannot_run():
     x, wq, s, bb = make(1, 4, 6, 6, 8, 3)
-    for bad, why in [(x.float(), "bfloat16 only"), (x.contiguous(), "channels-last")]:
-        with pytest.raises(PyextError, match=why):
-            fp8_conv2d(bad, wq, s, None, 1, 1, backend="cpp")
+    with pytest.raises(PyextError, match="bfloat16 only"):
+        fp8_conv2d(x.float(), wq, s, None, 1, 1, backend="cpp")
     with pytest.raises(PyextError, match="groups must be 1"):
         fp8_conv2d(x, fp8_quantize(torch.randn(8, 2, 3, 3))[0], s, None, 1, 1, groups=2, backend="cpp")
     with pytest.raises(PyextError, match="input channels must be even"):
@@ -108,13 +109,14 @@ def test_module_takes_the_fused_path_when_channels_last():
     x = torch.randn(2, 16, 12, 10, dtype=torch.bfloat16)
     ref = model(x)
     quantize_fp8(model, skip=(), )
-    y_nchw, fused, aten = _conv_calls(model, x)  # NCHW module and input: the upcast path
-    assert fused == 0 and aten == 2 and model[0].weight.is_contiguous()
+    y_nchw, fused, aten = _conv_calls(model, x)  # NCHW module: (out, in, kh, kw) codes, the upcast path
+    assert fused == 0 and aten == 2 and model[0].weight.is_contiguous() and y_nchw.is_contiguous()
     model.to(memory_format=CL)  # the codes follow the module's memory format
     assert model[0].weight.is_contiguous(memory_format=CL) and not model[0].weight.is_contiguous()
-    y_cl, fused, aten = _conv_calls(model, x.contiguous(memory_format=CL))
-    assert fused == 2 and aten == 0
-    assert rel_err(y_cl, y_nchw) < 1e-2 and rel_err(y_cl, ref) < 0.06  # fp8 weights: ~30 dB
+    for inp in (x.contiguous(memory_format=CL), x):  # an NCHW input is reordered, as torch's conv does
+        y_cl, fused, aten = _conv_calls(model, inp)
+        assert fused == 2 and aten == 0 and y_cl.is_contiguous(memory_format=CL)
+        assert rel_err(y_cl, y_nchw) < 1e-2 and rel_err(y_cl, ref) < 0.06  # fp8 weights: ~30 dB
     model.to(memory_format=torch.contiguous_format)
     assert model[0].weight.is_contiguous()
     assert rel_err(model(x), y_nchw) == 0

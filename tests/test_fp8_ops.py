@@ -217,8 +217,8 @@ def test_linear_cpp_tiles_evenly(n, k, tile_rows, expected_gemms):
 @pytest.mark.parametrize("per_channel", [True, False])
 @pytest.mark.parametrize("dtype", DTYPES)
 def test_upcast_large_outputs_stream_exactly(simd, per_channel, dtype):
-    """Outputs over 4 MiB take the non-temporal-store path; odd row length misaligns the rows."""
-    w, scale = fp8_quantize(torch.randn(2100, 1031) * 3, per_channel)
+    """Outputs over 48 MiB take the non-temporal-store path; odd row length misaligns the rows."""
+    w, scale = fp8_quantize(torch.randn(2100, 12601) * 3, per_channel)
     out = torch.empty(w.shape, dtype=dtype)
     fp8_upcast(w, scale, out=out, backend="cpp")
     assert same_bits(out, fp8_upcast_reference(w, scale, dtype))

@@ -132,7 +132,8 @@ class FP8Conv2d(_FP8Storage, nn.Conv2d):
         args = (x, self.weight, self.scale, bias, self.stride, self.padding, self.dilation, self.groups)
         if self.weight.is_contiguous(memory_format=torch.channels_last) and isinstance(self.padding, tuple) and \
                 _fp8_conv_cpp_unavailable() is None and not _fp8_conv_cpp_reasons(*args):
-            return torch.ops.pyext.fp8_conv2d(*args, "cpp")  # reads the fp8 codes in place
+            # Reads the fp8 codes in place; an NCHW x is reordered to channels-last first.
+            return torch.ops.pyext.fp8_conv2d(*args, "cpp")
         # Otherwise upcast the whole weight in its memory layout, then torch's conv.
         w8 = self.fp8_weight if self.weight.is_contiguous() else self.fp8_weight.permute(0, 2, 3, 1)
         if torch.compiler.is_compiling():  # let the compiler own the buffer

@@ -1,7 +1,7 @@
 """fp8_conv2d: a convolution whose weight stays in fp8 (e4m3) storage.
 
 The C++ backend runs the convolution as an implicit GEMM over channels-last
-activations and decodes the fp8 weight inside the GEMM's packing step (the GEMM of
+activations (an NCHW input is reordered first, as oneDNN does) and decodes the fp8 weight inside the GEMM's packing step (the GEMM of
 fp8_linear), so no full-precision copy of the weight is ever written. It takes bf16
 on CPUs with AVX512_BF16; everything else takes the reference (upcast + F.conv2d),
 and FP8Conv2d uses its own upcast-into-a-reused-buffer path for those inputs.
@@ -24,10 +24,13 @@ def _pair(v) -> list[int]:
     return [int(v), int(v)] if isinstance(v, int) else [int(a) for a in v]
 
 
-def _out_format(x: torch.Tensor):
-    """The memory format F.conv2d gives its output for this input."""
-    cl = x.is_contiguous(memory_format=torch.channels_last) and not x.is_contiguous()
-    return torch.channels_last if cl else torch.contiguous_format
+def _is_channels_last(t: torch.Tensor) -> bool:
+    return t.is_contiguous(memory_format=torch.channels_last) and not t.is_contiguous()
+
+
+def _out_format(x: torch.Tensor, w: torch.Tensor):
+    """The output's memory format: channels-last when x or the weight is (torch's conv rule)."""
+    return torch.channels_last if _is_channels_last(x) or _is_channels_last(w) else torch.contiguous_format
 
 
 def fp8_conv2d_reference(x, w, scale, bias=None, stride=1, padding=0, dilation=1, groups=1):
@@ -55,9 +58,6 @@ def _cpp_reasons(x, w, scale, bias, stride, padding, dilation, groups) -> list[s
         reasons.append(f"dilation must be 1, got {dilation}")
     if x.dim() == 4 and x.shape[1] % 2:
         reasons.append(f"input channels must be even (bf16 pairs), got {x.shape[1]}")
-    if x.dim() == 4 and not (x.is_contiguous(memory_format=torch.channels_last) and _out_format(x) == torch.channels_last):
-        reasons.append("x must be channels-last (x.contiguous(memory_format=torch.channels_last); "
-                       "pyext.optimize sets it)")
     return reasons
 
 
@@ -78,7 +78,7 @@ def _fp8_conv2d_op(x: torch.Tensor, w: torch.Tensor, scale: torch.Tensor, bias: 
                    backend: Optional[str] = None) -> torch.Tensor:
     args = (x, w, scale, bias, list(stride), list(padding), list(dilation), groups)
     out = dispatch.select("fp8_conv2d", args, backend).run(*args)
-    return out.contiguous(memory_format=_out_format(x))
+    return out.contiguous(memory_format=_out_format(x, w))
 
 
 @_fp8_conv2d_op.register_fake
@@ -86,7 +86,7 @@ def _(x, w, scale, bias, stride, padding, dilation, groups, backend=None):
     size = [x.shape[0], w.shape[0]]
     for i in range(2):
         size.append((x.shape[2 + i] + 2 * padding[i] - dilation[i] * (w.shape[2 + i] - 1) - 1) // stride[i] + 1)
-    return x.new_empty(size).contiguous(memory_format=_out_format(x))
+    return x.new_empty(size).contiguous(memory_format=_out_format(x, w))
 
 
 def fp8_conv2d(x: torch.Tensor, w: torch.Tensor, scale: torch.Tensor, bias: Optional[torch.Tensor] = None,
