@@ -11,6 +11,8 @@ from __future__ import annotations
 import torch
 import torch.nn as nn
 
+from pyext._memory import release_freed_memory
+
 MAX_GRAPHS = 4  # each graph holds references to the weights, not copies: cheap to keep a few
 
 
@@ -80,6 +82,7 @@ class TracedUNet(nn.Module):
                     graph = self.graphs[key] = torch.jit.trace(_Plain(self.unet).eval(),
                                                                (sample, timestep, encoder_hidden_states),
                                                                check_trace=False)
+                release_freed_memory()  # the tracer's temporaries
         if graph is not None:
             self.hits += 1
             # On CPU TorchScript's optimizing executor has no fuser to offer (NNC's CPU fusion

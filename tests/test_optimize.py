@@ -76,8 +76,15 @@ def test_trace_matches_and_traces_each_shape_once(references):
     assert "trace" in " ".join(pyext.restore(pipe)) and type(pipe.unet).__name__ == "UNet2DConditionModel"
 
 
+def test_auto_compile_stays_eager_on_cpu_and_says_why():
+    pipe = pyext.optimize(build_pipeline("sd15", "tiny"), **LOSSLESS)
+    entry = next(e for e in pyext.report(pipe).entries if e.technique == "compile")
+    assert type(pipe.unet).__name__ == "UNet2DConditionModel"
+    assert entry.status == "skipped" and "compile='trace'" in entry.detail
+
+
 def test_trace_runs_eagerly_once_offload_hooks_appear(references):
-    pipe = pyext.optimize(build_pipeline("sd15", "tiny"), **LOSSLESS)  # compile="auto" traces the UNet
+    pipe = pyext.optimize(build_pipeline("sd15", "tiny"), compile="trace", **LOSSLESS)
     assert type(pipe.unet).__name__ == "TracedUNet"
     pipe.enable_model_cpu_offload(device="cpu")
     assert np.abs(generate(pipe) - references["sd15"]).max() <= 1e-3
