@@ -367,23 +367,35 @@ def _misfit(est: dict, exact: dict) -> float:
     return err
 
 
-def _gather_stats(job: _Job, x: torch.Tensor, h: torch.Tensor, stats: GroupNormStats, exact_layers: int) -> None:
+def _subsample(t: torch.Tensor, size: int) -> torch.Tensor:
+    """At most size x size pixels of t, evenly spread (the middle pixel of each of `size`
+    equal bands per axis; for size = n / 2 every second pixel)."""
+    for dim in (-2, -1):
+        n = t.shape[dim]
+        if n > size:
+            t = t.index_select(dim, ((torch.arange(size, device=t.device) * 2 + 1) * n // (2 * size)))
+    return t
+
+
+def _gather_stats(job: _Job, x: torch.Tensor, h: torch.Tensor, stats: GroupNormStats, exact_layers: int,
+                  size: int) -> None:
     """Whole-image statistics for every tiled GroupNorm.
 
     The first `exact_layers` exactly (_exact_stats). The rest are estimated from small full
     runs on a strided subsample that fits in one tile, so every layer sees the whole image.
-    Strided, not averaged: averaging would shrink the variance of noisy inputs. With
+    Subsampled, not averaged: averaging would shrink the variance of noisy inputs. `size`:
+    the subsample's side (input pixels), at most a tile window's, so these runs need no more
+    memory than a tile's. With
     global_mid (x: latents, h: their global features) two subsamples: of the latents, run
     through the global part again (exact in distribution for white-noise latents, whose
     subsample is white noise too), and of the features (closer for smooth latents, whose
     features a stride barely changes). Each alone loses 5-10 dB on the other kind of input;
     they are mixed with weights set by how well each predicts the exact layers (the one that
     misses them by less gets more weight), which tracks which kind of input this is."""
-    s = max(1, -(-max(x.shape[-2:]) // job.tile_in))
     exact = _exact_stats(job, h, stats, exact_layers) if exact_layers else {}
-    ests = [_estimate(job, h[..., s // 2::s, s // 2::s], stats)]
+    ests = [_estimate(job, _subsample(h, size), stats)]
     if job.pre is not None:
-        ests.append(_estimate(job, job.pre(x[..., s // 2::s, s // 2::s]), stats))
+        ests.append(_estimate(job, job.pre(_subsample(x, size)), stats))
     if len(ests) == 1 or not exact:
         weights = [1.0 / len(ests)] * len(ests)
     else:
@@ -521,7 +533,9 @@ def tiled_run(vae, x: torch.Tensor, kind: str, mode: str = "normalized", consist
     else:
         stats = GroupNormStats(*job.tiled_modules)
         with stats.patched():
-            _gather_stats(job, x, h, stats, exact_layers)
+            windows = [job.window(span, n) for spans, n in ((rows, h.shape[-2]), (cols, h.shape[-1])) for span in spans]
+            size = max(b - a for a, b in windows) if fit_tile else job.tile_in
+            _gather_stats(job, x, h, stats, exact_layers, min(size, job.tile_in))
             out = stream(job, h, rows, cols, stats)
     del h
     return job.post(out) if job.post is not None else out
