@@ -194,8 +194,8 @@ ABLATION = (  # each step adds one technique; PSNR vs the full decode of the sam
     ("global mid block, per-tile statistics, receptive-field context", dict(global_mid=True, consistent_tones=False)),
     ("global mid block + pooled subsampled statistics (previous default)",
      dict(global_mid=True, consistent_tones=True, exact_layers=0, fit_tile=False)),
-    ("+ first tiled GroupNorm exact, estimates weighted by it, diffusers' grid",
-     dict(global_mid=True, consistent_tones=True, exact_layers=1, fit_tile=False)),
+    ("+ first two tiled GroupNorms exact, estimates weighted by them, diffusers' grid",
+     dict(global_mid=True, consistent_tones=True, exact_layers=2, fit_tile=False)),
     ("+ windows fit one tile, cores abut (default)", dict(global_mid=True, consistent_tones=True)),
 )
 

@@ -14,11 +14,11 @@ Tiling changes the numbers for three reasons, each handled here:
   of `context` real neighbours, cropped off before blending; by default the tiled part's
   receptive field, which makes every convolution in a tile's own region exact;
 - each tile normalises with its own GroupNorm statistics: with consistent_tones every tile
-  is normalised with whole-image statistics instead (_gather_stats): the first tiled
-  GroupNorm's exactly (its input is one convolution away from the global features, so
-  full-width strips of them give it in little memory), the rest estimated from small runs
-  over evenly spread subsamples of the whole input (each at most one tile), weighted by how
-  well each predicts that exact layer.
+  is normalised with whole-image statistics instead (_gather_stats): the first two tiled
+  GroupNorms' exactly (their inputs are one and two convolutions away from the global
+  features, so full-width strips of those give them in little memory), the rest estimated
+  from small runs over evenly spread subsamples of the whole input (each at most one tile),
+  weighted by how well each predicts the exact layers.
 With global_mid and that context the statistics are the only difference left: with the
 full run's own statistics the tiled decode equals the full one to rounding (tested), so
 tiles agree where they overlap; by default (fit_tile) they do not overlap then, and each
@@ -396,7 +396,9 @@ def _gather_stats(job: _Job, x: torch.Tensor, h: torch.Tensor, stats: GroupNormS
     subsample is white noise too), and of the features (closer for smooth latents, whose
     features a stride barely changes). Each alone loses 5-10 dB on the other kind of input;
     they are mixed with weights set by how well each predicts the exact layers (the one that
-    misses them by less gets more weight), which tracks which kind of input this is."""
+    misses them by less gets more weight), which tracks which kind of input this is: on a
+    half-width SD VAE at 512 px the mix leans 0.77 on the latent subsample for white-noise
+    latents and 0.99 on the feature subsample for smooth ones."""
     exact = _exact_stats(job, h, stats, exact_layers) if exact_layers else {}
     ests = [_estimate(job, _subsample(h, size), stats)]
     if job.pre is not None:
