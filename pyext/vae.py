@@ -387,7 +387,7 @@ def _gather_stats(job: _Job, x: torch.Tensor, h: torch.Tensor, stats: GroupNormS
     """Whole-image statistics for every tiled GroupNorm.
 
     The first `exact_layers` exactly (_exact_stats). The rest are estimated from small full
-    runs on a strided subsample that fits in one tile, so every layer sees the whole image.
+    runs on an evenly spread subsample that fits in one tile, so every layer sees the whole image.
     Subsampled, not averaged: averaging would shrink the variance of noisy inputs. `size`:
     the subsample's side (input pixels), at most a tile window's, so these runs need no more
     memory than a tile's. With
