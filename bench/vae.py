@@ -190,9 +190,13 @@ def run(sizes=(1024,), tile: int = 512, max_full: int = 1024, with_decodes: bool
 ABLATION = (  # each step adds one technique; PSNR vs the full decode of the same latents
     ("blend only: per-tile network and statistics, no context", dict(global_mid=False, consistent_tones=False, context=0)),
     ("+ context 8 latent px", dict(global_mid=False, consistent_tones=False, context=8)),
-    ("+ subsampled whole-image statistics (previous default)", dict(global_mid=False, consistent_tones=True, context=8)),
+    ("+ subsampled whole-image statistics", dict(global_mid=False, consistent_tones=True, context=8)),
     ("global mid block, per-tile statistics, receptive-field context", dict(global_mid=True, consistent_tones=False)),
-    ("global mid block + pooled subsampled statistics (default)", dict(global_mid=True, consistent_tones=True)),
+    ("global mid block + pooled subsampled statistics (previous default)",
+     dict(global_mid=True, consistent_tones=True, exact_layers=0, fit_tile=False)),
+    ("+ first two tiled GroupNorms exact, estimates weighted by them, diffusers' grid",
+     dict(global_mid=True, consistent_tones=True, exact_layers=2, fit_tile=False)),
+    ("+ windows fit one tile, cores abut (default)", dict(global_mid=True, consistent_tones=True)),
 )
 
 

@@ -13,15 +13,20 @@ Tiling changes the numbers for three reasons, each handled here:
 - tile borders see zero padding instead of their neighbours: each tile runs with a margin
   of `context` real neighbours, cropped off before blending; by default the tiled part's
   receptive field, which makes every convolution in a tile's own region exact;
-- each tile normalises with its own GroupNorm statistics: with consistent_tones small runs
-  over strided subsamples of the whole input (each one tile) record every GroupNorm's
-  per-group statistics, and every tile is normalised with those (_gather_stats).
+- each tile normalises with its own GroupNorm statistics: with consistent_tones every tile
+  is normalised with whole-image statistics instead (_gather_stats): the first two tiled
+  GroupNorms' exactly (their inputs are one and two convolutions away from the global
+  features, so full-width strips of those give them in little memory), the rest estimated
+  from small runs over evenly spread subsamples of the whole input (each at most one tile),
+  weighted by how well each predicts the exact layers.
 With global_mid and that context the statistics are the only difference left: with the
-full run's own statistics the tiled decode equals the full one to rounding (tested).
-Their estimate is the limit; a second pass collecting them from all tiles was tried and
-makes it worse (the statistics of later layers then fit the first pass's estimate of the
-earlier ones, and the error grows with depth: 44.7 -> 35.2 -> 14.9 dB over two passes on
-a half-width SD VAE at 512 px).
+full run's own statistics the tiled decode equals the full one to rounding (tested), so
+tiles agree where they overlap; by default (fit_tile) they do not overlap then, and each
+tile's window, context included, fits in one tile's size, so no tile run needs more
+memory than a plain tile's. The statistics estimate is the limit; a second pass collecting
+them from all tiles was tried and makes it worse (the statistics of later layers then fit
+the first pass's estimate of the earlier ones, and the error grows with depth: 44.7 -> 35.2
+-> 14.9 dB over two passes on a half-width SD VAE at 512 px).
 
 `tile_vae(vae)` patches one AutoencoderKL instance (instance attributes only) and
 `untile_vae(vae)` undoes it.
@@ -55,6 +60,9 @@ class GroupNormStats:
     mode None: GroupNorm runs as usual. "collect": runs as usual and accumulates the
     per-(sample, group) mean and mean square of its input.
     "apply": normalises with the accumulated statistics instead of the tile's own.
+    "exact": normalises with `fixed` where it has the call; the first call it lacks
+    accumulates the rows `crop` leaves of its input, then stops the run (_Stop): one
+    strip's share of that layer's exact statistics (_exact_stats).
     Calls are keyed by (module, call index within a tile) so a module called twice
     per forward gets two sets of statistics.
     """
@@ -64,6 +72,7 @@ class GroupNormStats:
         self.mode: Optional[str] = None
         self.sums: dict = {}
         self.fixed: dict = {}
+        self.crop = (0, 0, 1)  # "exact" mode: input rows to drop at the top and bottom, input rows run
         self._calls: dict = {}
 
     def start_tile(self) -> None:
@@ -135,13 +144,22 @@ class GroupNormStats:
             if self.mode is None:
                 return original(x, *args, **kwargs)
             key = self._key(m)
-            if self.mode == "apply":
+            if self.mode == "apply" or (self.mode == "exact" and key in self.fixed):
                 return self.apply(m, x, key)
+            if self.mode == "exact":
+                top, bottom, rows = self.crop
+                scale = x.shape[-2] / rows  # this layer's rows per input row
+                self.collect(m, x[..., round(top * scale):x.shape[-2] - round(bottom * scale), :], key)
+                raise _Stop
             y = original(x, *args, **kwargs)
             if self.mode == "collect":
                 self.collect(m, x, key)
             return y
         return forward
+
+
+class _Stop(Exception):
+    """Ends a network run once the layer whose statistics are wanted has been seen."""
 
 
 # ----------------------------------------------------------------------------- tiled runner
@@ -199,19 +217,36 @@ def _sequential(steps) -> Callable:
     return run
 
 
-def _receptive_radius(steps, res: float) -> int:
-    """Latent pixels of input that one output pixel of `steps` depends on, per side
-    (convolutions only; GroupNorm is handled by the statistics). res: pixels per latent
-    pixel at the input of steps. A context this wide makes a tile's core exact."""
-    radius = 0.0
+def _reaches(steps, res: float) -> tuple[list[int], int]:
+    """Latent pixels of input (per side) that the input of each GroupNorm in `steps` (in
+    call order) depends on, and that one output pixel of `steps` depends on (convolutions
+    only; GroupNorm is handled by the statistics). res: pixels per latent pixel at the input
+    of steps. A context this wide makes a tile's core exact. Assumes modules are called in
+    registration order, as in diffusers' resnets (norm1, conv1, norm2, conv2)."""
+    radius, norms = 0.0, []
     for _, module, scale in steps:
         at = res * max(scale, 1.0)  # an upsampler's conv runs after its interpolation
-        for c in (m for m in module.modules() if isinstance(m, nn.Conv2d)):
-            k, d = c.kernel_size[0], c.dilation[0]
-            reach = (k - 1) * d if c.stride[0] > 1 else (k - 1) // 2 * d  # stride-2 pad (0, 1): one-sided
-            radius += reach / at
+        for m in module.modules():
+            if isinstance(m, nn.GroupNorm):
+                norms.append(int(-(-radius // 1)))
+            elif isinstance(m, nn.Conv2d):
+                k, d = m.kernel_size[0], m.dilation[0]
+                reach = (k - 1) * d if m.stride[0] > 1 else (k - 1) // 2 * d  # stride-2 pad (0, 1): one-sided
+                radius += reach / at
         res *= scale
-    return int(-(-radius // 1))
+    return norms, int(-(-radius // 1))
+
+
+def _fit_spans(n: int, tile: int, margin: int, unit: int) -> list[tuple[int, int]]:
+    """The fewest equal, abutting cores (multiples of `unit`) covering [0, n) whose windows
+    (core plus `margin` on each side that has a neighbour) fit in `tile`."""
+    k = 1
+    while True:
+        core = -(-n // (k * unit)) * unit
+        sides = min(k - 1, 2)
+        if core + sides * margin <= tile or core <= unit:
+            return [(a, min(n, a + core)) for a in range(0, n, core)]
+        k += 1
 
 
 class _Job:
@@ -241,8 +276,12 @@ class _Job:
             k = max((i for i, (_, _, sc) in enumerate(steps) if sc != 1), default=-1) + 1
             tiled, self.post = steps[:k], _sequential(steps[k:])
         self.tiled_modules = [m for _, m, _ in tiled]
+        self.norm_reach, radius = _reaches(tiled, 1.0 if kind == "decode" else float(self.factor))
         if context is None:  # just enough to make every tile's convolutions exact
-            context = _receptive_radius(tiled, 1.0 if kind == "decode" else float(self.factor))
+            context = radius
+        # tiles agree where they overlap: no blending needed (see tiled_run's fit_tile)
+        self.exact_tiles = global_mid and context >= radius
+        self.unit = 1 if kind == "decode" else self.factor  # input pixels per output step
         # extra input pixels run around each tile, then cropped off; given in latent pixels,
         # so encode windows stay aligned to the downsampling
         self.context = context if kind == "decode" else context * self.factor
@@ -290,22 +329,95 @@ class _Job:
         return t
 
 
-def _gather_stats(job: _Job, x: torch.Tensor, h: torch.Tensor, stats: GroupNormStats) -> None:
-    """Whole-image statistics from small full runs on a strided subsample that fits in one
-    tile, so every layer sees the whole image. Strided, not averaged: averaging would shrink
-    the variance of noisy inputs. With global_mid (x: latents, h: their global features)
-    two subsamples are pooled: of the latents, run through the global part again (exact in
-    distribution for white-noise latents, whose subsample is white noise too), and of the
-    features (closer for smooth latents, whose features a stride barely changes). Each alone
-    loses 5-10 dB on the other kind of input (bench.vae --ablation); pooled, neither does."""
-    s = max(1, -(-max(x.shape[-2:]) // job.tile_in))
-    stats.mode = "collect"
+def _exact_stats(job: _Job, h: torch.Tensor, stats: GroupNormStats, layers: int) -> dict:
+    """Exact whole-image statistics of the first `layers` GroupNorm calls of the tiled part,
+    from full-width strips of `h` (each about one tile's area), each run with the margin that
+    layer's input depends on and stopped at that layer (mode "exact"). Layer k needs layers
+    before it normalised exactly, so each layer is one more pass: k convolutions per pixel."""
+    W, unit = h.shape[-1], job.unit
+    rows = max(unit, job.tile_in * job.tile_in // W // unit * unit)
+    stats.fixed, stats.mode = {}, "exact"
+    for reach in job.norm_reach[:layers]:
+        margin = reach * unit
+        for a in range(0, h.shape[-2], rows):
+            b = min(h.shape[-2], a + rows)
+            y0, y1 = max(0, a - margin), min(h.shape[-2], b + margin)
+            stats.crop = (a - y0, y1 - b, y1 - y0)
+            stats.start_tile()
+            try:
+                job.run(h[..., y0:y1, :])
+            except _Stop:
+                pass
+        done = stats.fixed
+        stats.finish()  # the new layer's sums -> fixed
+        stats.fixed.update(done)
+    return dict(stats.fixed)
+
+
+def _estimate(job: _Job, inp: torch.Tensor, stats: GroupNormStats) -> dict:
+    """Every tiled GroupNorm's statistics from one run of the tiled part on `inp`."""
+    stats.fixed, stats.mode = {}, "collect"
     stats.start_tile()
-    job.run(h[..., s // 2::s, s // 2::s])
-    if job.pre is not None:
-        stats.start_tile()
-        job.run(job.pre(x[..., s // 2::s, s // 2::s]))
+    job.run(inp)
     stats.finish()
+    return stats.fixed
+
+
+def _misfit(est: dict, exact: dict) -> float:
+    """How far an estimate's statistics are from the exact ones (in units of the exact std)."""
+    err = 0.0
+    for key, (m0, v0) in exact.items():
+        m, v = est[key]
+        err += float(((m - m0) ** 2 / v0.clamp_min(1e-12)).mean() + ((v / v0.clamp_min(1e-12)).sqrt() - 1).pow(2).mean())
+    return err
+
+
+def _subsample(t: torch.Tensor, size: int) -> torch.Tensor:
+    """At most size x size pixels of t, evenly spread (the middle pixel of each of `size`
+    equal bands per axis; for size = n / 2 every second pixel)."""
+    for dim in (-2, -1):
+        n = t.shape[dim]
+        if n > size:
+            t = t.index_select(dim, ((torch.arange(size, device=t.device) * 2 + 1) * n // (2 * size)))
+    return t
+
+
+def _gather_stats(job: _Job, x: torch.Tensor, h: torch.Tensor, stats: GroupNormStats, exact_layers: int,
+                  size: int) -> None:
+    """Whole-image statistics for every tiled GroupNorm.
+
+    The first `exact_layers` exactly (_exact_stats). The rest are estimated from small full
+    runs on an evenly spread subsample that fits in one tile, so every layer sees the whole image.
+    Subsampled, not averaged: averaging would shrink the variance of noisy inputs. `size`:
+    the subsample's side (input pixels), at most a tile window's, so these runs need no more
+    memory than a tile's. With
+    global_mid (x: latents, h: their global features) two subsamples: of the latents, run
+    through the global part again (exact in distribution for white-noise latents, whose
+    subsample is white noise too), and of the features (closer for smooth latents, whose
+    features a stride barely changes). Each alone loses 5-10 dB on the other kind of input;
+    they are mixed with weights set by how well each predicts the exact layers (the one that
+    misses them by less gets more weight), which tracks which kind of input this is: on a
+    half-width SD VAE at 512 px the mix leans 0.77 on the latent subsample for white-noise
+    latents and 0.99 on the feature subsample for smooth ones."""
+    exact = _exact_stats(job, h, stats, exact_layers) if exact_layers else {}
+    ests = [_estimate(job, _subsample(h, size), stats)]
+    if job.pre is not None:
+        ests.append(_estimate(job, job.pre(_subsample(x, size)), stats))
+    if len(ests) == 1 or not exact:
+        weights = [1.0 / len(ests)] * len(ests)
+    else:
+        # weights ~ 1 / misfit^2: sharper than 1 / misfit, which gained 0.3-0.6 dB less on a
+        # half-width SD VAE at 512 px (random and smooth latents)
+        miss = [_misfit(e, exact) ** 2 for e in ests]
+        weights = [miss[1] / (miss[0] + miss[1]), miss[0] / (miss[0] + miss[1])] if sum(miss) > 0 else [0.5, 0.5]
+    stats.fixed = {}
+    for key in ests[0]:
+        # a mixture of the two estimates: mean and mean square weighted
+        mean = sum(w * e[key][0] for w, e in zip(weights, ests))
+        sq = sum(w * (e[key][1] + e[key][0] ** 2) for w, e in zip(weights, ests))
+        stats.fixed[key] = (mean, (sq - mean * mean).clamp_min(0))
+    stats.fixed.update(exact)
+    stats.weights = weights
     stats.mode = "apply"
 
 
@@ -387,29 +499,52 @@ TONES = (False, True)
 
 
 def tiled_run(vae, x: torch.Tensor, kind: str, mode: str = "normalized", consistent_tones=False,
-              context: Optional[int] = 0, global_mid: bool = False) -> torch.Tensor:
+              context: Optional[int] = 0, global_mid: bool = False, exact_layers: int = 2,
+              fit_tile: Optional[bool] = None) -> torch.Tensor:
     """Tiled decode (latents -> image) or encode (image -> moments) of `x`, streaming tiles.
 
     context: latent pixels of real neighbourhood run around each tile (x8 image pixels when
     encoding) and cropped off before blending; None: the tiled part's receptive field.
     consistent_tones: False: each tile its own GroupNorm statistics; True: whole-image
-    statistics from a strided subsample (_gather_stats). global_mid: see _Job.
+    statistics from a strided subsample (_gather_stats), the first `exact_layers` exact.
+    global_mid: see _Job.
+    fit_tile (normalized mode): the tiles' windows, context included, fit in one tile
+    (tile_latent_min_size), so a tile's run needs no more memory than a plain tile's. When
+    the tiles are exact (global_mid, consistent_tones, context >= the receptive field) they
+    agree where they would overlap, so the cores abut and nothing is blended; otherwise the
+    cores keep tile_overlap_factor. Default: on when the tiles are exact. Off: diffusers'
+    tile grid, each tile run with its context around it (larger windows, more memory).
     """
     if mode not in MODES:
         _fail(f"mode must be one of {MODES}, got {mode!r}")
     if consistent_tones not in TONES:
         _fail(f"consistent_tones must be one of {TONES}, got {consistent_tones!r}")
+    if not isinstance(exact_layers, int) or exact_layers < 0:
+        _fail(f"exact_layers must be a non-negative int, got {exact_layers!r}")
     job = _Job(vae, kind, context, global_mid)
+    exact = job.exact_tiles and bool(consistent_tones)
+    if fit_tile is None:
+        fit_tile = exact
     h = job.pre(x) if job.pre is not None else x
-    rows = _spans(h.shape[-2], job.tile_in, job.stride)
-    cols = _spans(h.shape[-1], job.tile_in, job.stride)
+    if fit_tile and mode == "normalized":
+        if exact:
+            rows, cols = (_fit_spans(n, job.tile_in, job.context, job.unit) for n in h.shape[-2:])
+        else:  # diffusers' grid of smaller cores
+            core = max(job.unit, (job.tile_in - 2 * job.context) // job.unit * job.unit)
+            stride = max(job.unit, int(core * (1 - vae.tile_overlap_factor)) // job.unit * job.unit)
+            rows, cols = (_spans(n, core, stride) for n in h.shape[-2:])
+    else:
+        rows = _spans(h.shape[-2], job.tile_in, job.stride)
+        cols = _spans(h.shape[-1], job.tile_in, job.stride)
     stream = _stream_diffusers if mode == "diffusers" else _stream_normalized
     if not consistent_tones:
         out = stream(job, h, rows, cols, None)
     else:
         stats = GroupNormStats(*job.tiled_modules)
         with stats.patched():
-            _gather_stats(job, x, h, stats)
+            windows = [job.window(span, n) for spans, n in ((rows, h.shape[-2]), (cols, h.shape[-1])) for span in spans]
+            size = max(b - a for a, b in windows) if fit_tile else job.tile_in
+            _gather_stats(job, x, h, stats, exact_layers, min(size, job.tile_in))
             out = stream(job, h, rows, cols, stats)
     del h
     return job.post(out) if job.post is not None else out
@@ -427,7 +562,7 @@ def _is_autoencoder_kl(vae) -> bool:
 
 def tile_vae(vae, mode: str = "normalized", consistent_tones=True, tile_size: Optional[int] = None,
              overlap: Optional[float] = None, context: Optional[int] = None, global_mid: Optional[bool] = None,
-             enable: bool = True) -> dict:
+             exact_layers: int = 2, fit_tile: Optional[bool] = None, enable: bool = True) -> dict:
     """Make this AutoencoderKL instance decode/encode large images with streaming tiles.
 
     Patches the instance's tiled_decode / _tiled_encode / tiled_encode (never the class,
@@ -444,6 +579,9 @@ def tile_vae(vae, mode: str = "normalized", consistent_tones=True, tile_size: Op
     max(4, tile_latent_min_size // 8) in normalized mode and 0 in diffusers mode).
     consistent_tones: normalise every tile with whole-image GroupNorm statistics from a
     strided subsample instead of the tile's own (see README for what each buys).
+    exact_layers: with consistent_tones, how many of the first tiled GroupNorms get their
+    exact whole-image statistics (one more pass over the image in strips each; they also
+    weigh the subsample estimates). fit_tile: see tiled_run.
     enable: also turn use_tiling on.
     Returns a report dict; other VAE classes are left alone (they keep diffusers' tiling).
     """
@@ -461,6 +599,8 @@ def tile_vae(vae, mode: str = "normalized", consistent_tones=True, tile_size: Op
         _fail(f"context must be a non-negative int (latent pixels), got {context!r}")
     if consistent_tones not in TONES:
         _fail(f"consistent_tones must be one of {TONES}, got {consistent_tones!r}")
+    if not isinstance(exact_layers, int) or exact_layers < 0:
+        _fail(f"exact_layers must be a non-negative int, got {exact_layers!r}")
     if global_mid is None:  # diffusers mode defaults to diffusers' numbers
         global_mid = mode == "normalized"
     if _STATE in vae.__dict__:
@@ -482,11 +622,11 @@ def tile_vae(vae, mode: str = "normalized", consistent_tones=True, tile_size: Op
 
     def tiled_decode(self, z, return_dict=True):
         from diffusers.models.autoencoders.vae import DecoderOutput
-        dec = tiled_run(self, z, "decode", mode, consistent_tones, _context(self), global_mid)
+        dec = tiled_run(self, z, "decode", mode, consistent_tones, _context(self), global_mid, exact_layers, fit_tile)
         return DecoderOutput(sample=dec) if return_dict else (dec,)
 
     def _tiled_encode(self, x):
-        return tiled_run(self, x, "encode", mode, consistent_tones, _context(self), global_mid)
+        return tiled_run(self, x, "encode", mode, consistent_tones, _context(self), global_mid, exact_layers, fit_tile)
 
     def tiled_encode(self, x, return_dict=True):
         from diffusers.models.autoencoders.autoencoder_kl import AutoencoderKLOutput
@@ -498,7 +638,7 @@ def tile_vae(vae, mode: str = "normalized", consistent_tones=True, tile_size: Op
         vae.__dict__[name] = types.MethodType(fn, vae)
     vae.__dict__[_STATE] = state
     return {"patched": True, "class": type(vae).__name__, "mode": mode, "consistent_tones": consistent_tones,
-            "context": _context(vae), "global_mid": global_mid,
+            "context": _context(vae), "global_mid": global_mid, "exact_layers": exact_layers, "fit_tile": fit_tile,
             "tile_sample_min_size": vae.tile_sample_min_size, "tile_latent_min_size": vae.tile_latent_min_size,
             "tile_overlap_factor": vae.tile_overlap_factor, "use_tiling": vae.use_tiling,
             "use_slicing": getattr(vae, "use_slicing", False)}
