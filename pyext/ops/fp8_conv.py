@@ -8,7 +8,6 @@ and FP8Conv2d uses its own upcast-into-a-reused-buffer path for those inputs.
 """
 from __future__ import annotations
 
-from functools import partial
 from typing import Optional, Sequence
 
 import torch
