@@ -1,6 +1,6 @@
-"""Tiled VAE decode on CPU: full decode vs diffusers' tiling vs pyext's streaming tiling.
+"""Tiled VAE decode (or encode) on CPU: full vs diffusers' tiling vs pyext's streaming tiling.
 
-    python -m bench.vae [--sizes 1024 2048] [--tile 512] [--latents random|smooth] [--json PATH] [--max-full 1024]
+    python -m bench.vae [--sizes 1024 2048] [--tile 512] [--latents random|smooth] [--encode] [--json PATH] [--max-full 1024]
 
 SD 1.5's AutoencoderKL architecture with seeded random weights, seeded latents: white
 noise ("random") or noise on a grid 8x coarser, bilinearly upsampled ("smooth", closer to
@@ -9,6 +9,9 @@ Each decode runs in a fresh subprocess, which reports its wall time and its peak
 above the RSS it had just before decoding (VmHWM reset through /proc/self/clear_refs;
 glibc told to return every large free block to the OS at once, so the peak is the peak
 of live memory, torch's CPU allocator included, which tracemalloc cannot see).
+--encode times AutoencoderKL.encode of an image made by decoding the same latents with the
+full decoder (an input with an image's structure, not noise); its output is the latent
+moments (mean and log-variance), and PSNR compares those.
 Also: the blend step alone on the same tiles (diffusers' per-row blend loops + crops +
 cat vs the fused tile_blend op), and PSNR of both tiled decodes vs the full decode.
 """
@@ -47,6 +50,17 @@ def _latents(size: int, kind: str = "random") -> torch.Tensor:
     return 2 * torch.nn.functional.interpolate(coarse, size=(n, n), mode="bilinear", align_corners=False)
 
 
+def _image(size: int, kind: str, tile: int) -> torch.Tensor:
+    """An image to encode: the full decode of the seeded latents, cached per size/kind."""
+    path = os.path.join(tempfile.gettempdir(), f"pyext_bench_vae_image_{kind}_{size}_{tile}.pt")
+    if not os.path.exists(path):
+        with torch.no_grad():
+            img = _vae(tile).decode(_latents(size, kind)).sample.clamp(-1, 1)
+        torch.save(img, path + ".part")
+        os.replace(path + ".part", path)
+    return torch.load(path)
+
+
 def _rss_kib(field: str) -> int:
     with open("/proc/self/status") as f:
         for line in f:
@@ -60,13 +74,16 @@ def _child(method: str, size: int, tile: int, out_path: str) -> None:
     torch.set_num_threads(int(os.environ.get("BENCH_THREADS", "2")))
     from pyext.vae import tile_vae
     vae = _vae(tile)
-    z = _latents(tile if method == "one_tile" else size, os.environ.get("BENCH_LATENTS", "random"))
+    kind = os.environ.get("BENCH_LATENTS", "random")
+    encode = os.environ.get("BENCH_DIRECTION") == "encode"
+    z = (_image if encode else lambda s, k, t: _latents(s, k))(tile if method == "one_tile" else size, kind, tile)
+    run = (lambda t: vae.encode(t).latent_dist.parameters) if encode else (lambda t: vae.decode(t).sample)
     if method == "diffusers":
         vae.enable_tiling()
     elif method == "pyext":
         tile_vae(vae, **json.loads(os.environ.get("BENCH_PYEXT_KWARGS", "{}")))
     with torch.no_grad():
-        vae.decode(torch.zeros(1, 4, 8, 8))  # warm up kernels/allocator paths outside the measurement
+        run(torch.zeros(1, 3, 64, 64) if encode else torch.zeros(1, 4, 8, 8))  # warm up kernels/allocator paths outside the measurement
         try:
             with open("/proc/self/clear_refs", "w") as f:
                 f.write("5")  # reset VmHWM to the current RSS
@@ -75,7 +92,7 @@ def _child(method: str, size: int, tile: int, out_path: str) -> None:
             reset = False
         base = _rss_kib("VmRSS")
         t0 = time.perf_counter()
-        out = vae.decode(z).sample
+        out = run(z)
         seconds = time.perf_counter() - t0
         peak = _rss_kib("VmHWM")
     if method != "one_tile":
@@ -161,14 +178,15 @@ def blend_times(size: int, tile: int, repeats: int = 3) -> dict:
 
 
 def run(sizes=(1024,), tile: int = 512, max_full: int = 1024, with_decodes: bool = True,
-        pyext_kwargs: dict | None = None, latents: str = "random") -> list[dict]:
+        pyext_kwargs: dict | None = None, latents: str = "random", encode: bool = False) -> list[dict]:
     """One row per size. pyext_kwargs: tile_vae options for the pyext decode (default: its defaults)."""
     os.environ["BENCH_PYEXT_KWARGS"] = json.dumps(pyext_kwargs or {})
     os.environ["BENCH_LATENTS"] = latents
+    os.environ["BENCH_DIRECTION"] = "encode" if encode else "decode"
     rows = []
     with tempfile.TemporaryDirectory() as tmp:
         for size in sizes:
-            row = {"bench": "vae_decode", "size": size, "tile": tile, "device": "cpu", "pyext_kwargs": pyext_kwargs or {},
+            row = {"bench": "vae_encode" if encode else "vae_decode", "size": size, "tile": tile, "device": "cpu", "pyext_kwargs": pyext_kwargs or {},
                    "latents": latents,
                    "threads": int(os.environ.get("BENCH_THREADS", "2"))}
             row.update(blend_times(size, tile))
@@ -247,6 +265,7 @@ def main(argv=None) -> None:
     p.add_argument("--blend-only", action="store_true", help="only time the blend step (no decodes)")
     p.add_argument("--pyext", default="{}", help='tile_vae options as JSON, e.g. \'{"mode": "diffusers"}\'')
     p.add_argument("--latents", choices=("random", "smooth"), default="random", help="white-noise or smooth latents")
+    p.add_argument("--encode", action="store_true", help="time encode (image -> latent moments) instead of decode")
     p.add_argument("--ablation", action="store_true", help="PSNR/time of each technique at the first size, in-process")
     p.add_argument("--json", help="write the rows here")
     p.add_argument("--child", nargs=4, help=argparse.SUPPRESS)
@@ -264,7 +283,7 @@ def main(argv=None) -> None:
                 json.dump(rows, f, indent=2)
         return
     rows = run(a.sizes, a.tile, a.max_full, with_decodes=not a.blend_only, pyext_kwargs=json.loads(a.pyext),
-               latents=a.latents)
+               latents=a.latents, encode=a.encode)
     print(_table(rows))
     if a.json:
         with open(a.json, "w") as f:
