@@ -40,6 +40,11 @@ def median_time(fn, repeats: int = 7, warmup: int = 2) -> float:
 
 def compare(fns: dict, repeats: int = 7, warmup: int = 2) -> dict:
     """Median seconds of each function, run round-robin so machine noise hits all of them alike."""
+    return {name: statistics.median(ts) for name, ts in rounds(fns, repeats, warmup).items()}
+
+
+def rounds(fns: dict, repeats: int, warmup: int) -> dict:
+    """Seconds of each function in each round-robin round: {name: [round 0, round 1, ...]}."""
     for _ in range(warmup):
         for fn in fns.values():
             fn()
@@ -49,7 +54,7 @@ def compare(fns: dict, repeats: int = 7, warmup: int = 2) -> dict:
             t0 = time.perf_counter()
             fn()
             times[name].append(time.perf_counter() - t0)
-    return {name: statistics.median(ts) for name, ts in times.items()}
+    return times
 
 
 def weight_bytes(module: nn.Module) -> int:
@@ -109,9 +114,12 @@ def sd15_unet(dtype=torch.bfloat16) -> nn.Module:
 
 
 @torch.no_grad()
-def bench_unet(latent=32, batch=2, repeats=3) -> list[dict]:
+def bench_unet(latent=32, batch=2, repeats=5) -> list[dict]:
     """SD1.5-architecture UNet step, bf16 on CPU: bf16 vs diffusers layerwise fp8 vs pyext fp8, in NCHW
-    and in channels-last (what pyext.optimize runs; there the fp8 convs read their codes in place)."""
+    and in channels-last (what pyext.optimize runs).
+
+    The variants run round-robin; each ratio is the median over rounds of (variant / bf16 in the same
+    round and memory format), with its range, so slow drift of the machine cancels out."""
     base = sd15_unet()
     g = torch.Generator().manual_seed(0)
     args = (torch.randn(batch, 4, latent, latent, generator=g, dtype=torch.bfloat16), torch.tensor([500]),
@@ -128,7 +136,8 @@ def bench_unet(latent=32, batch=2, repeats=3) -> list[dict]:
     unets = {name: make(copy.deepcopy(base)) for name, make in variants.items()}
     del base
     inputs = {name: args_cl if name.endswith("channels_last") else args for name in unets}
-    t = compare({name: (lambda u=u, a=inputs[name]: u(*a)) for name, u in unets.items()}, repeats=repeats, warmup=1)
+    per_round = rounds({name: (lambda u=u, a=inputs[name]: u(*a)) for name, u in unets.items()}, repeats, warmup=1)
+    t = {name: statistics.median(ts) for name, ts in per_round.items()}
     rows = []
     for name, unet in unets.items():
         y = unet(*inputs[name]).sample.float()
@@ -137,8 +146,11 @@ def bench_unet(latent=32, batch=2, repeats=3) -> list[dict]:
                          rel_err_vs_bf16=((y - ref).norm() / ref.norm()).item()))
     by = {r["variant"]: r for r in rows}
     for r in rows:  # each against bf16 in the same memory format
-        base_row = by["bf16_channels_last" if r["variant"].endswith("channels_last") else "bf16"]
-        r["latency_vs_bf16"] = r["step_s"] / base_row["step_s"]
+        base = "bf16_channels_last" if r["variant"].endswith("channels_last") else "bf16"
+        base_row = by[base]
+        ratios = [a / b for a, b in zip(per_round[r["variant"]], per_round[base])]
+        r["latency_vs_bf16"] = statistics.median(ratios)
+        r["ratio_range"] = f"{min(ratios):.3f}-{max(ratios):.3f}"
         r["weights_vs_bf16"] = r["weight_mib"] / base_row["weight_mib"]
     return rows
 

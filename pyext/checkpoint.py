@@ -58,4 +58,7 @@ def from_pretrained(cls, path: str, device: str | torch.device = "cpu") -> nn.Mo
     if missing or unexpected:
         raise ValueError(f"pyext.checkpoint.from_pretrained: {path} does not match {cls.__name__}: "
                          f"missing {missing[:5]}, unexpected {unexpected[:5]}")
+    for m in model.modules():
+        if isinstance(m, FP8Conv2d):
+            m.use_kernel_layout()  # safetensors stores contiguous tensors
     return model.eval()

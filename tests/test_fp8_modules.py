@@ -47,10 +47,11 @@ def test_dtype_casts_keep_codes_and_scales():
 
 def test_channels_last_conv():
     conv = FP8Conv2d.from_conv(nn.Conv2d(4, 8, 3, padding=1))
+    # The codes are (out, kh, kw, in) rows, as the fp8 conv GEMM reads them, and stay so.
+    assert conv.weight.is_contiguous(memory_format=torch.channels_last) and not conv.weight.is_contiguous()
     x = torch.randn(1, 4, 6, 6)
     ref = conv(x)
     conv.to(memory_format=torch.channels_last)
-    # The codes follow the module's memory format, (out, kh, kw, in) rows, as the fp8 conv GEMM reads them.
     assert conv.weight.is_contiguous(memory_format=torch.channels_last) and not conv.weight.is_contiguous()
     torch.testing.assert_close(conv(x.to(memory_format=torch.channels_last)), ref)
     torch.testing.assert_close(conv(x), ref)

@@ -294,6 +294,8 @@ def test_fp8_shards_save_and_load(tmp_path):
     assert sorted(fp8_layers) == sorted(names)
     for n in names:  # the saved codes, not a re-quantization
         assert torch.equal(loaded.get_submodule(n).weight, unet.get_submodule(n).weight)
+        # in the layout the kernels read (conv codes (out, kh, kw, in)), though safetensors stores them contiguous
+        assert loaded.get_submodule(n).weight.stride() == unet.get_submodule(n).weight.stride()
     x = torch.randn(2, 4, 8, 8, dtype=torch.bfloat16)
     e = torch.randn(2, 77, unet.config.cross_attention_dim, dtype=torch.bfloat16)
     with torch.no_grad():
