@@ -25,13 +25,14 @@ def same_bits(a, b):
 
 @needs_ext
 @pytest.mark.parametrize("dtype", DTYPES)
-@pytest.mark.parametrize("scale_kind", ["one", "per_channel", "per_tensor", "tiny", "huge"])
+@pytest.mark.parametrize("scale_kind", ["one", "per_channel", "per_tensor", "negative", "tiny", "huge"])
 def test_upcast_bit_exact_all_codes(simd, dtype, scale_kind):
     w = all_codes()
     scale = {
         "one": torch.ones(3),
         "per_channel": torch.rand(3) * 4 + 1e-3,
         "per_tensor": torch.tensor([0.37]),
+        "negative": torch.tensor([-0.37, -1.0, -0.0]),  # the lookup-table path flips signs: check it
         "tiny": torch.full((3,), 1e-40),  # products land in fp32 subnormals
         "huge": torch.full((3,), 3e37),  # past the SIMD kernels' exact range: scalar path, overflow to inf
     }[scale_kind]
@@ -61,6 +62,12 @@ def test_upcast_shapes_and_out(simd, shape, dtype):
     out = torch.full(shape, float("nan"), dtype=dtype)
     assert fp8_upcast(w, scale, out=out, backend="cpp") is out
     assert same_bits(out, ref)
+    # an output that starts off a 64-byte line (and off 4 bytes), as a slice of a larger buffer can
+    n = w.numel()
+    buf = torch.full((n + 1,), float("nan"), dtype=dtype)
+    out = buf[1:].view(shape)
+    fp8_upcast(w, scale, out=out, backend="cpp")
+    assert same_bits(out, ref) and buf[0].isnan()
 
 
 @needs_ext
