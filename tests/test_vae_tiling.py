@@ -411,3 +411,56 @@ def test_default_runs_fit_in_one_tile(vae, kind, monkeypatch):
     sizes.clear()
     tiled_run(vae, x, kind, consistent_tones=True, context=None, global_mid=True, fit_tile=False)
     assert max(b - a for a, b in sizes) > tile
+
+
+@torch.no_grad()
+@pytest.mark.parametrize("heads", [1, 2])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_lean_attention_equals_the_layer(monkeypatch, heads, dtype):
+    """The memory-lean mid-block attention (chunked queries, output over the normed input) is the
+    layer's own forward up to rounding, with chunks that do not divide the token count."""
+    from diffusers.models.attention_processor import Attention
+
+    from pyext import vae as pv
+    torch.manual_seed(0)
+    attn = Attention(32, heads=heads, dim_head=32 // heads, rescale_output_factor=2.0, eps=1e-6, norm_num_groups=8,
+                     residual_connection=True, bias=True, upcast_softmax=True, _from_deprecated_attn_block=True)
+    attn = attn.eval().to(dtype)
+    assert pv._lean_attention_unsupported(attn) is None
+    x = torch.randn(2, 32, 7, 9, dtype=dtype)
+    monkeypatch.setattr(pv, "_QUERY_CHUNK", 10)  # 63 tokens: 7 chunks, the last of 3
+    got, want = pv._lean_self_attention(attn, x.clone()), attn(x)
+    tol = 1e-5 if dtype == torch.float32 else 2e-2
+    torch.testing.assert_close(got, want, rtol=tol, atol=tol)
+    attn.set_processor(diffusers.models.attention_processor.AttnAddedKVProcessor())
+    assert "processor" in pv._lean_attention_unsupported(attn)  # any other processor: the layer itself runs
+
+
+@torch.no_grad()
+def test_global_stage_uses_lean_attention(vae, monkeypatch):
+    from pyext import vae as pv
+    calls = []
+    real = pv._lean_self_attention
+    monkeypatch.setattr(pv, "_lean_self_attention", lambda a, x: calls.append(a) or real(a, x))
+    tiled_run(vae, torch.randn(1, 4, 40, 40), "decode", consistent_tones=True, context=None, global_mid=True)
+    assert calls and all(a is vae.decoder.mid_block.attentions[0] for a in calls)
+
+
+@torch.no_grad()
+def test_crop_estimate_helps_encoding_images(monkeypatch):
+    """An image with pixel-scale structure (a decode of random latents): the full-resolution
+    crops' statistics estimate, mixed in by the exact layers' weights, beats the image's
+    subsample alone (measured on seeds 1-3: +0.9, +7.5, -0.7 dB) and diffusers (+12..22 dB)."""
+    from pyext import vae as pv
+    gains = []
+    for seed in (1, 2, 3):
+        vae = _vae(seed=seed)
+        img = vae.decode(torch.randn(1, 4, 48, 48, generator=torch.Generator().manual_seed(seed))).sample.clamp(-1, 1)
+        full, theirs = _full_and_diffusers(vae, "encode", img)
+        ours = tiled_run(vae, img, "encode", consistent_tones=True, context=None, global_mid=True)
+        with monkeypatch.context() as m:
+            m.setattr(pv, "_estimate_crops", lambda job, h, stats, size: pv._estimate(job, pv._subsample(h, size), stats))
+            subsample_only = tiled_run(vae, img, "encode", consistent_tones=True, context=None, global_mid=True)
+        assert _psnr(ours, full) >= _psnr(theirs, full) + 8.0
+        gains.append(_psnr(ours, full) - _psnr(subsample_only, full))
+    assert sum(gains) >= 3.0, gains
