@@ -193,9 +193,10 @@ def _lean_self_attention(attn, x: torch.Tensor) -> torch.Tensor:
     Keys and values are computed once for all tokens; queries, the attention and the output
     projection then run in chunks of tokens, and each chunk's result (plus the residual) is
     written over the group-normed input's rows it was computed from, which no later chunk
-    reads. Peak: input, normed input, keys, values (4x the input) instead of about 8x: on a
-    2048x2048 decode 512 instead of 1025 MiB, more than a tile's working set. Softmax rows do
-    not depend on how queries are chunked, so the result is the unchunked one up to rounding."""
+    reads. Peak: input, normed input, keys, values (4x the input) instead of about 8x: the
+    global part of a 2048x2048 decode peaked at 540 instead of 1025 MiB (more than a tile's
+    working set, 965 MiB). Softmax rows do not depend on how queries are chunked, so the
+    result is the unchunked one up to rounding."""
     b, c, h, w = x.shape
     n, heads, inner = h * w, attn.heads, attn.to_k.out_features
     normed = attn.group_norm(x)
@@ -418,11 +419,12 @@ def _exact_stats(job: _Job, h: torch.Tensor, stats: GroupNormStats, layers: int)
     return dict(stats.fixed)
 
 
-def _estimate(job: _Job, inp: torch.Tensor, stats: GroupNormStats) -> dict:
-    """Every tiled GroupNorm's statistics from one run of the tiled part on `inp`."""
+def _estimate(job: _Job, inputs: list, stats: GroupNormStats) -> dict:
+    """Every tiled GroupNorm's statistics, pooled over runs of the tiled part on `inputs`."""
     stats.fixed, stats.mode = {}, "collect"
-    stats.start_tile()
-    job.run(inp)
+    for inp in inputs:
+        stats.start_tile()
+        job.run(inp)
     stats.finish()
     return stats.fixed
 
@@ -446,22 +448,16 @@ def _subsample(t: torch.Tensor, size: int) -> torch.Tensor:
     return t
 
 
-def _estimate_crops(job: _Job, h: torch.Tensor, stats: GroupNormStats, size: int, per_axis: int = 2) -> dict:
-    """Every tiled GroupNorm's statistics pooled over per_axis^2 crops of `h` at full resolution,
-    each size/per_axis on a side (so all of them cost one tile's run), centred in equal cells
-    of the image; each crop normalises with its own statistics while they are collected. No
-    aliasing, unlike a subsample: better where the input has structure at the pixel scale (an
-    image to encode), worse where it varies over the whole image."""
+def _crops(job: _Job, h: torch.Tensor, size: int, per_axis: int = 2) -> list:
+    """per_axis^2 crops of `h` at full resolution, each size/per_axis on a side (so all of them
+    cost one tile's run), centred in equal cells of the image. Pooled by _estimate (each crop
+    normalised with its own statistics while they are collected), they give an estimate with
+    no aliasing, unlike a subsample: better where the input has structure at the pixel scale
+    (an image to encode), worse where it varies over the whole image."""
     side = [max(job.unit, min(n, size // per_axis) // job.unit * job.unit) for n in h.shape[-2:]]
-    starts = [[max(0, min(n - c, (2 * i + 1) * n // (2 * per_axis) - c // 2)) // job.unit * job.unit
-               for i in range(per_axis)] for n, c in zip(h.shape[-2:], side)]
-    stats.fixed, stats.mode = {}, "collect"
-    for y in sorted(set(starts[0])):
-        for x in sorted(set(starts[1])):
-            stats.start_tile()
-            job.run(h[..., y:y + side[0], x:x + side[1]])
-    stats.finish()
-    return stats.fixed
+    starts = [sorted({max(0, min(n - c, (2 * i + 1) * n // (2 * per_axis) - c // 2)) // job.unit * job.unit
+                      for i in range(per_axis)}) for n, c in zip(h.shape[-2:], side)]
+    return [h[..., y:y + side[0], x:x + side[1]] for y in starts[0] for x in starts[1]]
 
 
 def _gather_stats(job: _Job, x: torch.Tensor, h: torch.Tensor, stats: GroupNormStats, exact_layers: int,
@@ -482,16 +478,16 @@ def _gather_stats(job: _Job, x: torch.Tensor, h: torch.Tensor, stats: GroupNormS
     half-width SD VAE at 512 px the mix leans 0.77 on the latent subsample for white-noise
     latents and 0.99 on the feature subsample for smooth ones. Encode (x: an image, no global
     part before the tiles) mixes the image's subsample with full-resolution crops
-    (_estimate_crops), by the same weights."""
+    (_crops), by the same weights."""
     exact = _exact_stats(job, h, stats, exact_layers) if exact_layers else {}
-    ests = [_estimate(job, _subsample(h, size), stats)]
+    ests = [_estimate(job, [_subsample(h, size)], stats)]
     if job.pre is not None:
-        ests.append(_estimate(job, job.pre(_subsample(x, size)), stats))
+        ests.append(_estimate(job, [job.pre(_subsample(x, size))], stats))
     if exact and job.kind == "encode":
         # an image's subsample aliases; latents and their features do not: on the SD VAE at
         # 1024 px the crops lifted encode from 44.2 to 48.7 dB and cost decode 0.7 dB (random
         # latents; smooth: no change). Used only where the exact layers can weigh it.
-        ests.append(_estimate_crops(job, h, stats, size))
+        ests.append(_estimate(job, _crops(job, h, size), stats))
     if len(ests) == 1 or not exact:
         weights = [1.0 / len(ests)] * len(ests)
     else:
@@ -505,7 +501,7 @@ def _gather_stats(job: _Job, x: torch.Tensor, h: torch.Tensor, stats: GroupNormS
             weights = [v / sum(inv) for v in inv]
     stats.fixed = {}
     for key in ests[0]:
-        # a mixture of the two estimates: mean and mean square weighted
+        # a mixture of the estimates: mean and mean square weighted
         mean = sum(w * e[key][0] for w, e in zip(weights, ests))
         sq = sum(w * (e[key][1] + e[key][0] ** 2) for w, e in zip(weights, ests))
         stats.fixed[key] = (mean, (sq - mean * mean).clamp_min(0))

@@ -402,8 +402,8 @@ def test_default_runs_fit_in_one_tile(vae, kind, monkeypatch):
     sizes = []
     window, estimate = pv._Job.window, pv._estimate
     monkeypatch.setattr(pv._Job, "window", lambda self, span, n: sizes.append(window(self, span, n)) or sizes[-1])
-    monkeypatch.setattr(pv, "_estimate", lambda job, inp, stats: sizes.append((0, max(inp.shape[-2:])))
-                        or estimate(job, inp, stats))
+    monkeypatch.setattr(pv, "_estimate", lambda job, inputs, stats: sizes.extend((0, max(t.shape[-2:])) for t in inputs)
+                        or estimate(job, inputs, stats))
     x = torch.randn(1, 4, 48, 44) if kind == "decode" else torch.rand(1, 3, 192, 176) * 2 - 1
     tile = vae.tile_latent_min_size if kind == "decode" else vae.tile_sample_min_size
     tiled_run(vae, x, kind, consistent_tones=True, context=None, global_mid=True)
@@ -459,7 +459,7 @@ def test_crop_estimate_helps_encoding_images(monkeypatch):
         full, theirs = _full_and_diffusers(vae, "encode", img)
         ours = tiled_run(vae, img, "encode", consistent_tones=True, context=None, global_mid=True)
         with monkeypatch.context() as m:
-            m.setattr(pv, "_estimate_crops", lambda job, h, stats, size: pv._estimate(job, pv._subsample(h, size), stats))
+            m.setattr(pv, "_crops", lambda job, h, size: [pv._subsample(h, size)])
             subsample_only = tiled_run(vae, img, "encode", consistent_tones=True, context=None, global_mid=True)
         assert _psnr(ours, full) >= _psnr(theirs, full) + 8.0
         gains.append(_psnr(ours, full) - _psnr(subsample_only, full))
