@@ -146,9 +146,9 @@ def bench_unet(latent=32, batch=2, repeats=5) -> list[dict]:
                          rel_err_vs_bf16=((y - ref).norm() / ref.norm()).item()))
     by = {r["variant"]: r for r in rows}
     for r in rows:  # each against bf16 in the same memory format
-        base = "bf16_channels_last" if r["variant"].endswith("channels_last") else "bf16"
-        base_row = by[base]
-        ratios = [a / b for a, b in zip(per_round[r["variant"]], per_round[base])]
+        ref_name = "bf16_channels_last" if r["variant"].endswith("channels_last") else "bf16"
+        base_row = by[ref_name]
+        ratios = [a / b for a, b in zip(per_round[r["variant"]], per_round[ref_name])]
         r["latency_vs_bf16"] = statistics.median(ratios)
         r["ratio_range"] = f"{min(ratios):.3f}-{max(ratios):.3f}"
         r["weights_vs_bf16"] = r["weight_mib"] / base_row["weight_mib"]

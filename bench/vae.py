@@ -12,7 +12,7 @@ of live memory, torch's CPU allocator included, which tracemalloc cannot see).
 --encode times AutoencoderKL.encode of an image made by decoding the same latents with the
 full decoder (an input with an image's structure, not noise); its output is the latent
 moments (mean and log-variance), and PSNR compares those.
-Also: the blend step alone on the same tiles (diffusers' per-row blend loops + crops +
+Also (decode): the blend step alone on the same tiles (diffusers' per-row blend loops + crops +
 cat vs the fused tile_blend op), and PSNR of both tiled decodes vs the full decode.
 """
 from __future__ import annotations
@@ -76,14 +76,16 @@ def _child(method: str, size: int, tile: int, out_path: str) -> None:
     vae = _vae(tile)
     kind = os.environ.get("BENCH_LATENTS", "random")
     encode = os.environ.get("BENCH_DIRECTION") == "encode"
-    z = (_image if encode else lambda s, k, t: _latents(s, k))(tile if method == "one_tile" else size, kind, tile)
+    n = tile if method == "one_tile" else size
+    z = _image(n, kind, tile) if encode else _latents(n, kind)
     run = (lambda t: vae.encode(t).latent_dist.parameters) if encode else (lambda t: vae.decode(t).sample)
+    warm_up = torch.zeros(1, 3, 64, 64) if encode else torch.zeros(1, 4, 8, 8)
     if method == "diffusers":
         vae.enable_tiling()
     elif method == "pyext":
         tile_vae(vae, **json.loads(os.environ.get("BENCH_PYEXT_KWARGS", "{}")))
     with torch.no_grad():
-        run(torch.zeros(1, 3, 64, 64) if encode else torch.zeros(1, 4, 8, 8))  # warm up kernels/allocator paths outside the measurement
+        run(warm_up)  # kernels/allocator paths outside the measurement
         try:
             with open("/proc/self/clear_refs", "w") as f:
                 f.write("5")  # reset VmHWM to the current RSS
@@ -186,10 +188,11 @@ def run(sizes=(1024,), tile: int = 512, max_full: int = 1024, with_decodes: bool
     rows = []
     with tempfile.TemporaryDirectory() as tmp:
         for size in sizes:
-            row = {"bench": "vae_encode" if encode else "vae_decode", "size": size, "tile": tile, "device": "cpu", "pyext_kwargs": pyext_kwargs or {},
-                   "latents": latents,
+            row = {"bench": "vae_encode" if encode else "vae_decode", "size": size, "tile": tile, "device": "cpu",
+                   "pyext_kwargs": pyext_kwargs or {}, "latents": latents,
                    "threads": int(os.environ.get("BENCH_THREADS", "2"))}
-            row.update(blend_times(size, tile))
+            if not encode:  # blend_times blends image tiles
+                row.update(blend_times(size, tile))
             if with_decodes:
                 paths = {m: os.path.join(tmp, f"{m}_{size}.pt") for m in METHODS}
                 for m in METHODS:
@@ -252,6 +255,8 @@ def _table(rows: list[dict]) -> str:
                              f"{v['out_mib']:.1f} | {v.get('psnr_vs_full_db', float('nan')):.2f} |")
             elif v is not None:
                 lines.append(f"| {r['size']} | {m} | {v} | | | |")
+        if "tiles" not in r:
+            continue
         lines.append(f"| {r['size']} | blend only ({r['tiles']} tiles) | diffusers {r['diffusers_blend_s'] * 1e3:.1f} ms, "
                      f"pyext {r['pyext_blend_s'] * 1e3:.1f} ms (identical: {r['blend_outputs_identical']}) | | | |")
     return "\n".join(lines)
@@ -274,6 +279,8 @@ def main(argv=None) -> None:
         _child(a.child[0], int(a.child[1]), int(a.child[2]), a.child[3])
         return
     if a.ablation:
+        if a.encode:
+            p.error("--ablation runs decodes only; drop --encode")
         rows = ablation(a.sizes[0], a.tile, a.latents)
         print("| config | latency s | PSNR vs full dB |\n|---|---|---|")
         for r in rows:

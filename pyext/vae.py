@@ -242,6 +242,8 @@ def _stages(vae, kind: str) -> list[tuple[Callable, nn.Module, float]]:
         else:
             add(b, scale if resamplers else 1.0)
 
+    from diffusers.models.unets.unet_2d_blocks import UNetMidBlock2D
+
     def mid(m):
         """UNetMidBlock2D.forward as steps; attention layers in less memory where they can be."""
         if type(m).forward is not UNetMidBlock2D.forward:
@@ -253,7 +255,6 @@ def _stages(vae, kind: str) -> list[tuple[Callable, nn.Module, float]]:
                 add(attn, call=(lambda x, a=attn: _lean_self_attention(a, x)) if lean else (lambda x, a=attn: a(x)))
             add(r, call=lambda x, r=r: r(x, None))
 
-    from diffusers.models.unets.unet_2d_blocks import UNetMidBlock2D
     if kind == "decode":
         d = vae.decoder
         add(vae.post_quant_conv)
@@ -304,12 +305,16 @@ def _reaches(steps, res: float) -> tuple[list[int], int]:
 
 def _fit_spans(n: int, tile: int, margin: int, unit: int) -> list[tuple[int, int]]:
     """The fewest equal, abutting cores (multiples of `unit`) covering [0, n) whose windows
-    (core plus `margin` on each side that has a neighbour) fit in `tile`."""
+    (core plus `margin` on each side that has a neighbour) fit in `tile`. Cores do not shrink
+    below a quarter tile: where the margins leave less (a tile smaller than about 2.5x the
+    receptive field), windows exceed the tile instead of the run splitting into hundreds of
+    tiles that are mostly margin (an encode with 64-px tiles took 40x diffusers' time so)."""
+    floor = max(unit, tile // 4 // unit * unit)
     k = 1
     while True:
         core = -(-n // (k * unit)) * unit
         sides = min(k - 1, 2)
-        if core + sides * margin <= tile or core <= unit:
+        if core + sides * margin <= tile or core <= floor:
             return [(a, min(n, a + core)) for a in range(0, n, core)]
         k += 1
 

@@ -174,7 +174,9 @@ def test_fit_spans_abut_cover_and_fit_the_tile(unit):
             assert all(a % unit == 0 and b > a for a, b in spans)
             windows = [min(n, b + margin) - max(0, a - margin) for a, b in spans]
             core = spans[0][1] - spans[0][0]
-            assert max(windows) <= tile or core <= unit, (n, tile, margin, spans)
+            floor = max(unit, tile // 4 // unit * unit)  # cores stop shrinking at a quarter tile
+            assert max(windows) <= tile or core <= floor, (n, tile, margin, spans)
+            assert len(spans) <= -(-n // floor) + 1  # never mostly-margin slivers
             # fewest tiles: one fewer would not fit
             if len(spans) > 1 and core > unit:
                 k = len(spans) - 1

@@ -169,11 +169,9 @@ void rows_avx512(const uint8_t* src, void* dst, int64_t n, float scale, bool str
       return;
     }
   }
-  if (stream) {
-    // Cached stores up to the first 64-byte line boundary, then whole lines with
-    // non-temporal stores; the fence orders them before the caller reads the output.
-    i = align_head<kOut>(src, out, n, scale256, &stream);
-  }
+  // Cached stores up to the first 64-byte line boundary, then whole lines with
+  // non-temporal stores; the fence orders them before the caller reads the output.
+  if (stream) i = align_head<kOut>(src, out, n, scale256, &stream);
   if (stream) {
     for (; i + 32 <= n; i += 32) step32<kOut, true>(src + i, out + i * kEsize, scale256, ~__mmask32(0));
     _mm_sfence();
