@@ -10,7 +10,8 @@ from pyext import ops
 from pyext._ext import EXT, EXT_ERROR
 from pyext.dispatch import PyextError
 from pyext.nn import FP8Conv2d, FP8Linear, quantize_fp8, restore_fp8
-from pyext.optimize import OptimizeOptions, optimize, report, restore
+from pyext.optimize import optimize, report, restore
+from pyext.options import OptimizeOptions
 
 __version__ = "0.1.0"
 

@@ -47,11 +47,11 @@ from dataclasses import asdict, dataclass, field
 import torch
 from torch.overrides import TorchFunctionMode
 
-from pyext import dispatch, ops
+from pyext import _compat, _state, dispatch, ops
 from pyext.dispatch import PyextError
 
-_SDPA = torch._C._nn.scaled_dot_product_attention  # what F.scaled_dot_product_attention is
-_STATE = "_pyext_attention"  # attribute holding a _Layer on each patched attention module
+_SDPA = _compat.SDPA  # what F.scaled_dot_product_attention is
+STATE = "attention"  # pyext._state key of the _Layer on each patched attention module
 _pyext_attention = ops.attention  # module-level so tests can observe the calls
 # diffusers dispatcher backends whose (non context-parallel) path calls torch SDPA; pyext then
 # replaces the SDPA kernel they would have picked.
@@ -198,10 +198,7 @@ def _route_problem(module) -> str | None:
     if kind == "none":
         return f"processor {type(processor).__name__} does not call SDPA"
     if kind == "dispatcher":
-        from diffusers.models.attention_dispatch import AttentionBackendName, _AttentionBackendRegistry
-
-        backend = getattr(processor, "_attention_backend", None) or _AttentionBackendRegistry.get_active_backend()[0]
-        name = AttentionBackendName(backend).value
+        name = _compat.active_attention_backend(processor)
         if name not in _SDPA_DISPATCH_BACKENDS:
             return f"diffusers attention backend {name!r} does not call SDPA"
     return None
@@ -215,7 +212,7 @@ def _components(obj) -> dict:
     raise PyextError(f"pyext.attention: expected a diffusers pipeline or a torch.nn.Module, got {type(obj).__name__}")
 
 
-def _attention_layers(model: torch.nn.Module) -> dict:
+def attention_layers(model: torch.nn.Module) -> dict:
     classes = _attention_classes()
     return {name: m for name, m in model.named_modules() if isinstance(m, classes)}
 
@@ -268,13 +265,13 @@ def _report(obj) -> AttentionReport:
     backends = set()
     for comp_name, model in _components(obj).items():
         comp = report.components[comp_name] = ComponentReport()
-        layers = _attention_layers(model)
+        layers = attention_layers(model)
         if not layers:
             comp.skipped["*"] = _not_diffusers_reason(model)
             continue
         fallbacks = Counter()
         for name, module in layers.items():
-            layer = module.__dict__.get(_STATE)
+            layer = _state.get(module, STATE)
             problem = "not patched (added after apply(); call apply() again)" if layer is None \
                 else _route_problem(module)
             if problem:
@@ -311,10 +308,10 @@ def apply(pipe_or_model, backend: str | None = None) -> AttentionReport:
     another backend switches the backend; layers added since the last call get patched."""
     _check_backend(backend)
     for model in _components(pipe_or_model).values():
-        for module in _attention_layers(model).values():
-            layer = module.__dict__.get(_STATE)
+        for module in attention_layers(model).values():
+            layer = _state.get(module, STATE)
             if layer is None:
-                module.__dict__[_STATE] = _Layer(module, backend)
+                _state.put(module, STATE, _Layer(module, backend))
             else:
                 layer.backend = backend
     return _report(pipe_or_model)
@@ -325,8 +322,8 @@ def remove(pipe_or_model) -> list[str]:
     The processors were never replaced, so they are the same objects they were."""
     restored = []
     for comp_name, model in _components(pipe_or_model).items():
-        for name, module in _attention_layers(model).items():
-            layer = module.__dict__.pop(_STATE, None)
+        for name, module in attention_layers(model).items():
+            layer = _state.pop(module, STATE)
             if layer is not None:
                 layer.remove()
                 restored.append(f"{comp_name}.{name}" if name else comp_name)

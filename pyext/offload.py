@@ -1,11 +1,11 @@
 """Offload modes of a pipeline: detect, suspend while pyext changes modules, re-enable.
 
-accelerate's hooks (model / sequential offload) and diffusers' group-offload hooks
-hold references to the tensors they move; sequential offload even keeps weights on
-the meta device. Changing layers under them breaks them, so `suspended(pipe)`
-removes them (restoring real weights), lets the caller change the modules, then
-re-enables the same mode with the same settings. This is what lets offload be
-enabled before or after `pyext.optimize`, in either order.
+accelerate's hooks (model / sequential offload) and diffusers' group-offload hooks hold
+references to the tensors they move; sequential offload even keeps weights on the meta
+device. Changing layers under them breaks them, so `suspended(pipe)` removes them
+(restoring real weights), lets the caller change the modules, then re-enables the same mode
+with the same settings through diffusers' own APIs. This is what lets offload be enabled
+before or after `pyext.optimize`, in either order.
 """
 from __future__ import annotations
 
@@ -14,10 +14,12 @@ from dataclasses import dataclass, field
 
 import torch.nn as nn
 
+from pyext import _compat
+
 
 @dataclass
 class OffloadState:
-    mode: str  # "none" | "model" | "sequential" | "group" | "device_map"
+    mode: str  # "off" | "model" | "sequential" | "group" | "device_map"
     device: object = None
     group_configs: dict = field(default_factory=dict)  # component -> diffusers GroupOffloadingConfig
 
@@ -27,63 +29,58 @@ def _modules(pipe) -> dict[str, nn.Module]:
 
 
 def detect(pipe) -> OffloadState:
-    from diffusers.hooks.group_offloading import _GROUP_OFFLOADING
-
     if getattr(pipe, "hf_device_map", None):
         return OffloadState("device_map")
-    groups = {}
-    for name, module in _modules(pipe).items():
-        # block level hooks the top module's blocks, leaf level every leaf: look at all of them
-        for sub in module.modules():
-            hook = sub._diffusers_hook.get_hook(_GROUP_OFFLOADING) if hasattr(sub, "_diffusers_hook") else None
-            if hook is not None:
-                groups[name] = hook.config
-                break
+    groups = {name: config for name, module in _modules(pipe).items()
+              if (config := _compat.group_offload_config(module)) is not None}
     if groups:
         return OffloadState("group", group_configs=groups)
-    if any(hasattr(m, "_hf_hook") for m in _modules(pipe).values()):
-        mode = "model" if getattr(pipe, "_all_hooks", None) else "sequential"
-        return OffloadState(mode, device=getattr(pipe, "_offload_device", None))
-    return OffloadState("none")
+    if any(_compat.has_accelerate_hook(m) for m in _modules(pipe).values()):
+        mode = "model" if _compat.pipeline_model_hooks(pipe) else "sequential"
+        return OffloadState(mode, device=_compat.pipeline_offload_device(pipe))
+    return OffloadState("off")
+
+
+def enable(pipe, mode: str, device, modules: dict[str, nn.Module] | None = None) -> None:
+    """Turn on one offload mode with diffusers' own APIs (group: block level, every module)."""
+    if mode == "model":
+        pipe.enable_model_cpu_offload(device=device)
+    elif mode == "sequential":
+        pipe.enable_sequential_cpu_offload(device=device)
+    elif mode == "group":
+        from diffusers.hooks import apply_group_offloading
+
+        for module in (modules or _modules(pipe)).values():
+            apply_group_offloading(module, onload_device=device, offload_device="cpu", offload_type="block_level",
+                                   num_blocks_per_group=1, use_stream=device.type == "cuda")
 
 
 def remove(pipe, state: OffloadState) -> None:
-    from diffusers.hooks import HookRegistry
-    from diffusers.hooks.group_offloading import (
-        _GROUP_OFFLOADING, _LAYER_EXECUTION_TRACKER, _LAZY_PREFETCH_GROUP_OFFLOADING,
-    )
-
     if state.mode in ("model", "sequential"):
         pipe.remove_all_hooks()  # detaching accelerate's hooks puts offloaded weights back in place
     elif state.mode == "group":
         for name in state.group_configs:
-            module = pipe.components[name]
-            # Bring every group's weights back to where they are stored, then drop the hooks.
-            for hook_name in (_GROUP_OFFLOADING, _LAYER_EXECUTION_TRACKER, _LAZY_PREFETCH_GROUP_OFFLOADING):
-                HookRegistry.check_if_exists_or_initialize(module).remove_hook(hook_name, recurse=True)
+            _compat.remove_group_offload(pipe.components[name])
 
 
-def enable(pipe, state: OffloadState) -> None:
-    from diffusers.hooks.group_offloading import _apply_group_offloading
-
-    if state.mode == "model":
-        pipe.enable_model_cpu_offload(device=state.device)
-    elif state.mode == "sequential":
-        pipe.enable_sequential_cpu_offload(device=state.device)
+def restore(pipe, state: OffloadState) -> None:
+    """Re-enable what `detect` saw, with the same settings."""
+    if state.mode in ("model", "sequential"):
+        enable(pipe, state.mode, state.device)
     elif state.mode == "group":
         for name, config in state.group_configs.items():
-            _apply_group_offloading(pipe.components[name], config)
+            _compat.apply_group_offload(pipe.components[name], config)
 
 
 @contextlib.contextmanager
 def suspended(pipe):
     """Offload hooks removed inside the block, the same mode re-enabled after it."""
     state = detect(pipe)
-    if state.mode in ("none", "device_map"):
+    if state.mode in ("off", "device_map"):
         yield state
         return
     remove(pipe, state)
     try:
         yield state
     finally:
-        enable(pipe, state)
+        restore(pipe, state)

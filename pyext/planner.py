@@ -1,37 +1,46 @@
 """Memory planner: the fastest combination of techniques whose estimated peak fits a budget.
 
-Estimates, per component: weight bytes (exact, from the parameters, at the compute
-dtype or fp8) and peak activation bytes at the requested resolution (a documented
-rule of thumb per model family, see `activation_bytes`). Candidate plans are tried
-from fastest to slowest; the first whose device peak fits the budget wins.
+Estimates, per component: weight bytes (exact, from the parameters, at the compute dtype or
+with fp8 storage by the converter's own eligibility rule) and peak activation bytes for the
+requested geometry (a documented rule of thumb per role, see `activation_bytes`). Candidate
+plans are tried from fastest to slowest; the first whose device peak fits the budget wins.
+Works on pipelines built on the meta device (shapes only).
 """
 from __future__ import annotations
 
-import re
+from collections import Counter
 from dataclasses import dataclass, field
 
 import torch.nn as nn
 
-GB = 1 << 30
+from pyext.families import Components, family_of
+from pyext.nn.fp8 import DEFAULT_SKIP, skip_patterns, skip_reason
+from pyext.options import GB
 
 
-def parse_bytes(budget) -> int | None:
-    """'8GB', '7.5 GiB', '512MB' or a number of bytes -> bytes (GB and GiB both mean 2**30 here)."""
-    if budget is None or isinstance(budget, int):
-        return budget
-    m = re.fullmatch(r"\s*([0-9.]+)\s*([KMGT]i?B?)?\s*", str(budget), re.IGNORECASE)
-    if not m:
-        raise ValueError(f"pyext.optimize: memory_budget {budget!r} is not a size like '8GB' or '512MB'")
-    unit = (m.group(2) or "B").upper().rstrip("B").rstrip("I")
-    return int(float(m.group(1)) * {"": 1, "K": 1 << 10, "M": 1 << 20, "G": GB, "T": 1 << 40}[unit])
+@dataclass(frozen=True)
+class Geometry:
+    """What one generation looks like: output size and frames, latent compression, text length."""
+
+    height: int
+    width: int
+    frames: int = 1  # output frames; 1 for images
+    spatial: int = 8  # VAE compression per side
+    temporal: int = 1  # VAE compression of frames (4 for CogVideoX and Wan)
+    text_tokens: int = 77
+    batch: int = 2  # denoiser batch (2: one prompt with classifier-free guidance)
+
+    @property
+    def latent_frames(self) -> int:
+        return (self.frames - 1) // self.temporal + 1  # causal video VAEs keep the first frame alone
 
 
 @dataclass
 class ComponentSize:
     name: str
-    kind: str  # "denoiser" | "vae" | "text_encoder" | "other"
+    role: str  # one of families.ROLES
     weight_bytes: int  # at the compute dtype
-    fp8_bytes: int  # weight bytes if its eligible layers were stored in fp8
+    fp8_bytes: int  # with its eligible layers stored in fp8
     activation_bytes: int
     largest_block_bytes: int  # biggest offload group (block) for group offload
     largest_leaf_bytes: int  # biggest single layer for sequential offload
@@ -41,7 +50,7 @@ class ComponentSize:
 class Plan:
     name: str
     fp8: str  # "off" | "denoiser" | "all"
-    offload: str  # "none" | "model" | "group" | "sequential"
+    offload: str  # "off" | "model" | "group" | "sequential"
     vae_tiling: bool
     peak_bytes: int
     fits: bool
@@ -49,20 +58,19 @@ class Plan:
     considered: list[tuple[str, int]] = field(default_factory=list)
 
     def describe(self) -> str:
-        gb = self.peak_bytes / GB
-        budget = f" of {self.budget_bytes / GB:.1f} GB" if self.budget_bytes else ""
+        budget = f" of {self.budget_bytes / GB:.1f} GB" if self.budget_bytes else " (no budget)"
         verdict = "fits" if self.fits else "DOES NOT FIT even the leanest plan"
         return (f"plan {self.name}: fp8={self.fp8}, offload={self.offload}, vae_tiling={self.vae_tiling}; "
-                f"estimated device peak {gb:.2f} GB{budget} ({verdict})")
+                f"estimated device peak {self.peak_bytes / GB:.2f} GB{budget} ({verdict})")
 
 
-# Candidates from fastest to slowest. Model offload moves each component once per
-# image; group offload (block level, overlapped with streams on GPU) moves the
-# denoiser every step; sequential offload moves every layer every step.
+# Candidates from fastest to slowest. Model offload moves each component once per image;
+# group offload (block level, overlapped with streams on GPU) moves the denoiser every
+# step; sequential offload moves every layer every step.
 CANDIDATES = [
-    ("resident", "off", "none"),
-    ("resident+fp8", "denoiser", "none"),
-    ("resident+fp8_all", "all", "none"),
+    ("resident", "off", "off"),
+    ("resident+fp8", "denoiser", "off"),
+    ("resident+fp8_all", "all", "off"),
     ("model_offload", "off", "model"),
     ("model_offload+fp8", "all", "model"),
     ("group_offload+fp8", "all", "group"),
@@ -71,22 +79,18 @@ CANDIDATES = [
 ]
 
 
-def _weight_bytes(module: nn.Module, elem: int) -> tuple[int, int, int]:
-    """(bytes at the compute dtype, bytes with eligible layers stored in fp8, largest single layer).
+def _weight_bytes(module: nn.Module, elem: int, patterns: tuple[str, ...]) -> tuple[int, int, int]:
+    """(bytes at the compute dtype, bytes with eligible layers in fp8, largest single layer).
 
-    Floating tensors count at `elem` bytes (the compute dtype); integer ones (fp8
-    codes and scale bits of layers already converted) at their own size.
-    """
-    from pyext.nn.fp8 import DEFAULT_SKIP, MIN_NUMEL
-
+    Floating tensors count at `elem` bytes (the compute dtype); integer ones (fp8 codes and
+    scale bits of layers already converted) at their own size."""
     total = fp8_total = largest_leaf = 0
     for name, sub in module.named_modules():
         own = list(sub.parameters(recurse=False)) + list(sub.buffers(recurse=False))
         size = sum(t.numel() * (elem if t.is_floating_point() else t.element_size()) for t in own)
         largest_leaf = max(largest_leaf, size)
         total += size
-        eligible = (type(sub) in (nn.Linear, nn.Conv2d) and sub.weight.numel() >= MIN_NUMEL
-                    and not any(re.search(p, name) for p in DEFAULT_SKIP))
+        eligible = isinstance(sub, (nn.Linear, nn.Conv2d)) and skip_reason(name, sub, patterns) is None
         # fp8: one byte per weight element plus an fp32 scale per output channel
         fp8_total += size - sub.weight.numel() * (elem - 1) + 4 * sub.weight.shape[0] if eligible else size
     return total, fp8_total, largest_leaf
@@ -102,80 +106,93 @@ def _largest_block(module: nn.Module, elem: int) -> int:
     return best
 
 
-def activation_bytes(kind: str, config: dict, height: int, width: int, batch: int, elem: int,
-                     efficient_attention: bool = True) -> int:
-    """Rule-of-thumb peak activation bytes of one forward at this resolution.
+def model_width(module: nn.Module) -> int:
+    """The model's hidden size: the most common input width of its linear layers."""
+    widths = Counter(m.in_features for m in module.modules() if isinstance(m, nn.Linear))
+    return widths.most_common(1)[0][0] if widths else 1024
 
-    UNet: ~120 live feature maps of the first block's width at latent resolution
-    (SD1.5 fp16 at 512x512, batch 2: ~0.6 GB), plus one head's full score matrix
-    per head without memory-efficient attention. Transformers: ~12 tensors of
-    tokens x hidden. VAE decode: ~8 maps of 128 channels at full image resolution.
+
+def _patch(config: dict) -> tuple[int, int]:
+    """(temporal, spatial) patch size of a transformer denoiser's config."""
+    p = config.get("patch_size") or 1
+    if isinstance(p, (list, tuple)):  # Wan: (t, h, w)
+        return (p[0] if len(p) == 3 else 1), p[-1]
+    return config.get("patch_size_t") or 1, p
+
+
+def activation_bytes(module: nn.Module, role: str, geo: Geometry, elem: int) -> int:
+    """Rule-of-thumb peak activation bytes of one forward, with memory-efficient attention.
+
+    UNet-like denoisers and controlnets: ~120 live feature maps of the first block's width at
+    latent resolution (SD1.5 fp16 at 512x512, batch 2: ~0.6 GB), per latent frame.
+    Transformer denoisers: ~12 tensors of tokens x width, tokens = latent frames / temporal
+    patch x latent pixels / patch^2 + text tokens. VAE decode: ~8 maps of 128 channels at
+    full image resolution, every frame. Conditioning encoders: ~12 tensors of text tokens x width.
     """
-    if kind == "denoiser":
-        if "block_out_channels" in config:  # UNet
-            h, w = height // 8, width // 8
-            maps = 120 * batch * config["block_out_channels"][0] * h * w * elem
-            heads = config.get("attention_head_dim", 8)
-            heads = heads[0] if isinstance(heads, (list, tuple)) else heads
-            scores = 0 if efficient_attention else batch * heads * (h * w) ** 2 * elem
-            return maps + scores
-        patch = config.get("patch_size", 2) * 8
-        tokens = (height // patch) * (width // patch) + config.get("text_tokens", 512)
-        hidden = config.get("num_attention_heads", 24) * config.get("attention_head_dim", 128)
-        scores = 0 if efficient_attention else batch * config.get("num_attention_heads", 24) * tokens**2 * elem
-        return 12 * batch * tokens * hidden * elem + scores
-    if kind == "vae":
-        return 8 * 128 * height * width * elem
-    return 64 << 20  # text encoders at 77-512 tokens: tens of MB
+    config = getattr(module, "config", None) or {}
+    config = config if isinstance(config, dict) else config.to_dict()  # diffusers or transformers
+    h, w = geo.height // geo.spatial, geo.width // geo.spatial
+    if role in ("denoiser", "controlnet"):
+        rule = family_of(module).activation if role == "denoiser" else \
+            "unet" if "block_out_channels" in config else "tokens"
+        if rule == "unet":
+            return 120 * geo.batch * geo.latent_frames * config["block_out_channels"][0] * h * w * elem
+        pt, p = _patch(config)
+        tokens = -(-geo.latent_frames // pt) * (h // p) * (w // p) + geo.text_tokens
+        return 12 * geo.batch * tokens * model_width(module) * elem
+    if role == "vae":
+        return 8 * 128 * geo.height * geo.width * geo.frames * elem
+    if role == "text_encoder":
+        return max(16 << 20, 12 * geo.text_tokens * model_width(module) * elem)
+    return 0
 
 
-def component_sizes(pipe, height: int, width: int, batch: int = 2, elem: int = 2) -> list[ComponentSize]:
+def component_sizes(components: Components, geo: Geometry, elem: int = 2,
+                    fp8_skip: tuple[str, ...] = DEFAULT_SKIP) -> list[ComponentSize]:
     out = []
-    for name, module in pipe.components.items():
-        if not isinstance(module, nn.Module):
-            continue
-        kind = ("denoiser" if name in ("unet", "transformer") else "vae" if name == "vae"
-                else "text_encoder" if name.startswith("text_encoder") else "other")
-        total, fp8_total, leaf = _weight_bytes(module, elem)
-        config = getattr(module, "config", None) or {}
-        config = dict(config) if isinstance(config, dict) else config.to_dict()  # diffusers or transformers
-        act = activation_bytes(kind, config, height, width, batch if kind == "denoiser" else 1, elem)
-        out.append(ComponentSize(name, kind, total, fp8_total, act, _largest_block(module, elem) or total, leaf))
+    for name, module in components.modules.items():
+        role = components.roles[name]
+        total, fp8_total, leaf = _weight_bytes(module, elem, skip_patterns(module, fp8_skip))
+        act = activation_bytes(module, role, geo, elem)
+        out.append(ComponentSize(name, role, total, fp8_total, act, _largest_block(module, elem) or total, leaf))
     return out
 
 
-def _peak(sizes: list[ComponentSize], fp8: str, offload: str, vae_tiling: bool, tile_px: int = 512) -> int:
+FP8_ROLES = {"off": (), "denoiser": ("denoiser",), "all": ("denoiser", "controlnet", "text_encoder")}
+TILE_PX = 512
+
+
+def peak_bytes(sizes: list[ComponentSize], geo: Geometry, fp8: str, offload: str, vae_tiling: bool) -> int:
     def weights(c):
-        quantized = fp8 == "all" or (fp8 == "denoiser" and c.kind == "denoiser")
-        return c.fp8_bytes if quantized else c.weight_bytes
+        return c.fp8_bytes if c.role in FP8_ROLES[fp8] else c.weight_bytes
 
     def act(c):
-        if c.kind == "vae" and vae_tiling:
-            return 8 * 128 * tile_px * tile_px * 2
+        if c.role == "vae" and vae_tiling:  # one tile (of every frame, for video VAEs)
+            return c.activation_bytes * min(1.0, TILE_PX**2 / (geo.height * geo.width))
         return c.activation_bytes
 
-    if offload == "none":
-        return sum(weights(c) for c in sizes) + max(act(c) for c in sizes)
+    if offload == "off":
+        return sum(weights(c) for c in sizes) + max((act(c) for c in sizes), default=0)
     if offload == "model":
-        return max(weights(c) + act(c) for c in sizes)
+        return max((weights(c) + act(c) for c in sizes), default=0)
     if offload == "group":  # two groups in flight (current + prefetched) plus activations
-        return max(2 * min(c.largest_block_bytes, weights(c)) + act(c) for c in sizes)
-    return max(c.largest_leaf_bytes + act(c) for c in sizes)
+        return max((2 * min(c.largest_block_bytes, weights(c)) + act(c) for c in sizes), default=0)
+    return max((c.largest_leaf_bytes + act(c) for c in sizes), default=0)
 
 
-def plan(pipe, budget_bytes: int | None, height: int, width: int, batch: int = 2, elem: int = 2,
-         allow_offload: bool = True) -> Plan:
-    sizes = component_sizes(pipe, height, width, batch, elem)
+def plan(components: Components, geo: Geometry, budget_bytes: int | None, elem: int = 2,
+         allow_offload: bool = True, fp8_skip: tuple[str, ...] = DEFAULT_SKIP) -> Plan:
+    sizes = component_sizes(components, geo, elem, fp8_skip)
     considered = []
     for name, fp8, offload in CANDIDATES:
         for tiling in (False, True):
-            if offload != "none" and not allow_offload:
+            if offload != "off" and not allow_offload:
                 continue
-            peak = _peak(sizes, fp8, offload, tiling)
+            peak = int(peak_bytes(sizes, geo, fp8, offload, tiling))
             label = name + ("+vae_tiling" if tiling else "")
             considered.append((label, peak))
             if budget_bytes is None or peak <= budget_bytes:
                 return Plan(label, fp8, offload, tiling, peak, True, budget_bytes, considered)
     leanest = min(considered, key=lambda c: c[1])
-    return Plan(leanest[0], "all", "sequential" if allow_offload else "none", True, leanest[1], False, budget_bytes,
+    return Plan(leanest[0], "all", "sequential" if allow_offload else "off", True, leanest[1], False, budget_bytes,
                 considered)

@@ -11,18 +11,17 @@ from __future__ import annotations
 import torch
 import torch.nn as nn
 
+from pyext import _compat
 from pyext._memory import release_freed_memory
 
 MAX_GRAPHS = 4  # each graph holds references to the weights, not copies: cheap to keep a few
 
 
 def trace_reason(unet: nn.Module, offload_mode: str) -> str | None:
-    """Why this UNet cannot be traced here, or None."""
-    if type(unet).__name__ != "UNet2DConditionModel":
-        return f"{type(unet).__name__} is not a UNet2DConditionModel"
+    """Why this UNet (of a family with trace support) cannot be traced here, or None."""
     if unet.config.get("addition_embed_type") is not None or unet.config.get("class_embed_type") is not None:
         return "the UNet takes added conditioning (e.g. SDXL's text_time) that a traced graph cannot take"
-    if offload_mode != "none":
+    if offload_mode != "off":
         return "offload hooks move weights during the call; a trace would bake in their devices"
     from pyext.nn.fp8 import FP8Conv2d, FP8Linear
 
@@ -72,7 +71,7 @@ class TracedUNet(nn.Module):
         graph = None
         # Offload hooks (accelerate's, or diffusers' group offload) may be added after
         # optimize; they move weights around each call, which a trace must not bake in.
-        hooked = any(hasattr(m, a) for m in (self, self.unet) for a in ("_hf_hook", "_diffusers_hook"))
+        hooked = any(_compat.has_accelerate_hook(m) or _compat.has_diffusers_hooks(m) for m in (self, self.unet))
         if not hooked and not args and torch.is_tensor(encoder_hidden_states) and \
                 all(v is None or v == {} for v in kwargs.values()):
             key = _signature(sample, timestep, encoder_hidden_states)

@@ -40,12 +40,13 @@ from typing import Callable, Optional
 import torch
 from torch import nn
 
+from pyext import _compat, _state
 from pyext.dispatch import PyextError
 from pyext.ops.tile_blend import edge_weights, tile_blend_diffusers, tile_blend_normalized
 
 MODES = ("normalized", "diffusers")
-_STATE = "_pyext_tiling"
-_PATCHED = ("tiled_decode", "_tiled_encode", "tiled_encode")
+_STATE = "tiling"  # pyext._state key on a tiled VAE
+_PATCHED = ("tiled_decode", _compat.VAE_TILED_ENCODE, "tiled_encode")
 
 
 def _fail(msg: str) -> None:
@@ -125,7 +126,8 @@ class GroupNormStats:
         for m in self.norms:
             # accelerate's hook wrapper calls module._old_forward at call time: patch that
             # so offload hooks keep moving weights in before we run.
-            attr = "_old_forward" if hasattr(m, "_hf_hook") and hasattr(m, "_old_forward") else "forward"
+            hooked = _compat.has_accelerate_hook(m) and hasattr(m, _compat.ACCELERATE_OLD_FORWARD)
+            attr = _compat.ACCELERATE_OLD_FORWARD if hooked else "forward"
             had = attr in m.__dict__
             original = getattr(m, attr)
             saved.append((m, attr, had, m.__dict__.get(attr)))
@@ -697,7 +699,7 @@ def tile_vae(vae, mode: str = "normalized", consistent_tones=True, tile_size: Op
         _fail(f"exact_layers must be a non-negative int, got {exact_layers!r}")
     if global_mid is None:  # diffusers mode defaults to diffusers' numbers
         global_mid = mode == "normalized"
-    if _STATE in vae.__dict__:
+    if _state.get(vae, _STATE) is not None:
         untile_vae(vae)
     state = {"saved": {name: vae.__dict__.get(name) for name in _PATCHED},
              "settings": {k: getattr(vae, k) for k in
@@ -728,9 +730,9 @@ def tile_vae(vae, mode: str = "normalized", consistent_tones=True, tile_size: Op
         posterior = DiagonalGaussianDistribution(_tiled_encode(self, x))
         return AutoencoderKLOutput(latent_dist=posterior) if return_dict else (posterior,)
 
-    for name, fn in (("tiled_decode", tiled_decode), ("_tiled_encode", _tiled_encode), ("tiled_encode", tiled_encode)):
+    for name, fn in zip(_PATCHED, (tiled_decode, _tiled_encode, tiled_encode)):
         vae.__dict__[name] = types.MethodType(fn, vae)
-    vae.__dict__[_STATE] = state
+    _state.put(vae, _STATE, state)
     return {"patched": True, "class": type(vae).__name__, "mode": mode, "consistent_tones": consistent_tones,
             "context": _context(vae), "global_mid": global_mid, "exact_layers": exact_layers, "fit_tile": fit_tile,
             "tile_sample_min_size": vae.tile_sample_min_size, "tile_latent_min_size": vae.tile_latent_min_size,
@@ -740,7 +742,7 @@ def tile_vae(vae, mode: str = "normalized", consistent_tones=True, tile_size: Op
 
 def untile_vae(vae) -> bool:
     """Undo tile_vae on this instance (methods and tile settings); False if it was not patched."""
-    state = vae.__dict__.pop(_STATE, None)
+    state = _state.pop(vae, _STATE)
     if state is None:
         return False
     for name, old in state["saved"].items():

@@ -15,7 +15,7 @@ from diffusers.models.attention_processor import (Attention, AttnProcessor, Attn
                                                   IPAdapterAttnProcessor2_0)
 
 import pyext.attention as pa
-from pyext import PyextError, dispatch, offline
+from pyext import PyextError, _state, dispatch, offline
 
 PROMPT = "a photo of an astronaut riding a horse on mars"
 # fp32: reference vs SDPA differ by rounding order only (measured max |diff| ~3e-6 on [0, 1] images).
@@ -87,7 +87,7 @@ def test_pipeline_matches_sdpa_and_remove_restores_it(arch, spy):
     assert len(restored) == report.patched
     assert all(a is b for a, b in zip(_processors(pipe).values(), processors.values()))
     assert _hook_counts(pipe) == hooks
-    assert not any(pa._STATE in m.__dict__ for model in _models(pipe).values() for m in model.modules())
+    assert not any(_state.get(m, pa.STATE) for model in _models(pipe).values() for m in model.modules())
     calls = len(spy)
     assert torch.equal(_images(pipe, arch), expected)
     assert len(spy) == calls
@@ -207,7 +207,7 @@ def test_no_global_side_effects(spy):
     assert calls > 0
     # b was built separately: untouched, and running it (after and during a's patch) never reaches pyext
     assert torch.equal(_images(b, "sd15"), b_expected) and len(spy) == calls
-    assert not any(pa._STATE in m.__dict__ or m._forward_pre_hooks or m._forward_hooks
+    assert not any(_state.get(m, pa.STATE) or m._forward_pre_hooks or m._forward_hooks
                    for model in _models(b).values() for m in model.modules())
     assert pa.status(b)["patched"] == 0
     pa.remove(a)

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import re
 import threading
+from collections import Counter
 from dataclasses import dataclass, field
 
 import torch
@@ -164,23 +165,38 @@ class FP8Report:
     bytes_before: int = 0
     bytes_after: int = 0
 
+    def kept_by_reason(self) -> dict[str, int]:
+        return dict(Counter(self.skipped.values()).most_common())
+
     def __str__(self) -> str:
-        return (f"fp8: {len(self.converted)} layers converted, {len(self.skipped)} kept, weights "
-                f"{self.bytes_before / 2**20:.1f} MiB -> {self.bytes_after / 2**20:.1f} MiB")
+        kept = "; ".join(f"{n} {why}" for why, n in self.kept_by_reason().items()) or "none"
+        return (f"{len(self.converted)} layers converted, weights {self.bytes_before / 2**20:.1f} MiB -> "
+                f"{self.bytes_after / 2**20:.1f} MiB; kept: {kept}")
 
 
-def _skip_reason(name: str, module: nn.Module, skip: tuple[str, ...]) -> str | None:
-    for pattern in skip:
+def skip_patterns(model: nn.Module, skip: tuple[str, ...] = DEFAULT_SKIP) -> tuple[str, ...]:
+    """`skip` plus the model's own: diffusers' `_skip_layerwise_casting_patterns` (regexes) and
+    the modules its loader keeps in fp32 (whole name components)."""
+    from pyext import _compat
+
+    kept = [rf"(^|\.){re.escape(m)}(\.|$)" for m in _compat.keep_in_fp32_modules(model, torch.float16)]
+    return tuple(dict.fromkeys((*skip, *_compat.skip_layerwise_casting_patterns(model), *kept)))
+
+
+def skip_reason(name: str, module: nn.Module, patterns: tuple[str, ...]) -> str | None:
+    """Why a layer stays in full precision, or None when fp8 storage takes it. The one rule
+    shared by the converter and the memory planner (which sees models on the meta device)."""
+    if type(module) not in (nn.Linear, nn.Conv2d):
+        return "already fp8" if isinstance(module, (FP8Linear, FP8Conv2d)) else "not a Linear/Conv2d"
+    for pattern in patterns:
         if re.search(pattern, name):
             return f"name matches skip pattern {pattern!r}"
     if module.weight.numel() < MIN_NUMEL:
-        return f"weight has {module.weight.numel()} < {MIN_NUMEL} elements"
-    if not module.weight.is_floating_point() or module.weight.dtype == FP8:
+        return f"weight below {MIN_NUMEL} elements"
+    if not module.weight.is_floating_point():
         return f"weight dtype {module.weight.dtype} is not a float to quantize"
     if isinstance(module, nn.Conv2d) and module.padding_mode != "zeros":
         return f"padding_mode {module.padding_mode!r}"
-    if module.weight.device.type == "meta":
-        return "weight is on the meta device (not loaded)"
     return None
 
 
@@ -188,16 +204,18 @@ def quantize_fp8(model: nn.Module, skip: tuple[str, ...] = DEFAULT_SKIP, per_cha
                  keep_original: bool = False) -> FP8Report:
     """Replace the model's nn.Linear / nn.Conv2d layers by fp8-stored ones, in place.
 
-    `skip` holds regexes searched in each layer's qualified name. Returns what was
-    converted, what was kept and why, and the weight bytes before and after.
+    `skip` holds regexes searched in each layer's qualified name; the model's own skip
+    patterns (skip_patterns) are added. Returns what was converted, what was kept and why,
+    and the weight bytes before and after.
     """
     report = FP8Report()
+    patterns = skip_patterns(model, skip)
     for name, module in list(model.named_modules()):
-        if type(module) not in (nn.Linear, nn.Conv2d):
-            if isinstance(module, (FP8Linear, FP8Conv2d)):
-                report.skipped[name] = "already fp8"
+        if not isinstance(module, (nn.Linear, nn.Conv2d)):
             continue
-        reason = _skip_reason(name, module, skip)
+        reason = skip_reason(name, module, patterns)
+        if reason is None and module.weight.device.type == "meta":
+            reason = "weight is on the meta device (not loaded)"
         if reason:
             report.skipped[name] = reason
             continue

@@ -1,0 +1,147 @@
+"""Every private name pyext uses from diffusers, accelerate and torch, in one place.
+
+Upstream may rename or move any of these in a minor release. Each is reached through this
+module only, imported lazily (importing pyext must not import diffusers), and
+`tests/test_compat.py` resolves all of them, so a moved name fails CI loudly instead of
+silently turning a technique off. `CHECKED` says which releases they were read from.
+"""
+from __future__ import annotations
+
+import importlib
+
+import torch
+
+CHECKED = {"torch": "2.11-2.13", "diffusers": "0.35-0.42", "accelerate": "1.10-1.15", "transformers": "4.45-5.23"}
+
+# torch: the function F.scaled_dot_product_attention is (what a TorchFunctionMode sees).
+SDPA = torch._C._nn.scaled_dot_product_attention
+
+# Attributes that upstream hooks and wrappers put on modules and pipelines.
+ACCELERATE_HOOK = "_hf_hook"  # accelerate's ModelHook on a module (offload, device maps)
+ACCELERATE_OLD_FORWARD = "_old_forward"  # the forward accelerate's wrapper calls at call time
+DIFFUSERS_HOOKS = "_diffusers_hook"  # diffusers' HookRegistry on a module
+PIPE_MODEL_HOOKS = "_all_hooks"  # enable_model_cpu_offload's hooks, on the pipeline
+PIPE_OFFLOAD_DEVICE = "_offload_device"  # the device enable_*_cpu_offload was given
+COMPILED_CALL = "_compiled_call_impl"  # what nn.Module.compile() sets
+COMPILED_ORIGINAL = "_orig_mod"  # the module a torch.compile OptimizedModule wraps
+CONV_PADDING = "_reversed_padding_repeated_twice"  # nn.Conv2d's cached padding
+VAE_TILED_ENCODE = "_tiled_encode"  # AutoencoderKL's tiled encoder, called by _encode
+
+# Private functions and constants, as "module:name".
+_NAMES = {
+    "group_offload_hook": "diffusers.hooks.group_offloading:_GROUP_OFFLOADING",
+    "layer_tracker_hook": "diffusers.hooks.group_offloading:_LAYER_EXECUTION_TRACKER",
+    "lazy_prefetch_hook": "diffusers.hooks.group_offloading:_LAZY_PREFETCH_GROUP_OFFLOADING",
+    "apply_group_offload_config": "diffusers.hooks.group_offloading:_apply_group_offloading",
+    "attention_backend_registry": "diffusers.models.attention_dispatch:_AttentionBackendRegistry",
+}
+
+
+def _resolve(key: str):
+    module, _, name = _NAMES[key].partition(":")
+    return getattr(importlib.import_module(module), name)
+
+
+def check_names() -> dict[str, str]:
+    """Every private name that does not resolve here: {name: why}. Empty when all do."""
+    missing = {}
+    for key, spec in _NAMES.items():
+        try:
+            _resolve(key)
+        except (ImportError, AttributeError) as err:
+            missing[spec] = f"{type(err).__name__}: {err}"
+    return missing
+
+
+# ----------------------------------------------------------------------------- hooks
+
+def has_accelerate_hook(module) -> bool:
+    return hasattr(module, ACCELERATE_HOOK)
+
+
+def has_diffusers_hooks(module) -> bool:
+    return hasattr(module, DIFFUSERS_HOOKS)
+
+
+def group_offload_config(module):
+    """diffusers' GroupOffloadingConfig of the first group-offloaded submodule, or None."""
+    name = _resolve("group_offload_hook")
+    for sub in module.modules():
+        registry = getattr(sub, DIFFUSERS_HOOKS, None)
+        hook = registry.get_hook(name) if registry is not None else None
+        if hook is not None:
+            return hook.config
+    return None
+
+
+def remove_group_offload(module) -> None:
+    """Drop group offloading's hooks; each group's weights go back to where they are stored."""
+    from diffusers.hooks import HookRegistry
+
+    registry = HookRegistry.check_if_exists_or_initialize(module)
+    for key in ("group_offload_hook", "layer_tracker_hook", "lazy_prefetch_hook"):
+        registry.remove_hook(_resolve(key), recurse=True)
+
+
+def apply_group_offload(module, config) -> None:
+    """Re-enable group offloading with a config read by group_offload_config (same settings)."""
+    _resolve("apply_group_offload_config")(module, config)
+
+
+def pipeline_model_hooks(pipe) -> list:
+    return getattr(pipe, PIPE_MODEL_HOOKS, None) or []
+
+
+def pipeline_offload_device(pipe):
+    return getattr(pipe, PIPE_OFFLOAD_DEVICE, None)
+
+
+# ----------------------------------------------------------------------------- attention
+
+def active_attention_backend(processor) -> str:
+    """The diffusers attention-dispatch backend a processor uses: its own, else the global one."""
+    from diffusers.models.attention_dispatch import AttentionBackendName
+
+    backend = getattr(processor, "_attention_backend", None) or _resolve("attention_backend_registry").get_active_backend()[0]
+    return AttentionBackendName(backend).value
+
+
+# ----------------------------------------------------------------------------- compile
+
+def is_compiled_in_place(module) -> bool:
+    return getattr(module, COMPILED_CALL, None) is not None
+
+
+def uncompile_in_place(module) -> None:
+    setattr(module, COMPILED_CALL, None)
+
+
+def compiled_original(module):
+    """The eager module behind a torch.compile wrapper, or the module itself."""
+    return getattr(module, COMPILED_ORIGINAL, module)
+
+
+# ----------------------------------------------------------------------------- model metadata
+
+def keep_in_fp32_modules(model, dtype: torch.dtype) -> list[str]:
+    """Module names the model's own loader keeps in fp32 when it loads in `dtype`.
+
+    diffusers keeps `_keep_in_fp32_modules` for any 16-bit dtype; transformers keeps them
+    for fp16 only (bf16 has fp32's range), and `_keep_in_fp32_modules_strict` for both."""
+    if dtype == torch.float32:
+        return []
+    names = list(getattr(model, "_keep_in_fp32_modules_strict", None) or [])
+    if type(model).__module__.startswith("diffusers.") or dtype == torch.float16:
+        names += list(getattr(model, "_keep_in_fp32_modules", None) or [])
+    return names
+
+
+def skip_layerwise_casting_patterns(model) -> list[str]:
+    """The regexes of layers a model asks fp8 weight storage to leave alone."""
+    return list(getattr(model, "_skip_layerwise_casting_patterns", None) or [])
+
+
+def cast_own_tensors(module, dtype: torch.dtype) -> None:
+    """Cast a module's own floating parameters and buffers, not its children's, through
+    nn.Module._apply (so layers that track their dtype there, like pyext's fp8 layers, see it)."""
+    module._apply(lambda t: t.to(dtype) if t.is_floating_point() else t, recurse=False)

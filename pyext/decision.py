@@ -1,0 +1,134 @@
+"""What `pyext.optimize` will do to one pipeline, decided before anything changes.
+
+`decide(pipe, options)` reads the pipeline (components by role, families, devices, the
+call's default geometry), makes the memory plan and resolves every "auto" option into a
+frozen Decision. It raises PyextError for anything the pipeline cannot take, so a bad
+request never leaves a half-changed pipeline. The techniques act on the Decision only.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+from types import MappingProxyType
+
+import torch
+import torch.nn as nn
+
+from pyext import offload, planner
+from pyext.dispatch import PyextError
+from pyext.families import Components, Family, call_default, family_of, find_components, vae_compression
+from pyext.options import OptimizeOptions
+from pyext.planner import Geometry, Plan
+
+
+@dataclass(frozen=True)
+class Decision:
+    options: OptimizeOptions
+    components: Components
+    families: MappingProxyType  # denoiser name -> Family
+    device: torch.device
+    dtype: torch.dtype | None  # None: keep each component's dtype
+    geometry: Geometry
+    plan: Plan
+    fp8: str  # "off" | "denoiser" | "all"
+    offload: str  # "off" | "model" | "group" | "sequential"
+    offload_reason: str
+    vae_tiling: bool
+    vae_tiling_reason: str
+    multi_device: bool
+
+    def describe(self) -> str:
+        g = self.geometry
+        frames = f", {g.frames} frames" if g.frames > 1 else ""
+        fams = ", ".join(f"{n}={f.name}" for n, f in self.families.items())
+        dtype = str(self.dtype).removeprefix("torch.") if self.dtype else "kept"
+        return f"{dtype} on {self.device}, {g.width}x{g.height}{frames}, batch {g.batch}; denoisers: {fams}"
+
+
+def check_pipeline(pipe, what: str = "pyext.optimize") -> None:
+    if not isinstance(getattr(pipe, "components", None), dict):
+        raise PyextError(f"{what}: expected a diffusers pipeline (an object with a .components dict), "
+                         f"got {type(pipe).__name__}")
+
+
+def device_of(module: nn.Module) -> torch.device:
+    return next((p.device for p in module.parameters() if p.device.type != "meta"), torch.device("cpu"))
+
+
+def _geometry(pipe, opts: OptimizeOptions, denoiser: nn.Module) -> Geometry:
+    spatial, temporal = vae_compression(pipe)
+    config = getattr(denoiser, "config", None)
+    sample = config.get("sample_size") if isinstance(config, dict) else None
+    sample = sample[0] if isinstance(sample, (list, tuple)) else sample
+    # The call's own defaults first (Wan: 480x832, 81 frames), then the denoiser's trained size.
+    fallback = (sample if isinstance(sample, int) else 64) * spatial
+    height = opts.height or call_default(pipe, "height") or fallback
+    width = opts.width or call_default(pipe, "width") or fallback
+    frames = opts.frames or call_default(pipe, "num_frames") or 1
+    tokens = call_default(pipe, "max_sequence_length") or 77
+    return Geometry(int(height), int(width), int(frames), spatial, temporal, int(tokens), opts.batch)
+
+
+def _attention_check(opts: OptimizeOptions, device: torch.device) -> None:
+    if opts.attention in ("auto", "off"):
+        return
+    from pyext import dispatch
+
+    backend = next(b for b in dispatch.ops()["attention"].backends if b.name == opts.attention)
+    missing = backend.unavailable() or (None if device.type in backend.devices else
+                                         f"it runs on {'/'.join(backend.devices)}, the pipeline on {device.type}")
+    if missing:
+        raise PyextError(f"pyext.optimize: option attention={opts.attention!r} is unavailable here: {missing}")
+
+
+def decide(pipe, opts: OptimizeOptions) -> Decision:
+    check_pipeline(pipe)
+    comps = find_components(pipe)
+    denoisers = comps.denoisers
+    if not comps.modules:
+        raise PyextError(f"pyext.optimize: {type(pipe).__name__} has no torch modules to optimize")
+    first = next(iter(denoisers.values()), next(iter(comps.modules.values())))
+    devices = {device_of(m) for m in comps.modules.values()}
+    multi_device = bool(getattr(pipe, "hf_device_map", None)) or len(devices) > 1
+    device = torch.device(opts.device) if opts.device is not None else device_of(first)
+    if device.type == "cuda" and device.index is None:
+        device = torch.device("cuda", torch.cuda.current_device())
+    _attention_check(opts, device)
+    families = {name: family_of(m) for name, m in denoisers.items()}
+    if opts.dtype == "keep":
+        dtype = None
+    elif opts.dtype == "auto":  # the family's trained 16-bit dtype on CUDA; CPUs compute bf16 natively
+        dtype = next(iter(families.values()), Family("none")).cuda_dtype if device.type == "cuda" else torch.bfloat16
+    else:
+        dtype = opts.dtype
+    geo = _geometry(pipe, opts, first)
+    budget = opts.budget_bytes
+    if budget is None and device.type == "cuda":
+        budget = torch.cuda.get_device_properties(device).total_memory
+    elem = min(torch.tensor([], dtype=dtype or first.dtype).element_size(), 4)
+    can_offload = device.type != "cpu" and not multi_device
+    plan = planner.plan(comps, geo, budget, elem, allow_offload=can_offload, fp8_skip=opts.fp8_skip)
+
+    if opts.offload != "auto":
+        offload_mode, offload_reason = opts.offload, f"offload={opts.offload!r}"
+    elif can_offload:
+        offload_mode = plan.offload
+        offload_reason = "the plan fits without offload" if plan.offload == "off" else f"the plan needs {plan.offload} offload"
+    else:
+        offload_mode = "off"
+        offload_reason = ("components sit on several devices (device map): pyext never moves them" if multi_device
+                          else "the pipeline runs on the CPU: there is nothing to offload to")
+    if offload_mode != "off" and offload.detect(pipe).mode == "device_map":
+        raise PyextError(f"pyext.optimize: option offload={opts.offload!r} cannot apply to a device-mapped pipeline")
+
+    if opts.vae_tiling != "auto":
+        tiling, tiling_reason = opts.vae_tiling == "on", f"vae_tiling={opts.vae_tiling!r}"
+    elif budget is None:
+        tiling, tiling_reason = False, "no memory budget (CPU): the full decode is exact and fits"
+    elif plan.vae_tiling:
+        tiling, tiling_reason = True, f"the full decode would not fit the budget ({plan.describe()})"
+    else:
+        tiling, tiling_reason = False, f"the full decode fits the budget ({plan.peak_bytes / planner.GB:.2f} GB " \
+                                       f"of {budget / planner.GB:.1f} GB): untiled, exact"
+    return Decision(opts, comps, MappingProxyType(families), device, dtype, geo, plan,
+                    plan.fp8 if opts.fp8 == "auto" else opts.fp8, offload_mode, offload_reason, tiling,
+                    tiling_reason, multi_device)

@@ -1,0 +1,169 @@
+"""What a pipeline is made of, found by role, and what its denoiser family needs.
+
+`find_components(pipe)` sorts a pipeline's modules into roles (denoisers in the order the
+pipeline's loop calls them, conditioning encoders, VAEs, controlnets and adapters) from what
+the modules are, never from a list of pipelines, so a pipeline pyext has never seen is
+handled. `family_of(denoiser)` gives the denoiser's Family: everything pyext can read off
+the model (conv-heavy or not, UNet or token activations) is derived; a descriptor in
+FAMILIES only states what cannot be derived (a trained dtype, trace support). Adding a
+family is one descriptor there, or nothing.
+"""
+from __future__ import annotations
+
+import inspect
+from dataclasses import dataclass, field, replace
+from types import MappingProxyType
+
+import torch
+import torch.nn as nn
+
+ROLES = ("denoiser", "text_encoder", "vae", "controlnet", "other")
+
+
+@dataclass(frozen=True)
+class Family:
+    """What one denoiser family needs from pyext.
+
+    channels_last: conv-heavy, so channels-last convolutions pay (derived: conv weights are at
+        least a third of the model's).
+    trace: torch.jit.trace of the denoiser is supported (the memory guide's traced UNet).
+    cuda_dtype: the 16-bit dtype `dtype="auto"` picks on CUDA: fp16 for the SD UNets, bf16
+        for models trained in bf16, whose activations overflow fp16 (Flux, SD3, video DiTs).
+    activation: the planner's rule for peak activations, "unet" (feature maps) or "tokens".
+    """
+
+    name: str
+    classes: tuple[str, ...] = ()
+    channels_last: bool = False
+    trace: bool = False
+    cuda_dtype: torch.dtype = torch.bfloat16
+    activation: str = "tokens"
+
+
+# Only what differs from what `_derived` reads off a model.
+FAMILIES = (
+    Family("stable-diffusion-unet", ("UNet2DConditionModel",), trace=True, cuda_dtype=torch.float16),
+    Family("animatediff", ("UNetMotionModel",), cuda_dtype=torch.float16),
+)
+_BY_CLASS = MappingProxyType({cls: fam for fam in FAMILIES for cls in fam.classes})
+
+
+def conv_share(module: nn.Module) -> float:
+    total = conv = 0
+    for sub in module.modules():
+        for p in sub.parameters(recurse=False):
+            total += p.numel()
+            conv += p.numel() if isinstance(sub, (nn.Conv2d, nn.Conv3d)) else 0
+    return conv / total if total else 0.0
+
+
+def _derived(module: nn.Module) -> Family:
+    config = getattr(module, "config", {}) or {}
+    return Family(
+        name=type(module).__name__,
+        channels_last=conv_share(module) >= 1 / 3,
+        activation="unet" if "block_out_channels" in config else "tokens",
+    )
+
+
+def eager(module: nn.Module) -> nn.Module:
+    """The model behind pyext's traced UNet, which stands in its slot; any other module itself."""
+    from pyext.traced import TracedUNet
+
+    return module.unet if isinstance(module, TracedUNet) else module
+
+
+def family_of(denoiser: nn.Module) -> Family:
+    """The denoiser's family: derived from the model, with a descriptor's settings on top."""
+    denoiser = eager(denoiser)
+    derived = _derived(denoiser)
+    known = _BY_CLASS.get(type(denoiser).__name__)
+    if known is None:
+        return derived
+    return replace(known, channels_last=known.channels_last or derived.channels_last, activation=derived.activation)
+
+
+# ----------------------------------------------------------------------------- roles
+
+def role_of(name: str, module: nn.Module) -> str:
+    """One of ROLES for a pipeline component, from its class and where the class lives."""
+    cls = type(module)
+    path = cls.__module__
+    try:
+        from transformers import PreTrainedModel
+    except ImportError:
+        PreTrainedModel = ()
+    if isinstance(module, PreTrainedModel):
+        return "text_encoder"  # text and image encoders alike: they encode the conditioning
+    if not path.startswith("diffusers."):
+        return "other"
+    if ".autoencoders." in path or "VQModel" in cls.__name__ or cls.__name__.startswith("Autoencoder"):
+        return "vae"
+    if ".controlnets." in path or "ControlNet" in cls.__name__ or "Adapter" in cls.__name__:
+        return "controlnet"
+    if ".unets." in path or ".transformers." in path:
+        return "denoiser"
+    # Denoisers defined inside a pipeline package (Wuerstchen's prior) go by their slot's name.
+    return "denoiser" if name.rsplit("_", 1)[-1] in ("unet", "transformer", "prior", "decoder") else "other"
+
+
+@dataclass(frozen=True)
+class Components:
+    """The pipeline's modules by role; denoisers in the order the pipeline's loop calls them."""
+
+    roles: MappingProxyType = field(default_factory=lambda: MappingProxyType({}))  # name -> role
+    modules: MappingProxyType = field(default_factory=lambda: MappingProxyType({}))  # name -> module
+
+    def of(self, role: str) -> dict[str, nn.Module]:
+        return {n: self.modules[n] for n, r in self.roles.items() if r == role}
+
+    @property
+    def denoisers(self) -> dict[str, nn.Module]:
+        return self.of("denoiser")
+
+    @property
+    def vaes(self) -> dict[str, nn.Module]:
+        return self.of("vae")
+
+
+def find_components(pipe) -> Components:
+    modules = {n: m for n, m in pipe.components.items() if isinstance(m, nn.Module)}
+    # model_cpu_offload_seq lists components in call order ("text_encoder->transformer->transformer_2->vae").
+    seq = [n for n in (getattr(pipe, "model_cpu_offload_seq", None) or "").split("->") if n in modules]
+    order = seq + [n for n in modules if n not in seq]
+    roles = {n: role_of(n, eager(modules[n])) for n in order}
+    return Components(MappingProxyType(roles), MappingProxyType({n: modules[n] for n in order}))
+
+
+# ----------------------------------------------------------------------------- geometry
+
+def call_default(pipe, name: str):
+    """The default of a parameter of the pipeline's __call__ (e.g. num_frames), or None."""
+    try:
+        param = inspect.signature(type(pipe).__call__).parameters.get(name)
+    except (TypeError, ValueError):
+        return None
+    if param is None or param.default is inspect.Parameter.empty:
+        return None
+    return param.default
+
+
+def vae_compression(pipe) -> tuple[int, int]:
+    """(spatial, temporal) compression of the pipeline's latents: 8 and 1 for SD, 32 for DC-AE,
+    (8, 4) for CogVideoX and Wan. Read from the pipeline's own attributes."""
+    spatial = getattr(pipe, "vae_scale_factor_spatial", None) or getattr(pipe, "vae_scale_factor", None) or 8
+    temporal = getattr(pipe, "vae_scale_factor_temporal", None) or 1
+    return int(spatial), int(temporal)
+
+
+def vae_kind(vae: nn.Module) -> str:
+    """'kl2d' (AutoencoderKL: pyext's tiling), 'video' (3-D, frames), 'dc' (deep compression) or 'other'."""
+    from diffusers import AutoencoderKL
+
+    if isinstance(vae, AutoencoderKL):
+        return "kl2d"
+    if any(isinstance(m, nn.Conv3d) for m in vae.modules()):
+        return "video"
+    if "DC" in type(vae).__name__:
+        return "dc"
+    return "other"

@@ -1,0 +1,44 @@
+"""A technique: a named change to a pipeline that says where it applies, why not elsewhere,
+and hands back its undo.
+
+`Technique.apply(pipe, decision)` returns one Entry per component it looked at:
+"applied" (something changed; the entry holds the undo), "already" (it was so before) or
+"skipped" (with the reason). Techniques that change modules (`changes_modules`) run while
+offload hooks are suspended, so offload may be enabled before or after pyext.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Callable, Literal
+
+Status = Literal["applied", "skipped", "already"]
+
+
+@dataclass(frozen=True)
+class Entry:
+    component: str
+    technique: str
+    status: Status
+    detail: str = ""
+    undo: Callable[[], str] | None = field(default=None, repr=False, compare=False)
+    changes_modules: bool = field(default=True, repr=False, compare=False)
+
+    def to_dict(self) -> dict:
+        return {"component": self.component, "technique": self.technique, "status": self.status, "detail": self.detail}
+
+
+class Technique:
+    name: str = ""
+    changes_modules: bool = True  # run with offload hooks suspended (and undone so)
+
+    def apply(self, pipe, decision) -> list[Entry]:
+        raise NotImplementedError
+
+    def applied(self, component: str, detail: str, undo: Callable[[], str]) -> Entry:
+        return Entry(component, self.name, "applied", detail, undo, self.changes_modules)
+
+    def skipped(self, component: str, why: str) -> Entry:
+        return Entry(component, self.name, "skipped", why)
+
+    def already(self, component: str, detail: str) -> Entry:
+        return Entry(component, self.name, "already", detail)

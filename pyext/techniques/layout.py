@@ -1,0 +1,51 @@
+"""Channels-last convolution weights for conv-heavy components."""
+from __future__ import annotations
+
+import torch
+import torch.nn as nn
+
+from pyext.families import conv_share
+from pyext.techniques.base import Entry, Technique
+
+
+class ChannelsLast(Technique):
+    """NHWC conv weights where 2-D convolutions carry the model: denoisers whose family says
+    so, and conv-heavy VAEs and controlnets. Models with 5-D weights (3-D video VAEs) are left
+    alone: channels-last is a 4-D format."""
+
+    name = "channels_last"
+
+    def apply(self, pipe, d) -> list[Entry]:
+        entries = []
+        for name, module in d.components.modules.items():
+            why = self._why_not(name, module, d)
+            if why:
+                entries.append(self.skipped(name, why))
+                continue
+            convs = [m.weight for m in module.modules() if isinstance(m, nn.Conv2d) and m.weight.dim() == 4]
+            if all(w.is_contiguous(memory_format=torch.channels_last) for w in convs):
+                entries.append(self.already(name, "conv weights in NHWC order"))
+                continue
+            module.to(memory_format=torch.channels_last)
+            entries.append(self.applied(name, f"{len(convs)} conv weights in NHWC order", lambda m=module: (
+                m.to(memory_format=torch.contiguous_format), "contiguous format again")[1]))
+        return entries
+
+    @staticmethod
+    def _why_not(name: str, module: nn.Module, d) -> str | None:
+        setting = d.options.channels_last
+        if setting == "off":
+            return "channels_last='off'"
+        if not any(isinstance(m, nn.Conv2d) for m in module.modules()):
+            return "no 2-D convolutions"
+        if any(p.dim() == 5 for p in module.parameters()):
+            return "has 5-D (3-D conv) weights; channels-last is a 4-D format"
+        if setting == "on":
+            return None
+        role = d.components.roles[name]
+        if role == "denoiser":
+            family = d.families[name]
+            return None if family.channels_last else f"{family.name}: convolutions carry too little of the model"
+        if role in ("vae", "controlnet") and conv_share(module) >= 1 / 3:
+            return None
+        return f"auto: not a conv-heavy {role}"

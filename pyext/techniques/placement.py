@@ -1,0 +1,47 @@
+"""Where the weights live: the device, and offload through diffusers' own APIs."""
+from __future__ import annotations
+
+from pyext import offload
+from pyext.decision import device_of
+from pyext.techniques.base import Entry, Technique
+
+
+class Device(Technique):
+    """Move the pipeline to options.device (never a device-mapped one, never under offload)."""
+
+    name = "device"
+    changes_modules = False
+
+    def apply(self, pipe, d) -> list[Entry]:
+        if d.options.device is None:
+            return []
+        if d.multi_device:
+            return [self.skipped("*", "components sit on several devices (device map): pyext never moves them")]
+        if d.offload != "off" or offload.detect(pipe).mode != "off":
+            return [self.skipped("*", "offload places the weights")]
+        befores = {device_of(m) for m in d.components.modules.values()}
+        if befores == {d.device}:
+            return [self.already("*", str(d.device))]
+        before = befores.pop()
+        pipe.to(d.device)
+        return [self.applied("*", f"{before} -> {d.device}", lambda: (pipe.to(before), f"moved back to {before}")[1])]
+
+
+class Offload(Technique):
+    """model / group / sequential offload as decided (by the planner under "auto")."""
+
+    name = "offload"
+    changes_modules = False  # it adds the hooks that the other techniques suspend
+
+    def apply(self, pipe, d) -> list[Entry]:
+        existing = offload.detect(pipe)
+        if existing.mode == "device_map":
+            return [self.skipped("*", d.offload_reason)]
+        if existing.mode != "off":
+            return [self.already("*", f"pipeline already uses {existing.mode} offload; kept as it is")]
+        if d.offload == "off":
+            return [self.skipped("*", d.offload_reason)]
+        offload.enable(pipe, d.offload, d.device, dict(d.components.modules))
+        state = offload.detect(pipe)
+        return [self.applied("*", f"{d.offload} offload to {d.device} ({d.offload_reason})",
+                             lambda: (offload.remove(pipe, state), f"{d.offload} offload removed")[1])]

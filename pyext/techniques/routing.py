@@ -1,0 +1,46 @@
+"""Attention routing: SDPA calls of diffusers attention layers computed by pyext's kernel."""
+from __future__ import annotations
+
+from pyext import _state, attention
+from pyext.techniques.base import Entry, Technique
+
+
+class Attention(Technique):
+    """Every diffusers attention layer whose processor ends in SDPA, directly (the
+    AttnProcessor2_0 family) or through diffusers' attention dispatcher (dispatch_attention_fn,
+    native backend), is routed to pyext.ops.attention; see pyext.attention. "applied" counts
+    the layers actually routed; a component with none keeps no hook."""
+
+    name = "attention"
+
+    def apply(self, pipe, d) -> list[Entry]:
+        setting = d.options.attention
+        if setting == "off":
+            return [self.skipped("*", "attention='off'")]
+        backend = None if setting == "auto" else setting
+        entries = []
+        for name, module in d.components.modules.items():
+            layers = attention.attention_layers(module)
+            before = {id(m): _state.get(m, attention.STATE) for m in layers.values()}
+            if before and all(s is not None and s.backend == backend for s in before.values()):
+                entries.append(self.already(name, f"{len(layers)} layers routed before"))
+                continue
+            report = attention.apply(module, backend=backend).components[type(module).__name__]
+            if not report.patched:
+                attention.remove(module)
+                why = report.skipped.get("*") or _summary(report.skipped)
+                entries.append(self.skipped(name, why))
+                continue
+            detail = f"{report.patched} layers routed to pyext attention (backend {backend or 'auto'})"
+            if report.skipped:
+                detail += f"; not routed: {_summary(report.skipped)}"
+            entries.append(self.applied(name, detail, lambda m=module: (
+                f"pyext attention hooks removed from {len(attention.remove(m))} layers")))
+        return entries
+
+
+def _summary(skipped: dict) -> str:
+    reasons = {}
+    for why in skipped.values():
+        reasons[why] = reasons.get(why, 0) + 1
+    return "; ".join(f"{n} layers: {why}" for why, n in reasons.items())

@@ -1,0 +1,95 @@
+"""Weight techniques: the compute dtype, and fp8 storage."""
+from __future__ import annotations
+
+import functools
+
+import torch
+import torch.nn as nn
+
+from pyext import _compat
+from pyext.nn.fp8 import FP8Conv2d, FP8Linear, quantize_fp8, restore_fp8
+from pyext.planner import FP8_ROLES
+from pyext.techniques.base import Entry, Technique
+
+
+def _own_dtype(module: nn.Module) -> torch.dtype | None:
+    return next((t.dtype for t in (*module.parameters(recurse=False), *module.buffers(recurse=False))
+                 if t.is_floating_point()), None)
+
+
+def _kept_in_fp32(name: str, keep: list[str]) -> bool:
+    return any(k in name.split(".") for k in keep)  # diffusers' loader rule: a whole name component
+
+
+class DType(Technique):
+    """Cast every component to the compute dtype, keeping the modules the model's own loader
+    keeps in fp32 (`_keep_in_fp32_modules`: Wan's time embedder and norms, T5's `wo` in fp16)."""
+
+    name = "dtype"
+
+    def apply(self, pipe, d) -> list[Entry]:
+        if d.dtype is None:
+            return [self.skipped("*", "dtype='keep'")]
+        return [self._cast(name, module, d.dtype, d.options.keep_original_weights)
+                for name, module in d.components.modules.items()]
+
+    def _cast(self, name: str, module: nn.Module, dtype: torch.dtype, keep_original: bool) -> Entry:
+        keep = _compat.keep_in_fp32_modules(module, dtype)
+        before = {n: _own_dtype(m) for n, m in module.named_modules()}
+        target = {n: torch.float32 if _kept_in_fp32(n, keep) else dtype for n, dt in before.items() if dt is not None}
+        changes = {n: dt for n, dt in target.items() if before[n] != dt}
+        if not changes:
+            return self.already(name, str(dtype))
+        saved = {k: v.detach().to("cpu", copy=True) for k, v in module.state_dict().items()} if keep_original else None
+        for sub_name, dt in changes.items():
+            _compat.cast_own_tensors(module.get_submodule(sub_name), dt)
+        kept = sorted({n for n, dt in target.items() if dt != dtype})
+        detail = f"{', '.join(sorted({str(before[n]) for n in changes}))} -> {dtype}"
+        if kept:
+            detail += f"; {len(kept)} modules kept in float32 as the model asks ({', '.join(keep)})"
+        return self.applied(name, detail, functools.partial(self._undo, module, {n: before[n] for n in changes}, saved))
+
+    @staticmethod
+    def _undo(module, before, saved) -> str:
+        for sub_name, dt in before.items():
+            _compat.cast_own_tensors(module.get_submodule(sub_name), dt)
+        if saved is None:
+            return "cast back (values keep the rounding of the compute dtype)"
+        module.load_state_dict(saved)
+        return "cast back, original values reloaded (exact)"
+
+
+class FP8(Technique):
+    """Store eligible Linear/Conv2d weights in fp8 (pyext.nn.fp8), by role: fp8="denoiser" or "all"."""
+
+    name = "fp8"
+
+    def apply(self, pipe, d) -> list[Entry]:
+        entries = []
+        roles = FP8_ROLES[d.fp8]
+        for name, module in d.components.modules.items():
+            role = d.components.roles[name]
+            if role not in roles:
+                if role == "vae":
+                    why = "VAE weights stay in the compute dtype (small and quality-sensitive)"
+                elif d.fp8 != "off":
+                    why = f"fp8={d.fp8!r} does not cover the {role}"
+                else:
+                    why = "fp8='off'" if d.options.fp8 == "off" else f"fp8='auto': plan {d.plan.name} needs none"
+                entries.append(self.skipped(name, why))
+                continue
+            report = quantize_fp8(module, skip=d.options.fp8_skip, keep_original=d.options.keep_original_weights)
+            if report.converted:
+                entries.append(self.applied(name, str(report), functools.partial(self._undo, module,
+                                                                                 d.options.keep_original_weights)))
+            elif any(isinstance(m, (FP8Linear, FP8Conv2d)) for m in module.modules()):
+                entries.append(self.already(name, "fp8 layers present, none left to convert"))
+            else:
+                kept = "; ".join(f"{n} {why}" for why, n in report.kept_by_reason().items())
+                entries.append(self.skipped(name, f"no eligible layers ({kept or 'no Linear/Conv2d layers'})"))
+        return entries
+
+    @staticmethod
+    def _undo(module, exact: bool) -> str:
+        n = len(restore_fp8(module))
+        return f"{n} fp8 layers back to plain ones ({'exact originals' if exact else 'dequantised: fp8 rounding stays'})"

@@ -1,0 +1,55 @@
+"""Every private upstream name pyext uses resolves in the installed diffusers/accelerate/torch.
+
+A rename upstream fails here, by name, instead of silently turning a technique off."""
+import torch
+
+from pyext import _compat
+
+
+def test_private_names_resolve():
+    assert _compat.check_names() == {}
+    assert _compat.SDPA is torch.nn.functional.scaled_dot_product_attention
+
+
+def test_private_attributes_are_where_pyext_reads_them(tmp_path):
+    import accelerate
+    from diffusers import AutoencoderKL
+
+    from pyext.offline import build_pipeline
+
+    pipe = build_pipeline("sd15", "tiny")
+    pipe.enable_model_cpu_offload(device="cpu")
+    assert _compat.pipeline_model_hooks(pipe) and _compat.pipeline_offload_device(pipe) is not None
+    assert _compat.has_accelerate_hook(pipe.unet) and hasattr(pipe.unet, _compat.ACCELERATE_OLD_FORWARD)
+    pipe.remove_all_hooks()
+    pipe.unet.enable_group_offload(onload_device="cpu", offload_type="block_level", num_blocks_per_group=1)
+    config = _compat.group_offload_config(pipe.unet)
+    assert config is not None and _compat.has_diffusers_hooks(pipe.unet)
+    _compat.remove_group_offload(pipe.unet)
+    assert _compat.group_offload_config(pipe.unet) is None
+    _compat.apply_group_offload(pipe.unet, config)
+    assert _compat.group_offload_config(pipe.unet) is not None
+    assert callable(getattr(AutoencoderKL, _compat.VAE_TILED_ENCODE))
+    conv = torch.nn.Conv2d(2, 2, 3, padding=1)
+    assert hasattr(conv, _compat.CONV_PADDING)
+    linear = torch.nn.Linear(2, 2)
+    linear.compile()
+    assert _compat.is_compiled_in_place(linear)
+    _compat.uncompile_in_place(linear)
+    assert not _compat.is_compiled_in_place(linear)
+    assert _compat.compiled_original(torch.compile(linear)) is linear
+    assert accelerate.__version__
+
+
+def test_model_metadata():
+    from diffusers import WanTransformer3DModel
+    from transformers import T5Config, T5EncoderModel
+
+    wan = WanTransformer3DModel(num_attention_heads=2, attention_head_dim=8, in_channels=4, out_channels=4,
+                                text_dim=16, freq_dim=16, ffn_dim=32, num_layers=1, rope_max_seq_len=32)
+    assert "time_embedder" in _compat.keep_in_fp32_modules(wan, torch.bfloat16)
+    assert _compat.keep_in_fp32_modules(wan, torch.float32) == []
+    assert "norm" in _compat.skip_layerwise_casting_patterns(wan)
+    t5 = T5EncoderModel(T5Config(d_model=16, d_ff=32, num_layers=1, num_heads=2, d_kv=8, vocab_size=64))
+    assert _compat.keep_in_fp32_modules(t5, torch.float16) == ["wo"]
+    assert _compat.keep_in_fp32_modules(t5, torch.bfloat16) == []  # transformers keeps them for fp16 only
