@@ -88,12 +88,20 @@ def apply_group_offload(module, config) -> None:
     _resolve("apply_group_offload_config")(module, config)
 
 
+def _with_sub_pipelines(pipe) -> list:
+    # Combined pipelines (Stable Cascade, Kandinsky) offload through their sub-pipelines,
+    # which keep the hooks and the device.
+    subs = [v for v in vars(pipe).values() if isinstance(getattr(v, "components", None), dict)]
+    return [pipe, *subs]
+
+
 def pipeline_model_hooks(pipe) -> list:
-    return getattr(pipe, PIPE_MODEL_HOOKS, None) or []
+    return [h for p in _with_sub_pipelines(pipe) for h in getattr(p, PIPE_MODEL_HOOKS, None) or []]
 
 
 def pipeline_offload_device(pipe):
-    return getattr(pipe, PIPE_OFFLOAD_DEVICE, None)
+    return next((d for p in _with_sub_pipelines(pipe) if (d := getattr(p, PIPE_OFFLOAD_DEVICE, None)) is not None),
+                None)
 
 
 # ----------------------------------------------------------------------------- attention

@@ -140,7 +140,7 @@ class _Layer:
             return
         mode = modes.pop()
         mode.__exit__(None, None, None)
-        no_sdpa = None if mode.sdpa_calls else f"no SDPA call ({_route_problem(module) or 'processor skipped it'})"
+        no_sdpa = None if mode.sdpa_calls else f"no SDPA call ({route_problem(module) or 'processor skipped it'})"
         self.count(no_sdpa, calls=1)
 
     def count(self, fallback: str | None = None, calls: int = 0, pyext: int = 0):
@@ -191,7 +191,7 @@ def _processor_kind(cls: type) -> str:
     return "sdpa" if "scaled_dot_product_attention" in source else "none"
 
 
-def _route_problem(module) -> str | None:
+def route_problem(module) -> str | None:
     """Why the layer's current processor cannot reach pyext, or None when it can."""
     processor = getattr(module, "processor", None)
     kind = _processor_kind(type(processor))
@@ -273,7 +273,7 @@ def _report(obj) -> AttentionReport:
         for name, module in layers.items():
             layer = _state.get(module, STATE)
             problem = "not patched (added after apply(); call apply() again)" if layer is None \
-                else _route_problem(module)
+                else route_problem(module)
             if problem:
                 comp.skipped[name] = problem
             else:

@@ -14,7 +14,7 @@ from dataclasses import dataclass, field
 import torch.nn as nn
 
 from pyext.families import Components, family_of
-from pyext.nn.fp8 import DEFAULT_SKIP, skip_patterns, skip_reason
+from pyext.nn.fp8 import DEFAULT_SKIP, layer_rules, skip_patterns
 from pyext.options import GB
 
 
@@ -85,12 +85,13 @@ def _weight_bytes(module: nn.Module, elem: int, patterns: tuple[str, ...]) -> tu
     Floating tensors count at `elem` bytes (the compute dtype); integer ones (fp8 codes and
     scale bits of layers already converted) at their own size."""
     total = fp8_total = largest_leaf = 0
+    eligible_layers = {name for name, _, why in layer_rules(module, patterns) if why is None}
     for name, sub in module.named_modules():
         own = list(sub.parameters(recurse=False)) + list(sub.buffers(recurse=False))
         size = sum(t.numel() * (elem if t.is_floating_point() else t.element_size()) for t in own)
         largest_leaf = max(largest_leaf, size)
         total += size
-        eligible = isinstance(sub, (nn.Linear, nn.Conv2d)) and skip_reason(name, sub, patterns) is None
+        eligible = name in eligible_layers
         # fp8: one byte per weight element plus an fp32 scale per output channel
         fp8_total += size - sub.weight.numel() * (elem - 1) + 4 * sub.weight.shape[0] if eligible else size
     return total, fp8_total, largest_leaf

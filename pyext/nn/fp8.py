@@ -85,7 +85,8 @@ class FP8Linear(_FP8Storage, nn.Linear):
         new.bias = linear.bias
         return new
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
+    def forward(self, input: torch.Tensor) -> torch.Tensor:  # nn.Linear's name: callers pass input=
+        x = input
         bias = self.bias
         if x.dtype != self.compute_dtype:
             x = x.to(self.compute_dtype)
@@ -137,7 +138,8 @@ class FP8Conv2d(_FP8Storage, nn.Conv2d):
         gives (out, in, kh, kw) codes."""
         self.weight.data = self.weight.data.contiguous(memory_format=torch.channels_last)
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
+    def forward(self, input: torch.Tensor) -> torch.Tensor:  # nn.Conv2d's name: callers pass input=
+        x = input
         if x.dtype != self.compute_dtype:
             x = x.to(self.compute_dtype)
         bias = self.bias if self.bias is None or self.bias.dtype == x.dtype else self.bias.to(x.dtype)
@@ -183,9 +185,19 @@ def skip_patterns(model: nn.Module, skip: tuple[str, ...] = DEFAULT_SKIP) -> tup
     return tuple(dict.fromkeys((*skip, *_compat.skip_layerwise_casting_patterns(model), *kept)))
 
 
-def skip_reason(name: str, module: nn.Module, patterns: tuple[str, ...]) -> str | None:
-    """Why a layer stays in full precision, or None when fp8 storage takes it. The one rule
-    shared by the converter and the memory planner (which sees models on the meta device)."""
+def layer_rules(model: nn.Module, patterns: tuple[str, ...]):
+    """(name, layer, why it stays in full precision or None) for every Linear/Conv2d of the model.
+    The one rule shared by the converter and the memory planner (which sees meta models)."""
+    # Pipelines read a model's dtype from its first parameter (next(prior.parameters()).dtype
+    # in Stable Cascade): the layer holding it keeps a floating weight.
+    first = next((n for n, _ in model.named_parameters()), "").rpartition(".")[0]
+    for name, module in model.named_modules():
+        if isinstance(module, (nn.Linear, nn.Conv2d)):
+            why = "holds the model's first parameter (its dtype is the model's)" if name == first else None
+            yield name, module, why or _skip_reason(name, module, patterns)
+
+
+def _skip_reason(name: str, module: nn.Module, patterns: tuple[str, ...]) -> str | None:
     if type(module) not in (nn.Linear, nn.Conv2d):
         return "already fp8" if isinstance(module, (FP8Linear, FP8Conv2d)) else "not a Linear/Conv2d"
     for pattern in patterns:
@@ -210,10 +222,7 @@ def quantize_fp8(model: nn.Module, skip: tuple[str, ...] = DEFAULT_SKIP, per_cha
     """
     report = FP8Report()
     patterns = skip_patterns(model, skip)
-    for name, module in list(model.named_modules()):
-        if not isinstance(module, (nn.Linear, nn.Conv2d)):
-            continue
-        reason = skip_reason(name, module, patterns)
+    for name, module, reason in list(layer_rules(model, patterns)):
         if reason is None and module.weight.device.type == "meta":
             reason = "weight is on the meta device (not loaded)"
         if reason:

@@ -21,6 +21,12 @@ def _kept_in_fp32(name: str, keep: list[str]) -> bool:
     return any(k in name.split(".") for k in keep)  # diffusers' loader rule: a whole name component
 
 
+def _floating_tensors(module: nn.Module):
+    for name, t in (*module.named_parameters(remove_duplicate=False), *module.named_buffers(remove_duplicate=False)):
+        if t.is_floating_point():
+            yield name, t
+
+
 class DType(Technique):
     """Cast every component to the compute dtype, keeping the modules the model's own loader
     keeps in fp32 (`_keep_in_fp32_modules`: Wan's time embedder and norms, T5's `wo` in fp16)."""
@@ -40,7 +46,9 @@ class DType(Technique):
         changes = {n: dt for n, dt in target.items() if before[n] != dt}
         if not changes:
             return self.already(name, str(dtype))
-        saved = {k: v.detach().to("cpu", copy=True) for k, v in module.state_dict().items()} if keep_original else None
+        # Every floating tensor, non-persistent buffers too (rotary frequencies, PixArt's pos_embed):
+        # state_dict() would miss those, and their bf16 rounding would survive the restore.
+        saved = {n: t.detach().to("cpu", copy=True) for n, t in _floating_tensors(module)} if keep_original else None
         for sub_name, dt in changes.items():
             _compat.cast_own_tensors(module.get_submodule(sub_name), dt)
         kept = sorted({n for n, dt in target.items() if dt != dtype})
@@ -55,7 +63,9 @@ class DType(Technique):
             _compat.cast_own_tensors(module.get_submodule(sub_name), dt)
         if saved is None:
             return "cast back (values keep the rounding of the compute dtype)"
-        module.load_state_dict(saved)
+        with torch.no_grad():
+            for name, tensor in _floating_tensors(module):
+                tensor.copy_(saved[name])
         return "cast back, original values reloaded (exact)"
 
 
