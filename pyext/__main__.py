@@ -48,16 +48,19 @@ def print_plans(archs, budgets) -> None:
     import torch
 
     from pyext import offline, planner
+    from pyext.families import find_components
+    from pyext.options import parse_bytes
 
     print("| arch | resolution | weights bf16 | " + " | ".join(budgets) + " |")
     print("|---|---|---|" + "---|" * len(budgets))
     for arch in archs:
-        pipe = offline.build_pipeline(arch, "full", dtype=torch.bfloat16, device="meta")
+        components = find_components(offline.build_pipeline(arch, "full", dtype=torch.bfloat16, device="meta"))
         res = 512 if arch == "sd15" else 1024
-        weights = sum(c.weight_bytes for c in planner.component_sizes(pipe, res, res)) / planner.GB
+        geo = planner.Geometry(res, res)
+        weights = sum(c.weight_bytes for c in planner.component_sizes(components, geo)) / planner.GB
         cells = []
         for budget in budgets:
-            p = planner.plan(pipe, planner.parse_bytes(budget), res, res)
+            p = planner.plan(components, geo, parse_bytes(budget))
             cells.append(f"{p.name} ({p.peak_bytes / planner.GB:.1f} GB{'' if p.fits else ', over'})")
         print(f"| {arch} | {res}x{res} | {weights:.1f} GB | " + " | ".join(cells) + " |")
 

@@ -169,7 +169,7 @@ def peak_bytes(sizes: list[ComponentSize], geo: Geometry, fp8: str, offload: str
 
     def act(c):
         if c.role == "vae" and vae_tiling:  # one tile (of every frame, for video VAEs)
-            return c.activation_bytes * min(1.0, TILE_PX**2 / (geo.height * geo.width))
+            return c.activation_bytes * min(TILE_PX**2, geo.height * geo.width) // (geo.height * geo.width)
         return c.activation_bytes
 
     if offload == "off":
@@ -189,7 +189,7 @@ def plan(components: Components, geo: Geometry, budget_bytes: int | None, elem: 
         for tiling in (False, True):
             if offload != "off" and not allow_offload:
                 continue
-            peak = int(peak_bytes(sizes, geo, fp8, offload, tiling))
+            peak = peak_bytes(sizes, geo, fp8, offload, tiling)
             label = name + ("+vae_tiling" if tiling else "")
             considered.append((label, peak))
             if budget_bytes is None or peak <= budget_bytes:

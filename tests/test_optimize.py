@@ -312,3 +312,49 @@ def test_fp8_shards_save_and_load(tmp_path):
     e = torch.randn(2, 77, unet.config.cross_attention_dim, dtype=torch.bfloat16)
     with torch.no_grad():
         assert torch.equal(unet(x, 10, e).sample, loaded(x, 10, e).sample)
+
+
+def test_planner_knows_frames_compression_and_every_denoiser():
+    from pyext.families import find_components, vae_compression
+
+    wan = build_pipeline("wan22", "tiny")
+    comps = find_components(wan)
+    assert list(comps.denoisers) == ["transformer", "transformer_2"]  # the loop's order, both experts
+    spatial, temporal = vae_compression(wan)
+    assert temporal == 4
+    one, many = (planner.Geometry(64, 64, frames, spatial, temporal) for frames in (1, 81))
+    assert many.latent_frames == 21 and one.latent_frames == 1
+    sizes = {c.name: c for c in planner.component_sizes(comps, many)}
+    assert sizes["transformer_2"].role == "denoiser"
+    small = {c.name: c for c in planner.component_sizes(comps, one)}
+    tokens = lambda g: g.latent_frames * (64 // spatial // 2) ** 2 + g.text_tokens  # noqa: E731 (patch 2)
+    assert sizes["transformer"].activation_bytes * tokens(one) == small["transformer"].activation_bytes * tokens(many)
+    assert sizes["vae"].activation_bytes == 81 * small["vae"].activation_bytes
+    resident = planner.peak_bytes(list(sizes.values()), many, "off", "off", False)
+    assert resident >= sizes["transformer"].weight_bytes + sizes["transformer_2"].weight_bytes
+    sana = build_pipeline("sana", "tiny")  # DC-AE: 32x in the real SANA, 2**(levels-1) as the pipeline says
+    assert vae_compression(sana) == (2 ** (len(sana.vae.config.encoder_block_out_channels) - 1), 1)
+
+
+@pytest.mark.parametrize("arch,kind", [("sd15", "pyext tiling"), ("sana", "diffusers' tiling")])
+def test_vae_tiling_auto_only_when_the_budget_needs_it(arch, kind):
+    from pyext.decision import decide
+    from pyext.options import OptimizeOptions
+
+    pipe = build_pipeline(arch, "tiny")
+    pyext.optimize(pipe, dtype="keep", attention="off")
+    entry = next(e for e in pyext.report(pipe).entries if e.technique == "vae_tiling")
+    assert entry.status == "skipped" and "no memory budget" in entry.detail
+    assert not pipe.vae.use_tiling  # images stay exactly the untiled decode
+    pyext.restore(pipe)
+    d = decide(pipe, OptimizeOptions(height=1024, width=1024))
+    sizes = planner.component_sizes(d.components, d.geometry, 4)
+    untiled, tiled = (planner.peak_bytes(sizes, d.geometry, "off", "off", t) for t in (False, True))
+    assert tiled < untiled
+    pyext.optimize(pipe, dtype="keep", attention="off", fp8="off", height=1024, width=1024,
+                   memory_budget=(tiled + untiled) // 2)
+    entry = next(e for e in pyext.report(pipe).entries if e.technique == "vae_tiling")
+    assert entry.status == "applied" and kind in entry.detail and "would not fit" in entry.detail
+    assert pipe.vae.use_tiling
+    pyext.restore(pipe)
+    assert not pipe.vae.use_tiling
