@@ -7,40 +7,72 @@ configs in pyext/configs/<arch>_<size>.json and builds the models from them:
     pipe = pyext.offline.build_pipeline("sd15", "tiny")       # a few M params, CPU-fast
     pipe = pyext.offline.build_pipeline("sd15", "full")       # the real SD1.5 shapes (1.07B)
     pipe = pyext.offline.build_pipeline("flux", "full", dtype=torch.bfloat16)
+    out = pyext.offline.run_example(pipe, "sd15")             # (1, 3, 64, 64), floats in [0, 1]
+
+Archs and sizes (SIZES). Every arch has "tiny": < 5M parameters, the real component types,
+a 2-step example in seconds on a CPU. Images: sd15, sdxl, sd3, flux, sana, pixart_sigma,
+auraflow, lumina2, qwenimage, chroma, stable_cascade (prior + decoder + VQGAN). Videos:
+cogvideox, wan21, wan22 (two transformers split at Wan 2.2 A14B's boundary_ratio), ltx,
+hunyuanvideo, animatediff. sd15, sdxl, sd3 and flux also have "full", the published shapes.
+cogvideox has "bench": CogVideoX-2b's transformer (1.69B) and VAE with a T5 text encoder of
+T5-XXL's width cut to 2 of its 24 layers, so that the whole pipeline is ~2.4B parameters
+(~10 GB in fp32); its example, a short low-resolution clip, takes minutes on a 2-core CPU in
+float32 (bfloat16 is far slower on CPUs without native bf16 arithmetic).
+
+A config's "call" holds its example's keyword arguments (size, frames, text length), since
+the pipelines' signatures differ; `run_example` adds prompt, steps, seed and output type and
+returns images as (N, C, H, W) and videos as (N, F, C, H, W).
 
 The images are noise-like: the weights are random. `load_pipeline` loads real
 weights (a local folder, or a hub id the user can reach) for real images.
 
-Tokenizers are generated, not downloaded: CLIP gets a byte-level vocabulary
-(every byte alone and with "</w>", no merges), T5 a character-level Unigram
-vocabulary. Token ids therefore differ from the real tokenizers; the shapes that
-reach the models (77 CLIP positions, T5 sequence length) do not.
+Tokenizers are generated, not downloaded: token ids differ from the real tokenizers, the
+shapes that reach the models do not. CLIP gets a byte-level vocabulary (every byte alone and
+with "</w>", no merges); T5 (standing in for UMT5 too) a character-level Unigram vocabulary;
+Gemma characters with byte fallback. Qwen2 and Llama 3 get a byte-level BPE whose merges make
+whole tokens of the words listed in the config: the words of the pipeline's fixed prompt
+template (and of the example prompt), so the template has as many tokens as with the real
+tokenizer and the pipelines' hard-coded template lengths (Qwen-Image drops 34 tokens,
+HunyuanVideo 95) cut where they should.
 """
 from __future__ import annotations
 
 import contextlib
+import inspect
 import json
 import os
 import string
+import sys
 import tempfile
 import zlib
+from collections import Counter
 from importlib import resources
 
 import torch
 
 from pyext.dispatch import PyextError
 
-ARCHS = ("sd15", "sdxl", "sd3", "flux")
-SIZES = ("tiny", "full")
+SIZES = {
+    "sd15": ("tiny", "full"), "sdxl": ("tiny", "full"), "sd3": ("tiny", "full"), "flux": ("tiny", "full"),
+    "cogvideox": ("tiny", "bench"), "wan21": ("tiny",), "wan22": ("tiny",), "ltx": ("tiny",),
+    "hunyuanvideo": ("tiny",), "animatediff": ("tiny",), "sana": ("tiny",), "pixart_sigma": ("tiny",),
+    "auraflow": ("tiny",), "lumina2": ("tiny",), "qwenimage": ("tiny",), "chroma": ("tiny",),
+    "stable_cascade": ("tiny",),
+}
+ARCHS = tuple(SIZES)
+PROMPT = "a photo of an astronaut riding a horse on mars"
 # Full Flux is 16.8B parameters (12B transformer + 4.8B T5): 67 GB in fp32. Building it needs
 # an explicit 16-bit dtype or device="meta", so a default call cannot exhaust a machine's memory.
 _FP32_REFUSED = {("flux", "full")}
 
 
 def load_config(arch: str, size: str = "tiny") -> dict:
-    """The bundled config of one arch/size: {"pipeline", "extra", "components": {name: {"class", "config"}}}."""
-    if arch not in ARCHS or size not in SIZES:
-        raise PyextError(f"pyext.offline: unknown arch/size {arch!r}/{size!r}; supported archs {ARCHS}, sizes {SIZES}")
+    """The bundled config of one arch/size:
+    {"pipeline", "extra", "call", "components": {name: {"class", "config"}}}."""
+    if arch not in SIZES:
+        raise PyextError(f"pyext.offline: unknown arch {arch!r} (size {size!r}); supported archs {ARCHS}")
+    if size not in SIZES[arch]:
+        raise PyextError(f"pyext.offline: no size {size!r} for arch {arch!r}; it has {SIZES[arch]}")
     text = resources.files("pyext").joinpath("configs", f"{arch}_{size}.json").read_text()
     return json.loads(text)
 
@@ -83,11 +115,93 @@ def _t5_tokenizer(config: dict):
     return T5Tokenizer(vocab=pieces, extra_ids=0, **config)
 
 
-_TOKENIZERS = {"CLIPTokenizer": _clip_tokenizer, "T5Tokenizer": _t5_tokenizer}
+def _gemma_tokenizer(config: dict):
+    from transformers import GemmaTokenizer
+
+    # Specials at Gemma's ids (pad 0, eos 1, bos 2, unk 3), the 256 byte-fallback pieces, then
+    # characters: no merges, so every character is a token and any other one falls back to bytes.
+    chars = "\u2581" + string.ascii_letters + string.digits + string.punctuation
+    vocab = {s: i for i, s in enumerate(("<pad>", "<eos>", "<bos>", "<unk>", "<mask>"))}
+    vocab.update({f"<0x{b:02X}>": len(vocab) + b for b in range(256)})
+    vocab.update({c: len(vocab) + i for i, c in enumerate(chars)})
+    return GemmaTokenizer(vocab=vocab, add_bos_token=True, **config)
+
+
+def _word_bpe(words: list[str]) -> tuple[dict, list]:
+    """Byte-level BPE vocabulary and merges under which each of `words`, alone or after a space,
+    is a single token; any other text falls back to single bytes.
+
+    The merges are learnt BPE-style (most frequent pair first, ties broken by the pair itself,
+    so it is deterministic) until every word is one symbol: encoding replays the merges in the
+    same order, which gives each word back as one token.
+    """
+    symbols = _byte_symbols()
+    words = [[symbols[b] for b in form.encode()] for form in dict.fromkeys(f for w in words for f in (w, " " + w))]
+    merges = []
+    while pairs := Counter(p for w in words for p in zip(w, w[1:])):
+        a, b = max(pairs, key=lambda p: (pairs[p], p))
+        merges.append((a, b))
+        for w in words:
+            i = 0
+            while i < len(w) - 1:
+                if w[i] == a and w[i + 1] == b:
+                    w[i:i + 2] = [a + b]
+                i += 1
+    vocab = {s: i for i, s in enumerate(symbols)}
+    for a, b in merges:
+        vocab.setdefault(a + b, len(vocab))
+    return vocab, merges
+
+
+def _qwen2_tokenizer(config: dict):
+    from transformers import Qwen2Tokenizer
+
+    config = dict(config)
+    vocab, merges = _word_bpe(config.pop("words"))
+    chat = ["<|im_start|>", "<|im_end|>"]  # the chat-template markers Qwen-Image's prompt template uses
+    vocab.update({t: len(vocab) + i for i, t in enumerate(["<|endoftext|>", *chat])})
+    # Specials as Qwen2.5-VL has them: pad (and unk) <|endoftext|>, eos <|im_end|>.
+    return Qwen2Tokenizer(vocab=vocab, merges=merges, eos_token="<|im_end|>", extra_special_tokens=chat, **config)
+
+
+# Llama 3's pre-tokenizer split: letters runs with one leading non-letter, digits in threes, ...
+_LLAMA3_SPLIT = (r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}{1,3}| ?[^\s\p{L}\p{N}]+[\r\n]*"
+                 r"|\s*[\r\n]+|\s+(?!\S)|\s+")
+
+
+def _llama3_tokenizer(config: dict):
+    """Llama 3's tokenizer kind (HunyuanVideo's text encoder is a Llama 3): byte-level BPE with
+    Llama 3's split and header/turn specials, <|begin_of_text|> prepended. transformers ships no
+    class for it (LlamaTokenizer is the SentencePiece kind), so it is a PreTrainedTokenizerFast,
+    whose tokenizer.json round-trips as is."""
+    from tokenizers import Regex, Tokenizer, decoders, models, pre_tokenizers, processors
+    from transformers import PreTrainedTokenizerFast
+
+    config = dict(config)
+    vocab, merges = _word_bpe(config.pop("words"))
+    bos, eos, pad = "<|begin_of_text|>", "<|end_of_text|>", "<pad>"
+    headers = ["<|start_header_id|>", "<|end_header_id|>", "<|eot_id|>"]
+    vocab.update({t: len(vocab) + i for i, t in enumerate([bos, eos, pad, *headers])})
+    backend = Tokenizer(models.BPE(vocab=vocab, merges=merges))
+    backend.pre_tokenizer = pre_tokenizers.Sequence([pre_tokenizers.Split(Regex(_LLAMA3_SPLIT), behavior="isolated"),
+                                                     pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False)])
+    backend.decoder = decoders.ByteLevel()
+    backend.post_processor = processors.TemplateProcessing(single=f"{bos} $A", pair=f"{bos} $A {bos} $B",
+                                                           special_tokens=[(bos, vocab[bos])])
+    return PreTrainedTokenizerFast(tokenizer_object=backend, bos_token=bos, eos_token=eos, pad_token=pad,
+                                   extra_special_tokens=headers, **config)
+
+
+# By the class name in the configs. In transformers 5 the "Fast" names are aliases of these
+# classes (T5TokenizerFast is T5Tokenizer), so UMT5/T5-fast pipelines use "T5Tokenizer".
+_TOKENIZERS = {"CLIPTokenizer": _clip_tokenizer, "T5Tokenizer": _t5_tokenizer, "GemmaTokenizer": _gemma_tokenizer,
+               "Qwen2Tokenizer": _qwen2_tokenizer, "PreTrainedTokenizerFast": _llama3_tokenizer}
 
 
 # ---------------------------------------------------------------- models
-def _build_component(name: str, cls_name: str, config: dict, dtype: torch.dtype, device: str, seed: int):
+def _build_component(name: str, cls_name: str, config: dict, dtype: torch.dtype, device: str, seed: int, home):
+    """One pipeline component; `home` is the pipeline's module, where classes that diffusers does
+    not export (Stable Cascade's PaellaVQModel) are found, as the pipeline imports them."""
     import diffusers
     import transformers
 
@@ -101,7 +215,7 @@ def _build_component(name: str, cls_name: str, config: dict, dtype: torch.dtype,
         if hasattr(transformers, cls_name):
             cls = getattr(transformers, cls_name)
             return cls(cls.config_class(**config)).eval()
-        return getattr(diffusers, cls_name)(**config).eval()
+        return (getattr(diffusers, cls_name, None) or getattr(home, cls_name))(**config).eval()
 
 
 @contextlib.contextmanager
@@ -118,13 +232,14 @@ def _construction(dtype: torch.dtype, device: str):
 
 def build_pipeline(arch: str, size: str = "tiny", dtype: torch.dtype = torch.float32, seed: int = 0,
                    device: str | torch.device = "cpu"):
-    """A diffusers pipeline of `arch` ("sd15", "sdxl", "sd3", "flux") with seeded random weights.
+    """A diffusers pipeline of `arch` (one of ARCHS) with seeded random weights.
 
     size "tiny": a few M parameters, same component types; "full": the published
-    architecture. Weights are created on the CPU from `seed` (each component from its own
-    seed, so they do not depend on build order) and then moved to `device`; the same
-    (arch, size, dtype, seed) gives the same weights everywhere. device="meta" builds shapes
-    only (parameter counts, memory planning) in no time and no memory.
+    architecture; "bench": a benchmark preset (SIZES says which arch has which). Weights
+    are created on the CPU from `seed` (each component from its own seed, so they do not
+    depend on build order) and then moved to `device`; the same (arch, size, dtype, seed)
+    gives the same weights everywhere. device="meta" builds shapes only (parameter counts,
+    memory planning) in no time and no memory.
     """
     import diffusers
 
@@ -135,9 +250,14 @@ def build_pipeline(arch: str, size: str = "tiny", dtype: torch.dtype = torch.flo
     if (arch, size) in _FP32_REFUSED and dtype == torch.float32 and not meta:
         raise PyextError(f"pyext.offline.build_pipeline: {arch}/{size} in float32 needs ~67 GB; "
                          "pass dtype=torch.bfloat16 (~34 GB) or device='meta'")
-    parts = {name: _build_component(name, comp["class"], comp["config"], dtype, "meta" if meta else "cpu", seed)
+    cls = getattr(diffusers, spec["pipeline"])
+    home = sys.modules[cls.__module__]
+    parts = {name: _build_component(name, comp["class"], comp["config"], dtype, "meta" if meta else "cpu", seed, home)
              for name, comp in spec["components"].items()}
-    pipe = getattr(diffusers, spec["pipeline"])(**parts, **spec["extra"])
+    # A pipeline may build modules of its own (AnimateDiff's UNetMotionModel from unet + motion
+    # adapter): on the same device and dtype, and without drawing from the caller's random stream.
+    with torch.random.fork_rng(devices=[]), _construction(dtype, "meta" if meta else "cpu"):
+        pipe = cls(**parts, **spec["extra"])
     pipe.set_progress_bar_config(disable=True)
     if not meta and str(device) != "cpu":
         pipe.to(device)
@@ -162,6 +282,23 @@ def load_pipeline(path_or_id: str, dtype: torch.dtype = torch.float32, device: s
     pipe = diffusers.DiffusionPipeline.from_pretrained(path_or_id, torch_dtype=dtype, **kwargs)
     pipe.set_progress_bar_config(disable=True)
     return pipe.to(device)
+
+
+def example_call(arch: str, size: str = "tiny") -> dict:
+    """The keyword arguments of `arch`'s example generation (size, frames, text length...), a copy;
+    empty (the pipeline's defaults) for a config without a "call", as the "full" ones."""
+    return load_config(arch, size).get("call", {})
+
+
+def run_example(pipe, arch: str, size: str = "tiny", steps: int = 2, seed: int = 0, **overrides) -> torch.Tensor:
+    """One generation of PROMPT with the config's example call: float in [0, 1], shaped (N, C, H, W)
+    for images and (N, F, C, H, W) for videos. `overrides` replace or add call arguments."""
+    params = inspect.signature(pipe.__call__).parameters
+    # Every denoising loop runs `steps` steps (Stable Cascade's prior has a loop of its own).
+    loops = {k: steps for k in ("num_inference_steps", "prior_num_inference_steps") if k in params}
+    kwargs = {"output_type": "pt", **loops, **example_call(arch, size), **overrides}
+    out = pipe(PROMPT, generator=torch.Generator().manual_seed(seed), **kwargs)
+    return (out.frames if hasattr(out, "frames") else out.images).float()
 
 
 def count_parameters(module: torch.nn.Module) -> int:
