@@ -1,6 +1,8 @@
 """Attention routing: SDPA calls of diffusers attention layers computed by pyext's kernel."""
 from __future__ import annotations
 
+from collections import Counter
+
 from pyext import _state, attention
 from pyext.techniques.base import Entry, Technique
 
@@ -40,7 +42,4 @@ class Attention(Technique):
 
 
 def _summary(skipped: dict) -> str:
-    reasons = {}
-    for why in skipped.values():
-        reasons[why] = reasons.get(why, 0) + 1
-    return "; ".join(f"{n} layers: {why}" for why, n in reasons.items())
+    return "; ".join(f"{n} layers: {why}" for why, n in Counter(skipped.values()).items())
