@@ -1,0 +1,47 @@
+"""bench.video end to end on the tiny preset (all rows, seconds on a CPU)."""
+import json
+import math
+import os
+import subprocess
+import sys
+
+import pytest
+
+from bench import video
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+
+
+@pytest.mark.slow
+def test_tiny_preset_reports_every_row(tmp_path):
+    subprocess.run([sys.executable, "-m", "bench.video", "--preset", "tiny", "--out", str(tmp_path)],
+                   cwd=ROOT, check=True, timeout=300, stdout=subprocess.DEVNULL)
+    report = json.loads((tmp_path / "video.json").read_text())
+    rows = report["rows"]
+    assert list(rows) == list(video.ROWS)
+    for name, row in rows.items():
+        if "latency_s" in row:
+            assert row["latency_s"] > 0 and math.isfinite(row["latency_s"]), name
+            assert set(row["stages_s"]) >= {"text_encoding", "denoising", "vae_decode"}, name
+            assert row["peak_memory_bytes"] > row["weight_bytes"] > 0, name
+            assert row["check"] == "ok", (name, row["check"])
+        else:
+            assert isinstance(row["reason"], str) and row["reason"], name
+    for name in ("original", "bf16", "diffusers_layerwise_fp8", "pyext_fp8"):  # nothing here may be missing
+        assert "latency_s" in rows[name], (name, rows[name])
+    # bf16 halves the text encoder and transformer (the VAE decodes in fp32; "about": the transformer's
+    # small float64 buffers become bf16 too); fp8 shrinks the transformer.
+    cast = {name: row["component_weight_bytes"]["text_encoder"] + row["component_weight_bytes"]["transformer"]
+            for name, row in rows.items() if "latency_s" in row}
+    assert cast["bf16"] == pytest.approx(cast["original"] / 2, rel=0.05)
+    bf16 = rows["bf16"]["component_weight_bytes"]["transformer"]
+    for name in ("diffusers_layerwise_fp8", "pyext_fp8", "pyext_optimize_fp8"):
+        if "latency_s" in rows[name]:
+            assert rows[name]["component_weight_bytes"]["transformer"] < bf16, name
+            assert rows[name]["weight_bytes"] < rows["bf16"]["weight_bytes"], name
+    assert rows["original"]["psnr_db"] == float("inf")  # the reference against itself
+    assert report["unrelated_psnr_db"] < report["min_psnr_db"]  # the threshold separates unrelated videos
+    md = (tmp_path / "video.md").read_text()
+    assert "random" in md
+    for name in video.ROWS:
+        assert f"| {name} |" in md
