@@ -153,3 +153,12 @@ def cast_own_tensors(module, dtype: torch.dtype) -> None:
     """Cast a module's own floating parameters and buffers, not its children's, through
     nn.Module._apply (so layers that track their dtype there, like pyext's fp8 layers, see it)."""
     module._apply(lambda t: t.to(dtype) if t.is_floating_point() else t, recurse=False)
+
+
+# ----------------------------------------------------------------------------- devices
+
+def cpu_has_native_bf16() -> bool:
+    """oneDNN computes bf16 natively here (AVX512-BF16 or AMX). Without it torch emulates bf16
+    GEMMs and convolutions, over 100x slower than fp32 ones (2-core AVX2: 4.8 s vs 0.04 s for
+    512x1920 @ 1920x1920)."""
+    return bool(torch.ops.mkldnn._is_mkldnn_bf16_supported())

@@ -13,9 +13,9 @@ from types import MappingProxyType
 import torch
 import torch.nn as nn
 
-from pyext import offload, planner
+from pyext import _compat, offload, planner
 from pyext.dispatch import PyextError
-from pyext.families import Components, Family, call_default, family_of, find_components, vae_compression
+from pyext.families import Components, call_default, family_of, find_components, vae_compression
 from pyext.options import OptimizeOptions
 from pyext.planner import Geometry, Plan
 
@@ -48,6 +48,16 @@ def check_pipeline(pipe, what: str = "pyext.optimize") -> None:
     if not isinstance(getattr(pipe, "components", None), dict):
         raise PyextError(f"{what}: expected a diffusers pipeline (an object with a .components dict), "
                          f"got {type(pipe).__name__}")
+
+
+def auto_dtype(device: torch.device, capability: tuple[int, int] | None = None) -> torch.dtype:
+    """What dtype="auto" computes in. CUDA: bf16 from sm_80 on (no activation overflow, as fp16
+    risks for Flux and SD3), fp16 below; `capability` overrides the GPU's (dry runs). CPU: bf16
+    only where oneDNN computes it natively, else fp32."""
+    if device.type == "cuda":
+        major, _ = capability or torch.cuda.get_device_capability(device)
+        return torch.bfloat16 if major >= 8 else torch.float16
+    return torch.bfloat16 if _compat.cpu_has_native_bf16() else torch.float32
 
 
 def device_of(module: nn.Module) -> torch.device:
@@ -96,8 +106,8 @@ def decide(pipe, opts: OptimizeOptions) -> Decision:
     families = {name: family_of(m) for name, m in denoisers.items()}
     if opts.dtype == "keep":
         dtype = None
-    elif opts.dtype == "auto":  # the family's trained 16-bit dtype on CUDA; CPUs compute bf16 natively
-        dtype = next(iter(families.values()), Family("none")).cuda_dtype if device.type == "cuda" else torch.bfloat16
+    elif opts.dtype == "auto":
+        dtype = auto_dtype(device)
     else:
         dtype = opts.dtype
     geo = _geometry(pipe, opts, first)

@@ -5,7 +5,7 @@ pipeline's loop calls them, conditioning encoders, VAEs, controlnets and adapter
 the modules are, never from a list of pipelines, so a pipeline pyext has never seen is
 handled. `family_of(denoiser)` gives the denoiser's Family: everything pyext can read off
 the model (conv-heavy or not, UNet or token activations) is derived; a descriptor in
-FAMILIES only states what cannot be derived (a trained dtype, trace support). Adding a
+FAMILIES only states what cannot be derived (trace support). Adding a
 family is one descriptor there, or nothing.
 """
 from __future__ import annotations
@@ -14,7 +14,6 @@ import inspect
 from dataclasses import dataclass, field, replace
 from types import MappingProxyType
 
-import torch
 import torch.nn as nn
 
 ROLES = ("denoiser", "text_encoder", "vae", "controlnet", "other")
@@ -27,8 +26,6 @@ class Family:
     channels_last: conv-heavy, so channels-last convolutions pay (derived: conv weights are at
         least a third of the model's).
     trace: torch.jit.trace of the denoiser is supported (the memory guide's traced UNet).
-    cuda_dtype: the 16-bit dtype `dtype="auto"` picks on CUDA: fp16 for the SD UNets, bf16
-        for models trained in bf16, whose activations overflow fp16 (Flux, SD3, video DiTs).
     activation: the planner's rule for peak activations, "unet" (feature maps) or "tokens".
     """
 
@@ -36,14 +33,12 @@ class Family:
     classes: tuple[str, ...] = ()
     channels_last: bool = False
     trace: bool = False
-    cuda_dtype: torch.dtype = torch.bfloat16
     activation: str = "tokens"
 
 
 # Only what differs from what `_derived` reads off a model.
 FAMILIES = (
-    Family("stable-diffusion-unet", ("UNet2DConditionModel",), trace=True, cuda_dtype=torch.float16),
-    Family("animatediff", ("UNetMotionModel",), cuda_dtype=torch.float16),
+    Family("stable-diffusion-unet", ("UNet2DConditionModel",), trace=True),
 )
 _BY_CLASS = MappingProxyType({cls: fam for fam in FAMILIES for cls in fam.classes})
 

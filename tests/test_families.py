@@ -2,7 +2,7 @@
 
 For each family (tiny random configs, generated tokenizers, 2 steps):
 - defaults give the output of the same pipeline after a plain `.to(torch.bfloat16)`, within
-  bf16 rounding: the RMS difference to it is at most twice what bf16 itself moves the fp32
+  bf16 rounding (defaults compute in bf16 where the CPU does so natively, else in fp32): the RMS difference to it is at most twice what bf16 itself moves the fp32
   output (plus 2e-3 for 8-bit output quantisation);
 - fp8="denoiser" converts layers in every denoiser and the output stays close to fp32
   (20 dB, or within 3 dB of plain bf16 where bf16 itself is below 23 dB);
@@ -16,6 +16,7 @@ import torch
 import pyext
 import pyext.nn.fp8 as fp8_module
 from pyext import attention, offline, offload
+from pyext.decision import auto_dtype
 from pyext.families import find_components
 
 ARCHS = offline.ARCHS
@@ -66,7 +67,11 @@ def test_defaults_match_plain_bf16_and_route_attention(arch):
     denoisers = find_components(pipe).denoisers
     assert denoisers, "no denoiser found"
     report = str(pyext.report(pipe))
-    assert set(denoisers) <= applied(pipe, "dtype"), report
+    if auto_dtype(torch.device("cpu")) != torch.float32:
+        assert set(denoisers) <= applied(pipe, "dtype"), report
+    else:  # no bf16 weight anywhere
+        assert all(p.dtype == torch.float32 for m in denoisers.values() for p in m.parameters()
+                   if p.is_floating_point()), report
     assert_within_bf16_rounding(offline.run_example(pipe, arch), arch, report)
     status = attention.status(pipe)["components"]
     for name, module in find_components(pipe).modules.items():
@@ -109,7 +114,7 @@ def test_model_offload_in_either_order(arch, order):
     pipe = offline.build_pipeline(arch)
     if order == "offload_first":
         pipe.enable_model_cpu_offload(device="cpu")
-    pyext.optimize(pipe)
+    pyext.optimize(pipe, dtype=torch.bfloat16)  # the cast path on every family, whatever the CPU
     if order == "optimize_first":
         pipe.enable_model_cpu_offload(device="cpu")
     assert offload.detect(pipe).mode == "model"

@@ -39,7 +39,8 @@ COMBOS = {
     "lossless": (LOSSLESS, 1e-3),
     "lossless_channels_last": (dict(LOSSLESS, channels_last="on"), 1e-3),
     "lossless_no_attention": (dict(LOSSLESS, attention="off"), 1e-3),
-    "default_bf16": ({}, 25.0),
+    "defaults": ({}, 25.0),
+    "bf16": (dict(dtype=torch.bfloat16), 25.0),
     "fp8_denoiser": (dict(dtype="keep", fp8="denoiser"), 25.0),
     "fp8_all_bf16": (dict(fp8="all"), 22.0),
 }
@@ -101,12 +102,12 @@ def test_trace_skips_sdxl_with_reason():
 def test_report_restore_and_idempotence(arch, references):
     pipe = build_pipeline(arch, "tiny")
     original_types = {n: type(m) for n, m in pipe.unet.named_modules()} if arch == "sd15" else None
-    pyext.optimize(pipe, fp8="denoiser", keep_original_weights=True)
+    pyext.optimize(pipe, dtype=torch.bfloat16, fp8="denoiser", keep_original_weights=True)
     first = pyext.report(pipe)
     assert {"dtype", "fp8", "attention"} <= {e.technique for e in first.entries if e.status == "applied"}
     assert "weights:" in str(first)
     once = generate(pipe)
-    pyext.optimize(pipe, fp8="denoiser", keep_original_weights=True)  # second call: nothing new
+    pyext.optimize(pipe, dtype=torch.bfloat16, fp8="denoiser", keep_original_weights=True)  # second call: nothing new
     again = pyext.report(pipe).entries[len(first.entries):]
     assert again and not [e for e in again if e.status == "applied"]
     np.testing.assert_array_equal(generate(pipe), once)
@@ -358,3 +359,16 @@ def test_vae_tiling_auto_only_when_the_budget_needs_it(arch, kind):
     assert pipe.vae.use_tiling
     pyext.restore(pipe)
     assert not pipe.vae.use_tiling
+
+
+def test_force_upcast_vae_decodes_as_diffusers_does():
+    """In fp16, SDXL's pipeline decodes with its force_upcast VAE cast to fp32; optimize keeps that
+    (the VAE stays the pipeline's to cast), so images match the plain fp16 pipeline's."""
+    plain = build_pipeline("sdxl", "tiny").to(torch.float16)
+    pipe = pyext.optimize(build_pipeline("sdxl", "tiny"), dtype=torch.float16)
+    assert pipe.vae.config.force_upcast and pipe.vae.dtype == torch.float16
+    decoded_in = []
+    pipe.vae.decoder.register_forward_pre_hook(lambda m, args: decoded_in.append(args[0].dtype))
+    out = generate(pipe)
+    assert decoded_in == [torch.float32]
+    assert psnr(out, generate(plain)) > 40, "fp16 with the upcast decode must match plain diffusers"
