@@ -1,4 +1,4 @@
-"""`python -m pyext info [--json]`: the build, the device, and every op's backends with reasons."""
+"""`python -m pyext`: info (build, device, backends, dispatch decisions), plan, support, kernels."""
 from __future__ import annotations
 
 import argparse
@@ -25,7 +25,26 @@ def collect() -> dict:
         "cuda_available": cuda,
         "cuda_device": torch.cuda.get_device_name(0) if cuda else "",
         "ops": {dev: dispatch.status(dev) for dev in devices},
+        "dispatch_mode": {dev: _mode(dev) for dev in devices},
+        "dispatch_cache": dispatch.cache_dir(),
+        "decisions": dispatch.decisions(),
+        "unusable": dispatch.unusable(),
     }
+
+
+def _mode(device: str) -> str:
+    from pyext import dispatch
+
+    try:
+        return dispatch.mode(torch_device(device))
+    except dispatch.PyextError as err:
+        return str(err)
+
+
+def torch_device(name: str):
+    import torch
+
+    return torch.device(name)
 
 
 def print_text(info: dict) -> None:
@@ -41,28 +60,60 @@ def print_text(info: dict) -> None:
                 mark = "yes" if row["available"] else "no "
                 why = f"  ({row['reason']})" if row["reason"] else ""
                 print(f"  {op:<14} {row['backend']:<10} {mark}{why}")
+    print(f"\ndispatch: {', '.join(f'{d} {m}' for d, m in info['dispatch_mode'].items())} "
+          f"(PYEXT_DISPATCH); cache {info['dispatch_cache']}")
+    for d in info["decisions"]:
+        timings = ", ".join(f"{b} {t * 1e3:.3g} ms" for b, t in sorted(d["timings"].items(), key=lambda x: x[1]))
+        print(f"  {d['device']}: {d['op']} {d['key']} -> {d['backend']} ({timings})")
+    for u in info["unusable"]:
+        print(f"  unusable on {u['device']}: {u['op']} {u['backend']}: {u['reason']}")
 
 
-def print_plans(archs, budgets) -> None:
-    """Plans for the full architectures (built on the meta device: shapes only, nothing allocated)."""
+def plans(archs, budgets, device: str, capability) -> list[dict]:
+    """Plans for the full architectures (built on the meta device: shapes only, nothing allocated),
+    with the dtype dtype="auto" picks on `device` (a GPU of `capability` for cuda: a dry run)."""
     import torch
 
     from pyext import offline, planner
+    from pyext.decision import auto_dtype
     from pyext.families import find_components
     from pyext.options import parse_bytes
 
-    print("| arch | resolution | weights bf16 | " + " | ".join(budgets) + " |")
-    print("|---|---|---|" + "---|" * len(budgets))
+    dtype = auto_dtype(torch.device(device), capability)
+    elem = torch.tensor([], dtype=dtype).element_size()
+    rows = []
     for arch in archs:
-        components = find_components(offline.build_pipeline(arch, "full", dtype=torch.bfloat16, device="meta"))
+        components = find_components(offline.build_pipeline(arch, "full", dtype=dtype, device="meta"))
         res = 512 if arch == "sd15" else 1024
         geo = planner.Geometry(res, res)
-        weights = sum(c.weight_bytes for c in planner.component_sizes(components, geo)) / planner.GB
-        cells = []
+        weights = sum(c.weight_bytes for c in planner.component_sizes(components, geo, elem))
+        row = {"arch": arch, "device": device, "capability": capability, "dtype": str(dtype).removeprefix("torch."),
+               "resolution": f"{res}x{res}", "weight_bytes": weights, "plans": {}}
         for budget in budgets:
-            p = planner.plan(components, geo, parse_bytes(budget))
-            cells.append(f"{p.name} ({p.peak_bytes / planner.GB:.1f} GB{'' if p.fits else ', over'})")
-        print(f"| {arch} | {res}x{res} | {weights:.1f} GB | " + " | ".join(cells) + " |")
+            p = planner.plan(components, geo, parse_bytes(budget), elem, allow_offload=device != "cpu")
+            row["plans"][budget] = {"plan": p.name, "peak_bytes": p.peak_bytes, "fits": p.fits}
+        rows.append(row)
+    return rows
+
+
+def print_plans(rows, budgets) -> None:
+    from pyext.planner import GB
+
+    print("| arch | dtype | resolution | weights | " + " | ".join(budgets) + " |")
+    print("|---|---|---|---|" + "---|" * len(budgets))
+    for row in rows:
+        cells = [f"{p['plan']} ({p['peak_bytes'] / GB:.1f} GB{'' if p['fits'] else ', over'})"
+                 for p in row["plans"].values()]
+        print(f"| {row['arch']} | {row['dtype']} | {row['resolution']} | {row['weight_bytes'] / GB:.1f} GB | "
+              + " | ".join(cells) + " |")
+
+
+def print_kernels(entries: list[dict]) -> None:
+    print("| kernel | variant | config | arch | default | registers | spills | shared | error |")
+    print("|---|---|---|---|---|---|---|---|---|")
+    for e in entries:
+        print(f"| {e['kernel']} | {e['variant']} | {e['config']} | {e['arch']} | {'yes' if e['default'] else ''} | "
+              f"{e['registers']} | {e['spill_bytes']} | {e['shared_bytes']} | {e['error'][:80]} |")
 
 
 def print_support(archs) -> None:
@@ -111,6 +162,14 @@ def main(argv=None) -> int:
     plan = sub.add_parser("plan", help="what the memory planner picks per architecture and budget")
     plan.add_argument("--arch", nargs="+", default=["sd15", "sdxl", "sd3", "flux"])
     plan.add_argument("--budgets", nargs="+", default=["4GB", "8GB", "16GB", "24GB"])
+    plan.add_argument("--device", default="cuda", choices=["cuda", "cpu"])
+    plan.add_argument("--capability", default="9.0", help="the GPU's compute capability (cuda only), e.g. 8.0")
+    plan.add_argument("--json", action="store_true")
+    kernels = sub.add_parser("kernels", help="compile every GPU kernel config for sm_80/sm_90 (no GPU needed)")
+    kernels.add_argument("--json", action="store_true")
+    kernels.add_argument("--everything", action="store_true",
+                         help="every config of every head dim and dtype (default: the CI test's subset)")
+    kernels.add_argument("--jobs", type=int)
     support = sub.add_parser("support", help="the support matrix, from the tiny offline pipelines (a few minutes)")
     support.add_argument("--arch", nargs="+")
     args = parser.parse_args(argv)
@@ -120,8 +179,19 @@ def main(argv=None) -> int:
         print_support(args.arch or offline.ARCHS)
         return 0
     if args.command == "plan":
-        print_plans(args.arch, args.budgets)
+        capability = tuple(int(x) for x in args.capability.split(".")) if args.device == "cuda" else None
+        rows = plans(args.arch, args.budgets, args.device, capability)
+        json.dump(rows, sys.stdout, indent=1) if args.json else print_plans(rows, args.budgets)
         return 0
+    if args.command == "kernels":
+        from pyext.kernels import compile_check
+
+        entries = compile_check.check_all(everything=args.everything, jobs=args.jobs)
+        json.dump(entries, sys.stdout, indent=1) if args.json else print_kernels(entries)
+        problems = compile_check.problems(entries)
+        for problem in problems:
+            print(problem, file=sys.stderr)
+        return 1 if problems else 0
     data = collect()
     if args.json:
         json.dump(data, sys.stdout, indent=2, default=str)

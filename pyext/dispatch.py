@@ -1,17 +1,42 @@
-"""Backend selection for pyext ops, in the manner of xformers' fmha dispatch.
+"""Backend selection for pyext ops, in the manner of xformers' fmha dispatch: measured and self-checked.
 
-Each op has an ordered list of backends. A backend declares whether it can run in
-this process at all (`unavailable()` returns a reason or None), whether it can
-take a given input (`reasons(*args)` returns a list of reasons, empty when it can),
-and why automatic choice should pass it by although it could run (`advisory(*args)`:
-"slower than sdpa here", "the interpreter is for tests"); forcing it overrides those.
-`select` picks the first backend that can, or honours a forced one, and otherwise
-raises one error that shows the input and every backend's reasons.
+Each op has an ordered list of backends. A backend declares whether it can run in this
+process at all (`unavailable()` returns a reason or None), whether it can take an input
+(`reasons(*args)`: a list of reasons, empty when it can), why automatic choice never picks
+it although it could run (`advisory(*args)`: "the interpreter is for tests"), and a speed
+rule measured elsewhere that only the static order follows (`slower(*args)`). Forcing a
+backend by name overrides advisory, slower and the self-check.
+
+Automatic choice has two modes (`PYEXT_DISPATCH=measured|static`):
+- static, the default on CPU: the first backend in registration order that can take the
+  input and that neither `advisory` nor `slower` passes by. The CPU orders come from
+  measurements (bench/attention.py, bench/fp8.py), and measuring at run time costs a CPU far
+  more than it gains (README, "Dispatch").
+- measured, the default on CUDA: for each key (op, device name, dtypes, shape bucket) the
+  first call times every backend that can take the input (a warm-up, then a few timed runs;
+  CUDA events on a GPU), keeps the fastest, and caches the choice in memory and in a JSON
+  file per device (`cache_dir()`), invalidated when the pyext, torch or Triton version
+  changes. Nothing is measured while torch.compile traces or a CUDA graph is captured: the
+  cached choice, else the static one, is used there.
+
+Self-check, in both modes: before a backend is first chosen automatically for an op on a
+device and variant (dtype, head dim, ...), it runs once on a small input of that variant
+(`Op.sample`) and its result is compared with the op's reference backend (`Op.close`). A
+backend that raises or misses the tolerance is marked unusable on that device, with its
+reason (`unusable()`, `python -m pyext info`), and choice moves on; so is one that raises
+at run time, and the call is retried on the next backend. An untested kernel therefore
+never crashes a pipeline or gives it a wrong answer.
 """
 from __future__ import annotations
 
-from dataclasses import dataclass, field
-from typing import Callable
+import importlib.metadata
+import json
+import os
+import re
+import threading
+import time
+from dataclasses import dataclass, field, replace
+from typing import Any, Callable
 
 import torch
 
@@ -20,21 +45,65 @@ class PyextError(ValueError):
     """Bad input to a pyext op, or no backend that can run it."""
 
 
+def _no_reasons(*args) -> list[str]:
+    return []
+
+
 @dataclass
 class Backend:
     name: str
     run: Callable
-    reasons: Callable[..., list[str]] = lambda *args: []
+    reasons: Callable[..., list[str]] = _no_reasons
     unavailable: Callable[[], str | None] = lambda: None
-    advisory: Callable[..., list[str]] = lambda *args: []
+    advisory: Callable[..., list[str]] = _no_reasons
     devices: tuple[str, ...] = ("cpu", "cuda")
     doc: str = ""
+    slower: Callable[..., list[str]] = _no_reasons
+    timed: bool = True  # measured mode may time it (False: the naive reference, O(seq^2) memory)
+
+
+def _first_tensor(args) -> torch.Tensor | None:
+    return next((a for a in args if isinstance(a, torch.Tensor)), None)
+
+
+def default_variant(args) -> tuple:
+    """Self-check key: the dtype and last dimension of the first tensor (a head dim, an in-features)."""
+    t = _first_tensor(args)
+    return () if t is None else (str(t.dtype).removeprefix("torch."), t.shape[-1] if t.dim() else 0)
+
+
+def _bucket_dim(n: int) -> int:
+    return n if n <= 256 else 1 << (n - 1).bit_length()  # small dims exact (kernels specialise on them)
+
+
+def default_bucket(args) -> tuple:
+    """Measurement key: every tensor's dtype and shape, dims above 256 rounded up to a power of two."""
+    return tuple((str(a.dtype).removeprefix("torch."), tuple(_bucket_dim(n) for n in a.shape))
+                 if isinstance(a, torch.Tensor) else a for a in args if isinstance(a, (torch.Tensor, bool, int, str)))
 
 
 @dataclass
 class Op:
+    """An op's backends and what its self-check and measurement need (set by `define`).
+
+    sample(args) -> small args of the same variant, on the same device (None: no self-check);
+        the check runs backend and reference each on a copy, so an op whose reference is cheap
+        may return args itself;
+    close(out, ref, args) -> None when `out` matches the reference's `ref`, else the reason;
+    output(args, returned) -> the result to compare (an out= op returns None and writes args);
+    pure: the op reads its inputs only, so measurement may run it repeatedly on them and a
+        failed run may be retried on another backend.
+    """
+
     name: str
     backends: list[Backend] = field(default_factory=list)
+    reference: str = "reference"
+    sample: Callable | None = None
+    close: Callable | None = None
+    output: Callable = lambda args, returned: returned
+    variant: Callable = default_variant
+    bucket: Callable = default_bucket
+    pure: bool = True
 
 
 _OPS: dict[str, Op] = {}
@@ -48,6 +117,15 @@ def register(op_name: str, backend: Backend) -> None:
     op.backends.append(backend)
 
 
+def define(op_name: str, **fields) -> None:
+    """Set an op's self-check and measurement fields (see Op)."""
+    op = _OPS.setdefault(op_name, Op(op_name))
+    for key, value in fields.items():
+        if not hasattr(op, key) or key in ("name", "backends"):
+            raise RuntimeError(f"pyext: Op has no settable field {key!r}")
+        setattr(op, key, value)
+
+
 def ops() -> dict[str, Op]:
     return dict(_OPS)
 
@@ -59,40 +137,351 @@ def describe(x) -> str:
     return repr(x)
 
 
+def _device(args) -> torch.device:
+    t = _first_tensor(args)
+    return t.device if t is not None else torch.device("cpu")
+
+
 def why_not(backend: Backend, args: tuple) -> list[str]:
     missing = backend.unavailable()
     if missing:
         return [missing]
-    device = next((a.device.type for a in args if isinstance(a, torch.Tensor)), "cpu")
+    device = _device(args).type
     if device not in backend.devices:
         return [f"runs on {'/'.join(backend.devices)}, not {device}"]
     return backend.reasons(*args)
 
 
-def select(op_name: str, args: tuple, forced: str | None = None) -> Backend:
-    op = _OPS[op_name]
-    if forced is not None:
-        match = [b for b in op.backends if b.name == forced]
-        if not match:
-            names = ", ".join(b.name for b in op.backends)
-            raise PyextError(f"pyext.{op_name}: unknown backend {forced!r}; backends are: {names}")
-        reasons = why_not(match[0], args)
-        if reasons:
-            raise PyextError(
-                f"pyext.{op_name}: backend {forced!r} cannot run this input: {'; '.join(reasons)}"
-                f"\n  inputs: {', '.join(describe(a) for a in args)}"
-            )
-        return match[0]
-    report = []
+# ----------------------------------------------------------------------------- modes and devices
+
+MODES = ("measured", "static")
+
+
+def mode(device: torch.device) -> str:
+    """PYEXT_DISPATCH if set, else measured on CUDA and static elsewhere."""
+    value = os.environ.get("PYEXT_DISPATCH", "")
+    if value and value not in MODES:
+        raise PyextError(f"PYEXT_DISPATCH={value!r} is not a dispatch mode; use one of {', '.join(MODES)}")
+    return value or ("measured" if device.type == "cuda" else "static")
+
+
+def can_measure(device: torch.device) -> bool:
+    """False while torch.compile traces or a CUDA graph is being captured: no timing, no self-check."""
+    if torch.compiler.is_compiling():
+        return False
+    return not (device.type == "cuda" and torch.cuda.is_current_stream_capturing())
+
+
+def device_name(device: torch.device) -> str:
+    """Names the hardware (cache files and keys are per device model, not per index)."""
+    if device.type == "cuda":
+        return torch.cuda.get_device_name(device)
+    if device.type == "cpu":
+        try:
+            with open("/proc/cpuinfo") as f:
+                model = next((line.split(":", 1)[1].strip() for line in f if line.startswith("model name")), "")
+        except OSError:
+            model = ""
+        return f"cpu {model or 'unknown'}"
+    return device.type
+
+
+def _versions() -> dict[str, str]:
+    from pyext import _ext
+
+    versions = {"pyext": _package_version(), "torch": torch.__version__, "build": str(_ext.BUILD_INFO)}
+    try:
+        versions["triton"] = importlib.metadata.version("triton")
+    except importlib.metadata.PackageNotFoundError:
+        versions["triton"] = "none"
+    return versions
+
+
+def _package_version() -> str:
+    import pyext
+
+    return getattr(pyext, "__version__", "unknown")
+
+
+def cache_dir() -> str:
+    """PYEXT_CACHE_DIR, else ~/.cache/pyext/dispatch."""
+    return os.environ.get("PYEXT_CACHE_DIR") or os.path.join(os.path.expanduser("~"), ".cache", "pyext", "dispatch")
+
+
+# ----------------------------------------------------------------------------- the per-device cache
+
+@dataclass
+class _DeviceCache:
+    """What dispatch knows about one device: measured choices, unusable backends, passed self-checks."""
+
+    name: str
+    decisions: dict[str, dict] = field(default_factory=dict)  # key -> {op, key, backend, timings}
+    unusable: dict[str, dict] = field(default_factory=dict)  # "op|backend" -> {op, backend, reason}
+    checked: set[str] = field(default_factory=set)  # "op|backend|variant" that passed
+
+    def path(self) -> str:
+        return os.path.join(cache_dir(), re.sub(r"[^A-Za-z0-9._-]+", "_", self.name) + ".json")
+
+    def load(self) -> None:
+        try:
+            with open(self.path()) as f:
+                data = json.load(f)
+        except (OSError, ValueError):
+            return
+        if data.get("versions") != _versions():  # another pyext, torch or Triton: measure anew
+            return
+        self.decisions = data.get("decisions", {})
+        self.unusable = data.get("unusable", {})
+        self.checked = set(data.get("checked", []))
+
+    def save(self) -> None:
+        data = {"device": self.name, "versions": _versions(), "decisions": self.decisions,
+                "unusable": self.unusable, "checked": sorted(self.checked)}
+        try:
+            os.makedirs(cache_dir(), exist_ok=True)
+            tmp = f"{self.path()}.{os.getpid()}.tmp"
+            with open(tmp, "w") as f:
+                json.dump(data, f, indent=1)
+            os.replace(tmp, self.path())
+        except OSError:  # a read-only home: the in-memory cache still serves this process
+            pass
+
+
+_CACHES: dict[str, _DeviceCache] = {}
+_LOCK = threading.RLock()
+
+
+def _cache(device: torch.device) -> _DeviceCache:
+    name = device_name(device)
+    if name not in _CACHES:
+        cache = _DeviceCache(name)
+        cache.load()
+        _CACHES[name] = cache
+    return _CACHES[name]
+
+
+def reset() -> None:
+    """Forget every in-memory decision and mark (the files stay); tests use it."""
+    with _LOCK:
+        _CACHES.clear()
+
+
+def decisions() -> list[dict]:
+    """[{op, key, backend, timings: {backend: seconds}, device}] for every measured key known here."""
+    _load_all()
+    return [dict(d, device=c.name) for c in _CACHES.values() for d in c.decisions.values()]
+
+
+def unusable() -> list[dict]:
+    """[{op, backend, reason, device}]: backends that failed their self-check or raised at run time."""
+    _load_all()
+    return [dict(u, device=c.name) for c in _CACHES.values() for u in c.unusable.values()]
+
+
+def _load_all() -> None:
+    """Also the caches other processes wrote (`python -m pyext info` runs in a fresh one)."""
+    with _LOCK:
+        try:
+            files = [f for f in os.listdir(cache_dir()) if f.endswith(".json")]
+        except OSError:
+            return
+        for file in files:
+            try:
+                with open(os.path.join(cache_dir(), file)) as f:
+                    name = json.load(f).get("device")
+            except (OSError, ValueError):
+                continue
+            if name and name not in _CACHES:
+                cache = _DeviceCache(name)
+                cache.load()
+                _CACHES[name] = cache
+
+
+# ----------------------------------------------------------------------------- self-check and timing
+
+def _self_check(op: Op, backend: Backend, args: tuple) -> str | None:
+    """None when `backend` matches the reference on a small input of args' variant, else why not."""
+    reference = next(b for b in op.backends if b.name == op.reference)
+    small = op.sample(args)
+    mine, theirs = (tuple(a.clone() if isinstance(a, torch.Tensor) else a for a in small) for _ in range(2))
+    try:  # each on its own copy: out= ops write into their arguments
+        out = op.output(mine, backend.run(*mine))
+    except PyextError:
+        raise
+    except Exception as err:  # a kernel that cannot compile or launch here
+        return f"self-check raised {type(err).__name__}: {str(err)[:200]}"
+    ref = op.output(theirs, reference.run(*theirs))
+    problem = op.close(out, ref, small)
+    return None if problem is None else f"self-check against {op.reference}: {problem}"
+
+
+def _usable(op: Op, backend: Backend, args: tuple, cache: _DeviceCache, checking: bool) -> bool:
+    if f"{op.name}|{backend.name}" in cache.unusable:
+        return False
+    if backend.name == op.reference or op.sample is None or not checking:
+        return True
+    mark = f"{op.name}|{backend.name}|{op.variant(args)}"
+    if mark in cache.checked:
+        return True
+    problem = _self_check(op, backend, args)
+    if problem is None:
+        cache.checked.add(mark)
+    else:
+        _mark_unusable(cache, op, backend, problem)
+    cache.save()
+    return problem is None
+
+
+def _mark_unusable(cache: _DeviceCache, op: Op, backend: Backend, reason: str) -> None:
+    cache.unusable[f"{op.name}|{backend.name}"] = {"op": op.name, "backend": backend.name, "reason": reason}
+    cache.save()
+
+
+def time_call(fn: Callable[[], Any], device: torch.device, warmup: int = 1, runs: int = 3) -> float:
+    """Median seconds of fn() after `warmup` calls; CUDA events on a GPU."""
+    for _ in range(warmup):
+        fn()
+    times = []
+    for _ in range(runs):
+        if device.type == "cuda":
+            start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+            start.record()
+            fn()
+            end.record()
+            end.synchronize()
+            times.append(start.elapsed_time(end) / 1e3)
+        else:
+            t = time.perf_counter()
+            fn()
+            times.append(time.perf_counter() - t)
+    return sorted(times)[len(times) // 2]
+
+
+def measured_choice(what: str, key: str, device: torch.device, runs: dict[str, Callable[[], Any]],
+                    close: Callable | None = None) -> dict:
+    """The decision {op, key, backend, timings[, rejected]} for the fastest of `runs` on `device`,
+    measured on the first call for (what, key) and cached. A run that raises, or (with `close`)
+    whose output misses the first run's, is rejected with its reason and not timed."""
+    cache = _cache(device)
+    full_key = f"{what}|{key}"
+    with _LOCK:
+        known = cache.decisions.get(full_key)
+        if known and known["backend"] in runs:
+            return known
+        timings, rejected, first = {}, {}, None  # first: (label, output) of the first run that succeeds
+        for label, fn in runs.items():
+            try:
+                out = fn()
+                problem = None if close is None or first is None else close(out, first[1])
+                first = first or (label, out)
+                if problem:
+                    rejected[label] = f"output differs from {first[0]}'s: {problem}"
+                    continue
+                timings[label] = time_call(fn, device)
+            except (PyextError, torch.OutOfMemoryError):
+                raise
+            except Exception as err:
+                rejected[label] = f"raised while timed: {type(err).__name__}: {str(err)[:200]}"
+        if not timings:
+            raise PyextError(f"pyext.{what}: every candidate failed: "
+                             + "; ".join(f"{k}: {v}" for k, v in rejected.items()))
+        decision = {"op": what, "key": key, "backend": min(timings, key=timings.get), "timings": timings}
+        if rejected:
+            decision["rejected"] = rejected
+        cache.decisions[full_key] = decision
+        cache.save()
+        return decision
+
+
+def _measure(op: Op, candidates: list[Backend], args: tuple, cache: _DeviceCache) -> Backend:
+    decision = measured_choice(op.name, str(op.bucket(args)), _device(args),
+                               {b.name: (lambda b=b: b.run(*args)) for b in candidates})
+    for backend in candidates:
+        if backend.name in decision.get("rejected", {}):
+            _mark_unusable(cache, op, backend, decision["rejected"][backend.name])
+    return next(b for b in candidates if b.name == decision["backend"])
+
+
+# ----------------------------------------------------------------------------- selection
+
+def _forced(op: Op, forced: str, args: tuple) -> Backend:
+    match = [b for b in op.backends if b.name == forced]
+    if not match:
+        names = ", ".join(b.name for b in op.backends)
+        raise PyextError(f"pyext.{op.name}: unknown backend {forced!r}; backends are: {names}")
+    reasons = why_not(match[0], args)
+    if reasons:
+        raise PyextError(
+            f"pyext.{op.name}: backend {forced!r} cannot run this input: {'; '.join(reasons)}"
+            f"\n  inputs: {', '.join(describe(a) for a in args)}"
+        )
+    return match[0]
+
+
+def _automatic(op: Op, args: tuple) -> Backend:
+    device = _device(args)
+    cache = _cache(device)
+    measuring = can_measure(device)
+    report, able = [], []
     for backend in op.backends:
         reasons = why_not(backend, args) or backend.advisory(*args)
-        if not reasons:
+        unusable_mark = cache.unusable.get(f"{op.name}|{backend.name}")
+        if unusable_mark:
+            reasons = [f"unusable on this device: {unusable_mark['reason']}"]
+        if reasons:
+            report.append(f"  {backend.name}: {'; '.join(reasons)}")
+        else:
+            able.append(backend)
+    if mode(device) == "measured":
+        known = cache.decisions.get(f"{op.name}|{op.bucket(args)}")
+        chosen = next((b for b in able if known and b.name == known["backend"]), None)
+        if chosen is not None:
+            return chosen
+        timed = [b for b in able if b.timed]
+        if measuring and op.pure and len(timed) > 1:
+            checked = [b for b in timed if _usable(op, b, args, cache, True)]
+            if checked:
+                return _measure(op, checked, args, cache)
+    for backend in able:  # static order (also measured mode's fallback where it cannot measure)
+        slower = backend.slower(*args)
+        if slower:
+            report.append(f"  {backend.name}: {'; '.join(slower)}")
+        elif _usable(op, backend, args, cache, measuring):
             return backend
-        report.append(f"  {backend.name}: {'; '.join(reasons)}")
+        else:
+            report.append(f"  {backend.name}: {cache.unusable[f'{op.name}|{backend.name}']['reason']}")
     raise PyextError(
-        f"pyext.{op_name}: no backend can run these inputs: {', '.join(describe(a) for a in args)}\n"
+        f"pyext.{op.name}: no backend can run these inputs: {', '.join(describe(a) for a in args)}\n"
         + "\n".join(report)
     )
+
+
+def _guarded(op: Op, backend: Backend, args: tuple) -> Backend:
+    """The backend, with a run that marks it unusable and retries on the next one if it raises."""
+    def run(*call_args):
+        try:
+            return backend.run(*call_args)
+        except (PyextError, torch.OutOfMemoryError):  # the caller's input, or its size: not the kernel
+            raise
+        except Exception as err:
+            if not op.pure or backend.name == op.reference:
+                raise
+            with _LOCK:
+                _mark_unusable(_cache(_device(args)), op, backend,
+                               f"raised at run time: {type(err).__name__}: {str(err)[:200]}")
+            return select(op.name, args).run(*call_args)
+
+    return replace(backend, run=run)
+
+
+def select(op_name: str, args: tuple, forced: str | None = None) -> Backend:
+    """The backend to run `args` on: `forced` if given (it must be able to), else the automatic
+    choice. Raises one PyextError showing the input and every backend's reasons if none can."""
+    op = _OPS[op_name]
+    if forced is not None:
+        return _forced(op, forced, args)
+    with _LOCK:
+        return _guarded(op, _automatic(op, args), args)
 
 
 def status(device: str) -> dict[str, list[dict]]:

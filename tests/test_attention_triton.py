@@ -62,7 +62,7 @@ def test_head_dim_parts_cover_exactly():
 
     assert head_dim_parts(40) == (32, 16, 0)  # 32 + 8, the 8 masked inside a 16-wide part
     assert head_dim_parts(80) == (64, 16, 0)
-    assert head_dim_parts(160) == (128, 32, 0)
+    assert head_dim_parts(160) == (64, 64, 32) and head_dim_parts(256) == (128, 128, 0)
     assert head_dim_parts(64) == (64, 0, 0) and head_dim_parts(128) == (128, 0, 0)
     for d in range(1, 257):
         parts = head_dim_parts(d)

@@ -1,4 +1,5 @@
-"""The build: CUDA sources compile with nvcc, CMake builds csrc/, the package works without _C."""
+"""The build: the CUDA glue compiles, CMake builds csrc/, the package works without _C (the CUDA
+kernels themselves are compiled for sm_80/sm_90 in tests/test_kernels_compile.py)."""
 import glob
 import json
 import os
@@ -11,20 +12,8 @@ import pytest
 import torch
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-CU_FILES = sorted(glob.glob(os.path.join(ROOT, "csrc", "cuda", "*.cu")))
 GLUE_FILES = sorted(glob.glob(os.path.join(ROOT, "csrc", "cuda", "*.cpp")))
 TORCH_INCLUDE = os.path.join(os.path.dirname(torch.__file__), "include")
-
-
-@pytest.mark.skipif(shutil.which("nvcc") is None, reason="nvcc not found")
-@pytest.mark.parametrize("arch", ["80", "90"])
-@pytest.mark.parametrize("cu", CU_FILES, ids=os.path.basename)
-def test_cuda_sources_compile(cu, arch, tmp_path):
-    cmd = ["nvcc", "-std=c++17", "-O3", f"-gencode=arch=compute_{arch},code=sm_{arch}", "-c", cu,
-           "-o", str(tmp_path / "k.o")]
-    proc = subprocess.run(cmd, capture_output=True, text=True)
-    assert proc.returncode == 0, proc.stderr
-    assert (tmp_path / "k.o").stat().st_size > 0
 
 
 @pytest.mark.skipif(shutil.which("nvcc") is None, reason="nvcc (CUDA headers) not found")

@@ -3,6 +3,7 @@ from __future__ import annotations
 
 import importlib.util
 import os
+from dataclasses import dataclass
 
 
 def interpreting() -> bool:
@@ -28,3 +29,47 @@ def interpreter_advisory(*args) -> list[str]:
     if any(isinstance(a, torch.Tensor) and a.device.type == "cpu" for a in args):
         return ["the Triton interpreter is for tests; force the triton backend to use it on CPU"]
     return []
+
+
+@dataclass(frozen=True)
+class Config:
+    """One launch configuration of a Triton kernel: block-size constexprs, warps and pipeline stages.
+
+    Each kernel lists its candidates per variant, the first being the default: the static
+    dispatch launches it, measured dispatch times them all on the user's GPU (`tune`), and
+    `python -m pyext kernels` compiles every one for sm_80 and sm_90."""
+
+    blocks: tuple[tuple[str, int], ...]
+    num_warps: int = 4
+    num_stages: int = 2
+
+    @property
+    def label(self) -> str:
+        return "_".join(f"{k}{v}" for k, v in self.blocks) + f"_w{self.num_warps}_s{self.num_stages}"
+
+    def launch_kwargs(self) -> dict:
+        return {**dict(self.blocks), "num_warps": self.num_warps, "num_stages": self.num_stages}
+
+
+def config(num_warps: int, num_stages: int, **blocks: int) -> Config:
+    return Config(tuple(blocks.items()), num_warps, num_stages)
+
+
+def relative_close(out, ref, rel: float = 1e-2) -> str | None:
+    """None when out is within rel of ref's largest magnitude (at least 1), else the error."""
+    err = (out.float() - ref.float()).abs().max().item()
+    return None if err <= rel * max(1.0, ref.float().abs().max().item()) else f"max error {err:.3g}"
+
+
+def tune(kernel: str, key: str, device, configs: list[Config], launch) -> Config:
+    """The config to launch: the default (first) in static dispatch, where nothing can be timed, or
+    when there is one; else the fastest of those whose output is close to the default's (measured
+    once per key and cached with the dispatch decisions). launch(config) runs the kernel and
+    returns its output."""
+    from pyext import dispatch
+
+    if len(configs) == 1 or dispatch.mode(device) != "measured" or not dispatch.can_measure(device):
+        return configs[0]
+    by_label = {c.label: c for c in configs}
+    runs = {c.label: (lambda c=c: launch(c)) for c in configs}
+    return by_label[dispatch.measured_choice(f"{kernel} config", key, device, runs, relative_close)["backend"]]

@@ -10,9 +10,11 @@ that head; padding 40 to 64 would waste 37%); a broadcast multiply-sum for the
 8-wide part would avoid the waste but runs on CUDA cores at a fraction of the
 tensor-core rate, so the masked 16-wide dot is the cheaper choice.
 
-Block sizes (`BLOCK_CONFIGS`) are NOT tuned on a GPU (none was available): they
-follow the public Triton fused-attention tutorial (128 x 64 tiles, 4-8 warps,
-3 stages) and shrink for wide heads to bound register use. Tune them on sm_80/sm_90.
+Launch configurations (`configs`): a few candidates per head-dim width and dtype, the
+first the default. Every one is compiled for sm_80 and sm_90 by `python -m pyext kernels`
+(tests/test_kernels_compile.py), and the defaults are those that compile without register
+spills there; on a GPU, measured dispatch times the candidates and keeps the fastest.
+No GPU has timed them yet.
 """
 from __future__ import annotations
 
@@ -20,19 +22,29 @@ import torch
 import triton
 import triton.language as tl
 
-from pyext.kernels import interpreting
+from pyext.kernels import Config, config, interpreting, tune
 
 LOG2E = 1.4426950408889634
 MAX_PARTS = 3
 
-# head_dim -> (BLOCK_M, BLOCK_N, num_warps, num_stages). Untuned (see module docstring).
-BLOCK_CONFIGS = {
-    40: (128, 64, 4, 3),
-    64: (128, 64, 4, 3),
-    80: (128, 64, 8, 3),
-    128: (128, 64, 8, 3),
-    160: (64, 64, 4, 3),
+# Candidates by the padded head-dim width sum(head_dim_parts(d)) (up to the key) and by whether
+# the inputs are fp32 (exact "ieee" dots keep fp32 operands in registers: smaller tiles). The
+# default (first) of each is spill-free on sm_80 and sm_90 (`python -m pyext kernels`).
+_CONFIGS_16BIT = {
+    64: [config(4, 3, BLOCK_M=64, BLOCK_N=64), config(8, 3, BLOCK_M=128, BLOCK_N=64),
+         config(4, 2, BLOCK_M=64, BLOCK_N=32)],
+    96: [config(8, 2, BLOCK_M=128, BLOCK_N=32), config(8, 2, BLOCK_M=64, BLOCK_N=32)],
+    128: [config(8, 2, BLOCK_M=64, BLOCK_N=64), config(8, 2, BLOCK_M=64, BLOCK_N=32)],
+    192: [config(8, 2, BLOCK_M=64, BLOCK_N=32), config(8, 2, BLOCK_M=32, BLOCK_N=32)],
+    256: [config(8, 2, BLOCK_M=32, BLOCK_N=32), config(8, 2, BLOCK_M=32, BLOCK_N=64)],
 }
+_CONFIGS_FP32 = {
+    64: [config(8, 2, BLOCK_M=64, BLOCK_N=32), config(4, 2, BLOCK_M=32, BLOCK_N=32)],
+    128: [config(8, 2, BLOCK_M=64, BLOCK_N=32), config(8, 2, BLOCK_M=32, BLOCK_N=32)],
+    192: [config(8, 2, BLOCK_M=32, BLOCK_N=16), config(8, 2, BLOCK_M=32, BLOCK_N=32)],
+    256: [config(4, 2, BLOCK_M=16, BLOCK_N=32), config(8, 2, BLOCK_M=16, BLOCK_N=32)],
+}
+_INTERPRETER = [config(4, 1, BLOCK_M=32, BLOCK_N=32)]  # the interpreter runs each program in numpy
 
 
 def head_dim_parts(d: int) -> tuple[int, int, int] | None:
@@ -40,13 +52,16 @@ def head_dim_parts(d: int) -> tuple[int, int, int] | None:
 
     Greedy: up to two exact powers of two >= 16, then whatever is left becomes one
     last part rounded up to a power of two >= 16 whose extra columns are masked
-    (100 = 64 + 32 + 16[4 used], 255 = 128 + 64 + 64[63 used]). None outside 1..256.
+    (100 = 64 + 32 + 16[4 used], 255 = 128 + 64 + 64[63 used]). Parts are at most 128 wide
+    (256 = 128 + 128), and at most 64 between 129 and 192 (160 = 64 + 64 + 32): 128 + 32
+    spilled registers on sm_80 and sm_90 in every tile size tried. None outside 1..256.
     """
     if d < 1 or d > 256:
         return None
     parts, rest = [], d
+    widest = 64 if 128 < d <= 192 else 128
     while rest >= 16 and len(parts) < MAX_PARTS - 1:
-        p = 1 << (rest.bit_length() - 1)
+        p = min(widest, 1 << (rest.bit_length() - 1))
         parts.append(p)
         rest -= p
     if rest > 0:
@@ -54,13 +69,13 @@ def head_dim_parts(d: int) -> tuple[int, int, int] | None:
     return tuple(parts + [0] * (MAX_PARTS - len(parts)))
 
 
-def _config(d: int) -> tuple[int, int, int, int]:
-    if interpreting():  # the interpreter runs each program in numpy: few, mid-sized tiles
-        return 32, 32, 4, 1
-    if d in BLOCK_CONFIGS:
-        return BLOCK_CONFIGS[d]
+def configs(d: int, dtype: torch.dtype) -> list[Config]:
+    """Launch candidates for head dim d (1..256) and the input dtype, the default first."""
+    if interpreting():
+        return _INTERPRETER
     width = sum(head_dim_parts(d))
-    return (128, 64, 4, 3) if width <= 64 else (128, 64, 8, 3) if width <= 128 else (64, 32, 4, 2)
+    table = _CONFIGS_FP32 if dtype == torch.float32 else _CONFIGS_16BIT
+    return table[next(w for w in sorted(table) if width <= w)]
 
 
 @triton.jit
@@ -125,8 +140,10 @@ def _attention_fwd(
             s += tl.dot(q2, tl.trans(k2), input_precision=PRECISION)
         s = tl.where(key_ok[None, :], s * qk_scale, float("-inf"))
         m_new = tl.maximum(m_i, tl.max(s, 1))
-        alpha = tl.math.exp2(m_i - m_new)
-        p = tl.math.exp2(s - m_new[:, None])
+        # A row whose keys so far all score -inf subtracts 0: exp2(-inf - -inf) would be NaN.
+        m_use = tl.where(m_new == float("-inf"), 0.0, m_new)
+        alpha = tl.math.exp2(m_i - m_use)
+        p = tl.math.exp2(s - m_use[:, None])
         l_i = l_i * alpha + tl.sum(p, 1)
         m_i = m_new
         p = p.to(V.dtype.element_ty)  # as FlashAttention: probabilities in the input dtype for p @ v
@@ -159,17 +176,33 @@ def attention_triton(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: f
     if out.numel() == 0:
         return out
     scale = D ** -0.5 if scale is None else scale
-    block_m, block_n, warps, stages = _config(D)
-    grid = (triton.cdiv(SQ, block_m), B * H)
     # fp32 inputs must not be silently rounded to tf32 on tensor cores.
     precision = "ieee" if q.dtype == torch.float32 else "tf32"
-    _attention_fwd[grid](
-        q, k, v, out, *q.stride(), *k.stride(), *v.stride(), *out.stride(),
-        H, SQ, SKV, float(scale) * LOG2E,
-        D=D, P0=parts[0], P1=parts[1], P2=parts[2], BLOCK_M=block_m, BLOCK_N=block_n, PRECISION=precision,
-        num_warps=warps, num_stages=stages,
-    )
-    return out
+
+    def launch(cfg: Config) -> torch.Tensor:
+        _attention_fwd[(triton.cdiv(SQ, dict(cfg.blocks)["BLOCK_M"]), B * H)](
+            q, k, v, out, *q.stride(), *k.stride(), *v.stride(), *out.stride(),
+            H, SQ, SKV, float(scale) * LOG2E,
+            D=D, P0=parts[0], P1=parts[1], P2=parts[2], PRECISION=precision, **cfg.launch_kwargs(),
+        )
+        return out
+
+    key = f"{str(q.dtype).removeprefix('torch.')} d{D} sq{triton.next_power_of_2(SQ)} skv{triton.next_power_of_2(SKV)}"
+    cfg = tune("attention:triton", key, q.device, configs(D, q.dtype), lambda c: launch(c).clone())
+    return launch(cfg)
+
+
+def signature(dtype: torch.dtype, d: int, cfg: Config) -> tuple[dict, dict]:
+    """(signature, constexprs) of _attention_fwd to compile it without a GPU: 32-bit strides and sizes,
+    head-dim strides of 1 (Triton specialises an integer argument equal to 1 at launch; every layout
+    diffusers passes, (B, H, S, D) or its (B, S, H, D) transpose, has them)."""
+    ty = {torch.float16: "*fp16", torch.bfloat16: "*bf16", torch.float32: "*fp32"}[dtype]
+    sig = {name: "i32" for name in _attention_fwd.arg_names}
+    sig.update({p: ty for p in "QKVO"}, qk_scale="fp32")
+    parts = head_dim_parts(d)
+    constexprs = dict(sqd=1, skd=1, svd=1, sod=1, D=d, P0=parts[0], P1=parts[1], P2=parts[2],
+                      PRECISION="ieee" if dtype == torch.float32 else "tf32", **dict(cfg.blocks))
+    return {**sig, **{name: "constexpr" for name in constexprs}}, constexprs
 
 
 def waste(d: int) -> float:
@@ -177,4 +210,4 @@ def waste(d: int) -> float:
     return 1.0 - d / sum(head_dim_parts(d))
 
 
-__all__ = ["BLOCK_CONFIGS", "attention_triton", "head_dim_parts", "waste"]
+__all__ = ["attention_triton", "configs", "head_dim_parts", "signature", "waste"]

@@ -11,7 +11,7 @@ import torch
 import triton
 import triton.language as tl
 
-from pyext.kernels import interpreting
+from pyext.kernels import Config, config, interpreting, tune
 
 
 @triton.jit
@@ -65,12 +65,25 @@ def _fp8_linear_kernel(
     tl.store(y_ptrs, acc.to(y_ptr.dtype.element_ty), mask=(offs_m[:, None] < M) & (offs_n[None, :] < N))
 
 
-def _blocks(M: int) -> dict:
-    if interpreting():  # the interpreter is slow: small tiles, and it has no warps
-        return dict(BLOCK_M=16, BLOCK_N=32, BLOCK_K=32, GROUP_M=4)
-    if M <= 64:  # token counts of the low-resolution UNet levels and small batches
-        return dict(BLOCK_M=32, BLOCK_N=128, BLOCK_K=128, GROUP_M=8, num_warps=4, num_stages=4)
-    return dict(BLOCK_M=128, BLOCK_N=128, BLOCK_K=64, GROUP_M=8, num_warps=8, num_stages=3)
+# Candidates by token count (M <= 64: the low-resolution UNet levels and small batches), the
+# default first; every one is compiled for sm_80/sm_90 by `python -m pyext kernels`, and measured
+# dispatch times them on the user's GPU.
+_CONFIGS = {
+    "small_m": [config(4, 4, BLOCK_M=32, BLOCK_N=64, BLOCK_K=64, GROUP_M=8),
+                config(4, 4, BLOCK_M=32, BLOCK_N=128, BLOCK_K=32, GROUP_M=8),
+                config(4, 4, BLOCK_M=64, BLOCK_N=64, BLOCK_K=32, GROUP_M=8)],
+    "large_m": [config(8, 3, BLOCK_M=128, BLOCK_N=128, BLOCK_K=32, GROUP_M=8),
+                config(8, 4, BLOCK_M=128, BLOCK_N=64, BLOCK_K=32, GROUP_M=8),
+                config(8, 3, BLOCK_M=128, BLOCK_N=64, BLOCK_K=64, GROUP_M=8)],
+}
+_INTERPRETER = [config(1, 1, BLOCK_M=16, BLOCK_N=32, BLOCK_K=32, GROUP_M=4)]  # the interpreter is slow
+
+
+def configs(m: int) -> list[Config]:
+    """Launch candidates for m rows of x, the default first."""
+    if interpreting():
+        return _INTERPRETER
+    return _CONFIGS["small_m" if m <= 64 else "large_m"]
 
 
 def fp8_linear_triton(x: torch.Tensor, w: torch.Tensor, scale: torch.Tensor, bias) -> torch.Tensor:
@@ -78,13 +91,30 @@ def fp8_linear_triton(x: torch.Tensor, w: torch.Tensor, scale: torch.Tensor, bia
     x2 = x.reshape(-1, K)
     M, N = x2.shape[0], w.shape[0]
     y = torch.empty((M, N), dtype=x.dtype, device=x.device)
-    if M and N:
-        w_u8 = w  # the op passes the uint8 codes
-        cfg = _blocks(M)
-        grid = (triton.cdiv(M, cfg["BLOCK_M"]) * triton.cdiv(N, cfg["BLOCK_N"]),)
+    if not (M and N):
+        return y.reshape(*x.shape[:-1], N)
+
+    def launch(cfg: Config) -> torch.Tensor:  # w holds the uint8 codes (the op passes them)
+        blocks = dict(cfg.blocks)
+        grid = (triton.cdiv(M, blocks["BLOCK_M"]) * triton.cdiv(N, blocks["BLOCK_N"]),)
         _fp8_linear_kernel[grid](
-            x2, w_u8, scale, bias if bias is not None else scale, y, M, N, K,
-            x2.stride(0), x2.stride(1), w_u8.stride(0), w_u8.stride(1), y.stride(0), y.stride(1),
-            PER_CHANNEL=scale.numel() != 1, HAS_BIAS=bias is not None, **cfg,
+            x2, w, scale, bias if bias is not None else scale, y, M, N, K,
+            x2.stride(0), x2.stride(1), w.stride(0), w.stride(1), y.stride(0), y.stride(1),
+            PER_CHANNEL=scale.numel() != 1, HAS_BIAS=bias is not None, **cfg.launch_kwargs(),
         )
-    return y.reshape(*x.shape[:-1], N)
+        return y
+
+    key = f"{str(x.dtype).removeprefix('torch.')} m{triton.next_power_of_2(M)} n{N} k{K}"
+    cfg = tune("fp8_linear:triton", key, x.device, configs(M), lambda c: launch(c).clone())
+    return launch(cfg).reshape(*x.shape[:-1], N)
+
+
+def signature(dtype: torch.dtype, cfg: Config) -> tuple[dict, dict]:
+    """(signature, constexprs) of _fp8_linear_kernel to compile it without a GPU: per-channel
+    scales and a bias (the layers' case), 32-bit sizes and strides, and the unit strides of
+    contiguous rows, which Triton specialises at launch."""
+    ty = {torch.float16: "*fp16", torch.bfloat16: "*bf16", torch.float32: "*fp32"}[dtype]
+    sig = {name: "i32" for name in _fp8_linear_kernel.arg_names}
+    sig.update(x_ptr=ty, w_ptr="*u8", s_ptr="*fp32", b_ptr=ty, y_ptr=ty)
+    constexprs = dict(stride_xk=1, stride_wk=1, stride_yn=1, PER_CHANNEL=True, HAS_BIAS=True, **dict(cfg.blocks))
+    return {**sig, **{name: "constexpr" for name in constexprs}}, constexprs
