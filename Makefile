@@ -6,7 +6,7 @@ VENV := .venv
 PY := $(VENV)/bin/python
 export MAX_JOBS ?= 2
 
-.PHONY: all venv build test test-fast bench bench-kernels gpu-check info clean
+.PHONY: all venv build test test-fast bench bench-kernels gpu-check gpu-wheels kernels info clean fuzz
 
 all: build
 
@@ -27,7 +27,7 @@ $(VENV)/.built: $(VENV)/.deps setup.py $(shell find csrc -type f 2>/dev/null)
 build: $(VENV)/.built
 
 test: build
-	$(PY) -m pytest -q tests
+	$(PY) -m pytest -q --durations=15 tests
 
 bench: build
 	$(PY) -m bench.run
@@ -38,9 +38,28 @@ bench-kernels: build
 info: build
 	$(PY) -m pyext info
 
+# Random differential tests of every op against its reference and a float64 oracle
+# (tests/fuzz_cases.py): FUZZ_CASES per op with a new seed each run (FUZZ_SEED=n replays
+# a run); prints the counts and a minimal repro for every kind of failure.
+FUZZ_CASES ?= 1000
+fuzz: build
+	$(PY) -m tests.fuzz_cases --cases $(FUZZ_CASES) $(if $(FUZZ_SEED),--seed $(FUZZ_SEED))
+
+# Every GPU kernel config compiled for sm_80/sm_90 here, without a GPU (registers, spills, shared memory).
+kernels: build
+	$(PY) -m pyext kernels --everything
+
 # On a CUDA machine without network: wheels from .whl/ (see bench/gpu_check.sh), build, GPU tests, gpu bench preset.
 gpu-check:
 	bash bench/gpu_check.sh
+
+# On a machine with network: what the GPU machine lacks (diffusers and its one missing dependency;
+# it has torch, triton, transformers, accelerate and pytest), for Python 3.12, into .whl/.
+GPU_PLATFORMS := $(foreach n,manylinux_2_28 manylinux_2_27 manylinux_2_17 manylinux2014 manylinux1,--platform $(n)_x86_64)
+gpu-wheels: venv
+	$(PY) -m pip download -q --no-deps --only-binary=:all: --python-version 3.12 --implementation cp \
+		$(GPU_PLATFORMS) -d .whl "diffusers==$$($(PY) -c 'import diffusers; print(diffusers.__version__)')" importlib_metadata
+	du -sh .whl
 
 clean:
 	rm -rf build pyext/_C*.so pyext/_build_info.py $(VENV)/.built

@@ -282,3 +282,73 @@ def test_auto_dispatch_declines_cpp_without_avx512():
                           env=dict(os.environ, PYEXT_CPU_SIMD="avx2"))
     assert proc.returncode == 0, proc.stderr[-3000:]
     assert json.loads(proc.stdout.strip().splitlines()[-1]) == {"auto": "sdpa", "forced_ok": True}
+
+
+# ----------------------------------------------------------------------------- hardening (issue 13)
+
+@needs_kernel
+def test_nan_key_makes_nan_rows_on_every_path(simd):
+    """A NaN score must stay NaN through exp2 (the SIMD clamp turned it into weight 0)."""
+    q, k, v = torch.randn(3, 1, 1, 8, 64).unbind(0)
+    k[0, 0, 4, 2] = float("nan")
+    for dtype in DTYPES:
+        out = attention(q.to(dtype), k.to(dtype), v.to(dtype), backend="cpp")
+        assert out.isnan().all(), (simd, dtype)
+
+
+@needs_kernel
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=str)
+def test_first_key_block_of_neg_inf_scores(simd, dtype):
+    """The first 256 keys score -inf (fp32 overflow): exp2(-inf - -inf) must not poison the row."""
+    q = torch.full((1, 1, 2, 4), 1e20)
+    k = torch.rand(1, 1, 300, 4) + 0.1
+    k[0, 0, :256] *= -1e20
+    v = torch.randn(1, 1, 300, 4)
+    q, k, v = q.to(dtype), k.to(dtype), v.to(dtype)
+    out = attention(q, k, v, backend="cpp")
+    expected = attention(q, k, v, backend="reference")
+    assert expected.isfinite().all()
+    torch.testing.assert_close(out.float(), expected.float(), atol=2e-2, rtol=2e-2)
+
+
+def test_head_dim_zero_is_a_clear_error():
+    q = torch.randn(1, 2, 3, 0)
+    with pytest.raises(PyextError, match="pyext.attention: head_dim is 0 .* supported: head_dim >= 1"):
+        attention(q, q, q)
+
+
+def diffusers_layouts(dtype=torch.float32):
+    """(name, q, k, v) in the layouts diffusers' processors pass: (B, S, H, D) memory seen as
+    (B, H, S, D), SDPA's own contiguous layout, and k/v broadcast over the batch."""
+    bshd = [torch.randn(2, s, 3, 40, dtype=dtype).transpose(1, 2) for s in (9, 77, 77)]
+    yield "bshd", *bshd
+    yield "contiguous", *[t.contiguous() for t in bshd]
+    yield "expanded_kv", bshd[0], *[t[:1].expand(2, -1, -1, -1) for t in bshd[1:]]
+
+
+@pytest.mark.parametrize("backend", ["cpp", "sdpa", "reference", None])
+def test_output_strides_match_the_fake_kernel(backend):
+    """The fake kernel promises empty_like(q)'s strides; every backend must return them."""
+    if backend == "cpp" and not has_kernel("attention"):
+        pytest.skip("pyext._C has no attention kernel")
+    for name, q, k, v in diffusers_layouts():
+        torch.library.opcheck(torch.ops.pyext.attention.default, (q, k, v, None, backend))
+        assert attention(q, k, v, backend=backend).stride() == torch.empty_like(q).stride(), name
+
+
+@pytest.mark.parametrize("special", ["nan_q", "nan_k", "overflow"])
+def test_sdpa_declines_inputs_whose_softmax_is_nan(special):
+    """torch's CPU SDPA returns 0 where softmax is NaN (NaN in q or k, scores past fp32); such
+    inputs go to a backend that gives NaN, and forcing sdpa says why not."""
+    q, k, v = make_qkv(1, 2, 5, 7, 16, torch.float32)
+    if special == "nan_q":
+        q[0, 1, 3, 4] = float("nan")
+    elif special == "nan_k":
+        k[0, 1, 2, 4] = float("nan")
+    else:  # every score of head 1 is about -1e40: -inf in fp32, and softmax over -infs is NaN
+        q[0, 1], k[0, 1] = 1e20, -1e20
+    expected = attention(q, k, v, backend="reference")
+    assert expected.isnan().any()
+    assert torch.equal(attention(q, k, v).isnan(), expected.isnan())
+    with pytest.raises(PyextError, match="backend 'sdpa' cannot run this input: q or k holds NaN/inf"):
+        attention(q, k, v, backend="sdpa")

@@ -9,7 +9,7 @@ from pyext._ext import EXT, cpu_capabilities
 from pyext.nn import quantize_fp8
 from pyext.ops import fp8_conv2d, fp8_quantize
 from pyext.ops.fp8 import fp8_upcast_reference
-from pyext.ops.fp8_conv import fp8_conv2d_reference
+from pyext.ops.fp8_conv import _cpp_reasons, fp8_conv2d_reference
 
 CL = torch.channels_last
 needs_fused = pytest.mark.skipif(EXT is None or "avx512_bf16" not in cpu_capabilities(),
@@ -75,7 +75,7 @@ def test_errors_name_the_op():
     x, wq, s, _ = make(1, 4, 6, 6, 8, 3)
     with pytest.raises(PyextError, match=r"pyext.fp8_conv2d: weight must be .* in = x.shape\[1\]"):
         fp8_conv2d(x[:, :2], wq, s)
-    with pytest.raises(PyextError, match="padding must be integers"):
+    with pytest.raises(PyextError, match="padding must be an int or two ints"):
         fp8_conv2d(x, wq, s, padding="same")
     with pytest.raises(PyextError, match="larger than the padded input"):
         fp8_conv2d(x[:, :, :2], wq, s)
@@ -123,3 +123,51 @@ def test_module_takes_the_fused_path_on_its_kernel_layout_codes():
     assert rel_err(y_cl, y_nchw) < 1e-2
     model.to(memory_format=CL)
     assert model[0].weight.is_contiguous(memory_format=CL) and rel_err(model(x), y_cl) == 0
+
+
+# ----------------------------------------------------------------------------- hardening (issue 13)
+
+def test_zero_input_channels_is_a_clear_error():
+    """The fused kernel divided by K = 0 (SIGFPE); torch's conv returns a wrongly shaped result."""
+    x = torch.empty(1, 0, 5, 5, dtype=torch.bfloat16)
+    w = torch.empty(4, 0, 3, 3, dtype=torch.float8_e4m3fn)
+    for backend in (None, "reference"):
+        with pytest.raises(PyextError, match="pyext.fp8_conv2d: x has 0 input channels"):
+            fp8_conv2d(x, w, torch.ones(4), backend=backend)
+
+
+@needs_fused
+def test_cpp_kernel_refuses_zero_input_channels():
+    x = torch.empty(1, 0, 5, 5, dtype=torch.bfloat16)
+    w = torch.empty(4, 3, 3, 0, dtype=torch.uint8)
+    with pytest.raises(RuntimeError, match="no input channels"):
+        torch.ops.pyext_C.fp8_conv2d(x, w, torch.ones(4), None, [1, 1], [0, 0])
+
+
+@pytest.mark.parametrize("geometry,match", [
+    (dict(groups=0), "groups must be a positive int dividing the 8 output channels"),
+    (dict(groups=3), "groups must be a positive int dividing"),
+    (dict(groups=1.0), "groups must be a positive int"),
+    (dict(stride=0), "stride must be an int or two ints .* each >= 1; got 0"),
+    (dict(stride=(1, 1, 1)), "stride must be an int or two ints"),
+    (dict(stride=1.5), "stride must be an int or two ints"),
+    (dict(padding=-1), "padding must be an int or two ints .* each >= 0"),
+    (dict(padding=(1,)), "padding must be an int or two ints"),
+    (dict(dilation=(1, 0)), "dilation must be an int or two ints"),
+])
+def test_bad_geometry_is_a_clear_error(geometry, match):
+    x, wq, s, _ = make(1, 4, 6, 6, 8, 3)
+    with pytest.raises(PyextError, match=f"pyext.fp8_conv2d: {match}"):
+        fp8_conv2d(x, wq, s, **geometry)
+
+
+@pytest.mark.parametrize("bad", [float("nan"), float("inf"), 1e36])
+def test_cpp_declines_scales_it_cannot_apply_after_the_dot_product(bad):
+    """The fused kernel scales its accumulator, which is F.conv2d on the upcast weight only
+    while |scale| * 448 is a finite bf16: other scales go to the reference."""
+    x, wq, s, _ = make(1, 4, 6, 6, 8, 3)
+    s[2] = bad
+    reasons = _cpp_reasons(x, wq.view(torch.uint8), s, None, [1, 1], [1, 1], [1, 1], 1)
+    assert any("scales must be finite" in r for r in reasons)
+    y, ref = fp8_conv2d(x, wq, s, None, 1, 1), fp8_conv2d_reference(x, wq, s, None, 1, 1)
+    assert torch.equal(y.isnan(), ref.isnan()) and torch.equal(y.isinf(), ref.isinf())

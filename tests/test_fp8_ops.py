@@ -5,9 +5,9 @@ import torch.nn.functional as F
 
 from pyext import PyextError, dispatch
 from pyext.ops import fp8_linear, fp8_quantize, fp8_upcast
-from pyext.ops.fp8 import FP8, fp8_linear_reference, fp8_upcast_reference
+from pyext.ops.fp8 import FP8, fp8_linear_reference, fp8_upcast_reference, scales_fuse_exactly
 from pyext._ext import EXT
-from tests.conftest import needs_ext
+from tests.conftest import needs_ext, run_in_triton_interpreter
 
 DTYPES = [torch.bfloat16, torch.float16, torch.float32]
 INT_VIEW = {torch.bfloat16: torch.int16, torch.float16: torch.int16, torch.float32: torch.int32}
@@ -257,3 +257,116 @@ def test_linear_cpp_propagates_nan_codes(simd):
     y = fp8_linear(x, codes.view(FP8), torch.ones(70), backend="cpp")
     nan_cols = y.isnan().all(0)
     assert nan_cols[3] and nan_cols[66] and nan_cols.sum() == 2 and not y[:, ~nan_cols].isnan().any()
+
+
+# ----------------------------------------------------------------------------- hardening (issue 13)
+
+def test_quantize_tiny_channels_get_finite_codes_and_exact_scales():
+    """Channels whose amax / 448 is below fp32's smallest normal: the scale was 0 (NaN codes)
+    or a subnormal that had lost bits; now a power of two keeps the round trip exact."""
+    w = torch.tensor([[1e-44, 0.0, -3e-45], [1e-40, -3e-41, 0.0], [4e-36, 1e-37, -2e-36], [1.0, 0.5, -0.25]])
+    q, s = fp8_quantize(w)
+    assert torch.isfinite(s).all() and (s > 0).all()
+    assert not (q.view(torch.uint8) & 0x7F == 0x7F).any()  # no NaN codes
+    assert (torch.log2(s[:3]) == torch.log2(s[:3]).round()).all()  # powers of two
+    back = fp8_upcast_reference(q, s, torch.float32)
+    assert torch.equal(back[0], w[0])  # 1e-44 = 7 * 2^-149: an exact code times 2^-140
+    assert ((back - w).abs() <= w.abs() / 16 + s[:, None] / 1024).all()
+
+
+def test_quantize_meta_weight_is_a_clear_error():
+    with pytest.raises(PyextError, match="pyext.fp8_quantize: the weight is a meta tensor"):
+        fp8_quantize(torch.empty(4, 8, device="meta"))
+
+
+@pytest.mark.parametrize("backend", ["cpp", "reference"])
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_upcast_out_sharing_the_weights_bytes(backend, dtype):
+    """out's storage holds the weight's codes: the op reads them as they were before writing."""
+    if backend == "cpp" and EXT is None:
+        pytest.skip("pyext._C is not built")
+    w, s = fp8_quantize(torch.randn(4, 8))
+    expected = fp8_upcast(w, s, dtype, backend="reference")
+    out = torch.empty(4, 8, dtype=dtype)
+    alias = out.view(-1).view(torch.uint8)[:32].view(FP8).view(4, 8)
+    alias.copy_(w)
+    fp8_upcast(alias, s, out=out, backend=backend)
+    assert same_bits(out, expected)
+
+
+@pytest.mark.parametrize("backend", ["cpp", "reference"])
+def test_raw_upcast_out_refuses_another_shape(backend):
+    if backend == "cpp" and EXT is None:
+        pytest.skip("pyext._C is not built")
+    w, s = fp8_quantize(torch.randn(4, 8))
+    with pytest.raises(PyextError, match=r"pyext.fp8_upcast: out has shape \(8, 4\).*\(4, 8\)"):
+        torch.ops.pyext.fp8_upcast_out(w.view(torch.uint8), s, torch.empty(8, 4), backend)
+
+
+@pytest.mark.parametrize("backend", ["cpp", "reference"])
+@pytest.mark.parametrize("bias", [True, False])
+def test_linear_with_no_input_features(backend, bias):
+    if backend == "cpp" and EXT is None:
+        pytest.skip("pyext._C is not built")
+    w, s = torch.empty(5, 0, dtype=FP8), torch.ones(5)
+    b = torch.randn(5) if bias else None
+    y = fp8_linear(torch.empty(2, 3, 0), w, s, b, backend=backend)
+    assert torch.equal(y, (b if bias else torch.zeros(5)).expand(2, 3, 5))
+
+
+def test_scales_fuse_exactly():
+    assert scales_fuse_exactly(torch.tensor([1e-40, -2.0, 7e35]), torch.bfloat16)
+    for bad in (float("nan"), float("inf"), 1e36):
+        assert not scales_fuse_exactly(torch.tensor([1.0, bad]), torch.bfloat16)
+    assert not scales_fuse_exactly(torch.tensor([200.0]), torch.float16)  # 448 * 200 > 65504
+
+
+NON_FINITE_SCALES = [float("nan"), float("inf"), -float("inf"), 1e36]
+
+
+@needs_ext
+@pytest.mark.parametrize("bad", NON_FINITE_SCALES)
+def test_linear_means_upcast_then_gemm_for_any_scale(simd, bad):
+    """Every backend gives F.linear on the upcast weight, where NaN/inf/huge scales make
+    NaN and inf entries (the fused GEMM used to scale its accumulator instead)."""
+    w, s = fp8_quantize(torch.randn(40, 64))
+    s[[3, 17]] = bad
+    x = torch.randn(5, 64, dtype=torch.bfloat16)
+    expected = fp8_linear_reference(x, w, s)
+    for backend in ("cpp", None):
+        y = fp8_linear(x, w, s, backend=backend)
+        assert torch.equal(y.isnan(), expected.isnan()) and torch.equal(y.isinf(), expected.isinf())
+        finite = expected.isfinite()
+        assert rel_err(y[finite], expected[finite]) < 1e-2
+
+
+def test_triton_linear_means_upcast_then_gemm_for_any_scale():
+    """The Triton kernel also scales its accumulator: non-finite scales take the upcast path."""
+    result = run_in_triton_interpreter("""
+import json, torch
+from pyext.ops import fp8_linear, fp8_quantize
+from pyext.ops.fp8 import fp8_linear_reference
+torch.manual_seed(0)
+w, s = fp8_quantize(torch.randn(32, 32))
+x = torch.randn(4, 32, dtype=torch.float16)
+same = []
+for bad in (float("nan"), float("inf"), 1000.0):
+    s2 = s.clone(); s2[5] = bad
+    y, ref = fp8_linear(x, w, s2, backend="triton"), fp8_linear_reference(x, w, s2)
+    same.append(bool(torch.equal(y.isnan(), ref.isnan()) and torch.equal(y.isinf(), ref.isinf())))
+print(json.dumps(same))
+""")
+    assert result == [True, True, True]
+
+
+@needs_ext
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_nan_code_times_nan_scale_keeps_the_codes_nan(simd, dtype):
+    """NaN * NaN may return either operand: the op defines the code's NaN (its sign kept)."""
+    w = torch.tensor([[0x7F, 0xFF, 0x38], [0xFF, 0x01, 0x7F]], dtype=torch.uint8).view(FP8)
+    nan_codes = (w.view(torch.uint8) & 0x7F) == 0x7F
+    codes_own = fp8_upcast_reference(w, torch.ones(1), dtype)
+    for s in (torch.tensor([float("nan")]), torch.tensor([float("nan"), -float("nan")])):
+        out = fp8_upcast(w, s, dtype, backend="cpp")
+        assert same_bits(out, fp8_upcast_reference(w, s, dtype))
+        assert same_bits(out[nan_codes], codes_own[nan_codes])

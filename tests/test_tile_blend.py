@@ -195,3 +195,39 @@ def test_cuda_kernel_compiles(arch, tmp_path):
            "-o", str(tmp_path / "tile_blend.o")]
     res = subprocess.run(cmd, capture_output=True, text=True, timeout=600)
     assert res.returncode == 0, res.stderr
+
+
+# ----------------------------------------------------------------------------- hardening (issue 13)
+
+@pytest.mark.parametrize("backend", ["reference", pytest.param("cpp", marks=needs_cpp)])
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_normalized_tile_that_is_a_view_of_out(backend, dtype):
+    """The tile is read as it was before the op writes over it (the kernel used to read rows
+    it had already written)."""
+    out = _rand(1, 1, 12, 12, dtype=dtype)
+    tile = out[..., 1:9, :]  # contiguous: the op reads it in place
+    expected = out.clone()
+    tile_blend_normalized(tile.clone(), expected, 2, 0, (3, 2, 3, 2), backend="reference")
+    tile_blend_normalized(tile, out, 2, 0, (3, 2, 3, 2), backend=backend)
+    torch.testing.assert_close(out, expected, rtol=0, atol=0)
+
+
+@pytest.mark.parametrize("backend", ["reference", pytest.param("cpp", marks=needs_cpp)])
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_diffusers_above_strip_that_is_a_view_of_written_rows(backend, dtype):
+    out = _rand(1, 1, 16, 10, dtype=dtype)
+    tile = _rand(1, 1, 8, 10, dtype=dtype)
+    expected = out.clone()
+    want = tile_blend_diffusers(tile, expected, 4, 0, above=out[..., 3:7, :].clone(), keep_bottom=2,
+                                backend="reference")
+    got = tile_blend_diffusers(tile, out, 4, 0, above=out[..., 3:7, :], keep_bottom=2, backend=backend)
+    torch.testing.assert_close(out, expected, rtol=0, atol=0)
+    torch.testing.assert_close(got, want, rtol=0, atol=0)
+
+
+def test_written_tensors_that_share_memory_are_an_error():
+    tile = _rand(1, 1, 4, 4)
+    out = torch.zeros(1, 1, 8, 8)
+    with pytest.raises(PyextError, match="pyext.tile_blend: out and bottom share memory"):
+        torch.ops.pyext.tile_blend(tile, out, 0, 0, MODE_DIFFUSERS, [4, 4], None, None, out[..., :2, :4],
+                                   tile.new_empty(1, 1, 4, 0), "reference")

@@ -32,13 +32,16 @@ struct VecAvx2 {
     return _mm_cvtss_f32(_mm_add_ss(h, _mm_movehdup_ps(h)));
   }
   // 2^x for x <= 0: builds 2^n in the exponent bits; below -126 (and -inf) the result is 0.
+  // A NaN score (NaN in q or k) must stay NaN, as in softmax: the "below" compare is false
+  // for NaN, and vmaxps returns its second operand when either is NaN, so x goes second
+  // and the polynomial turns it into NaN.
   static reg exp2(reg x) {
-    const reg keep = _mm256_cmp_ps(x, _mm256_set1_ps(-126.0f), _CMP_GE_OQ);
-    x = _mm256_max_ps(x, _mm256_set1_ps(-126.0f));
+    const reg below = _mm256_cmp_ps(x, _mm256_set1_ps(-126.0f), _CMP_LT_OQ);
+    x = _mm256_max_ps(_mm256_set1_ps(-126.0f), x);
     const reg n = _mm256_round_ps(x, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
     const __m256i e = _mm256_slli_epi32(_mm256_add_epi32(_mm256_cvtps_epi32(n), _mm256_set1_epi32(127)), 23);
     const reg p = _mm256_mul_ps(exp2_poly<VecAvx2>(_mm256_sub_ps(x, n)), _mm256_castsi256_ps(e));
-    return _mm256_and_ps(p, keep);
+    return _mm256_andnot_ps(below, p);
   }
 };
 

@@ -28,8 +28,9 @@ inline __mmask16 valid_lanes(int64_t n) {
 
 // 2^x for x <= 0 to ~2e-6 relative (Taylor degree 5 on [-0.5, 0.5]): p is rounded to
 // bf16 (2^-9) right after, so the two extra terms of the fp32 path buy nothing here.
+// NaN stays NaN, as in VecAvx512::exp2.
 inline __m512 exp2_bf16(__m512 x) {
-  x = _mm512_max_ps(x, _mm512_set1_ps(-150.0f));
+  x = _mm512_max_ps(_mm512_set1_ps(-150.0f), x);
   const __m512 n = _mm512_roundscale_ps(x, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
   const __m512 f = _mm512_sub_ps(x, n);
   __m512 p = _mm512_set1_ps(1.3333558e-03f);
@@ -150,10 +151,10 @@ void forward(const void* q, int64_t rows, const void* packed, int64_t skv, int64
       // Online softmax in fp32; p is rounded to bf16 pairs for the p @ v product.
       for (int r = 0; r < R; ++r) {
         float* sr = s + r * kBlockKv;
-        const float m_new = std::max(m[r], _mm512_reduce_max_ps(vmax[r]));
-        alpha[r] = std::exp2(m[r] - m_new);
+        const float m_new = std::max(m[r], _mm512_reduce_max_ps(vmax[r])), shift = softmax_shift(m_new);
+        alpha[r] = std::exp2(m[r] - shift);
         m[r] = m_new;
-        const __m512 vmn = _mm512_set1_ps(m_new);
+        const __m512 vmn = _mm512_set1_ps(shift);
         __m512 sum = _mm512_setzero_ps();
         uint16_t* pr = reinterpret_cast<uint16_t*>(pb + r * (kBlockKv / 2));
         for (int64_t j = 0; j < ncp; j += 16) {

@@ -26,6 +26,11 @@ constexpr float kLog2e = 1.4426950408889634f;
 
 inline int64_t round_up(int64_t x, int64_t m) { return (x + m - 1) / m * m; }
 
+// The online softmax subtracts the running max before exp2. While a row has seen only
+// -inf scores (masked keys, or fp32 scores that overflowed), that max is -inf and
+// exp2(-inf - -inf) would be NaN: subtracting 0 instead gives p = 0 and alpha = 0.
+inline float softmax_shift(float running_max) { return running_max == -INFINITY ? 0.0f : running_max; }
+
 inline float bf16_to_float(uint16_t h) {
   uint32_t u = static_cast<uint32_t>(h) << 16;
   float f;
@@ -198,10 +203,10 @@ struct Fp32Attention {
             for (int64_t j = nc; j < ncp; ++j) sr[j] = -INFINITY;
             reg vm = V::set1(-INFINITY);
             for (int64_t j = 0; j < ncp; j += W) vm = V::max(vm, V::load(sr + j));
-            const float m_new = std::max(m[r], V::reduce_max(vm));
-            alpha[r] = std::exp2(m[r] - m_new);  // exp2(-inf) = 0 on the first block
+            const float m_new = std::max(m[r], V::reduce_max(vm)), shift = softmax_shift(m_new);
+            alpha[r] = std::exp2(m[r] - shift);  // exp2(-inf) = 0 on the first block
             m[r] = m_new;
-            const reg vmn = V::set1(m_new);
+            const reg vmn = V::set1(shift);
             reg sum = V::zero();
             for (int64_t j = 0; j < ncp; j += W) {
               const reg p = V::exp2(V::sub(V::load(sr + j), vmn));

@@ -25,8 +25,10 @@ struct VecAvx512 {
   static float reduce_max(reg x) { return _mm512_reduce_max_ps(x); }
   static float reduce_add(reg x) { return _mm512_reduce_add_ps(x); }
   // 2^x for x <= 0 (including -inf): clamping to -150 makes vscalefps underflow to exactly 0.
+  // A NaN score (NaN in q or k) must stay NaN, as in softmax: vmaxps returns its second
+  // operand when either is NaN, so x goes second.
   static reg exp2(reg x) {
-    x = _mm512_max_ps(x, _mm512_set1_ps(-150.0f));
+    x = _mm512_max_ps(_mm512_set1_ps(-150.0f), x);
     const reg n = _mm512_roundscale_ps(x, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
     return _mm512_scalef_ps(exp2_poly<VecAvx512>(_mm512_sub_ps(x, n)), n);
   }

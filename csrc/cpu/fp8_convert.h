@@ -3,7 +3,8 @@
 //
 // Rounding is IEEE round-to-nearest-even from the exact fp32 product, as in the
 // PyTorch reference. NaN codes (0x7f, 0xff) decode to the fp32 NaN 0x7ff00000
-// with their sign, which narrows to fp16 0x7f80 and bf16 0x7ff0 (sign kept).
+// with their sign, which narrows to fp16 0x7f80 and bf16 0x7ff0 (sign kept), whatever the
+// scale; a NaN scale times a code that is not NaN gives the scale's NaN, quieted.
 #pragma once
 #include <cstdint>
 

@@ -52,7 +52,10 @@ template <OutType kOut>
 void rows_scalar(const uint8_t* src, void* dst, int64_t n, float scale, bool /*stream*/) {
   static const DecodeTable table;
   for (int64_t i = 0; i < n; ++i) {
-    const float v = table.value[src[i]] * scale;
+    // A NaN code keeps its own NaN whatever the scale: for NaN * NaN, x86 returns whichever
+    // operand the compiler put first.
+    const float d = table.value[src[i]];
+    const float v = d != d ? d : d * scale;
     if constexpr (kOut == OutType::kF32) static_cast<float*>(dst)[i] = v;
     else if constexpr (kOut == OutType::kBF16) static_cast<uint16_t*>(dst)[i] = fp32_to_bf16_bits(v);
     else static_cast<uint16_t*>(dst)[i] = fp32_to_fp16_bits(v);

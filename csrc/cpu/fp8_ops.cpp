@@ -3,10 +3,13 @@
 // Input validation with user-facing messages lives in pyext/ops/fp8.py; the
 // TORCH_CHECKs here only guard the raw-pointer kernels.
 #include <ATen/ATen.h>
+#include <ATen/MemoryOverlap.h>
 #include <ATen/Parallel.h>
+#include <c10/util/accumulate.h>
 #include <torch/library.h>
 
 #include <algorithm>
+#include <cmath>
 
 #include "fp8_convert.h"
 #include "fp8_gemm.h"
@@ -37,6 +40,18 @@ void check_fp8_weight(const at::Tensor& w, const at::Tensor& scale) {
 // The fused GEMM runs here (PYEXT_CPU_SIMD=avx512 or uncapped, and the CPU has AVX512_BF16).
 bool fused_gemm_available() { return simd_level() == SimdLevel::kAvx512 && fp8_gemm_supported(); }
 
+// The ops mean "upcast the weight to bf16, then GEMM"; the fused GEMM applies the scale to
+// the fp32 accumulator instead, which agrees (to rounding) only while every decoded weight
+// times its scale is a finite bf16: |scale| * 448 within bf16's range. NaN fails the test.
+bool scales_fuse_exactly(const at::Tensor& scale) {
+  constexpr float kBf16Max = 3.38953139e38f, kFp8Max = 448.0f;
+  const float* s = scale.data_ptr<float>();
+  return std::all_of(s, s + scale.numel(), [](float v) { return std::fabs(v) * kFp8Max <= kBf16Max; });
+}
+
+// Multiply-adds a thread must get to be worth waking the pool (a GEMM unit is 6 x 64 x K).
+int64_t fused_gemm_grain(int64_t K) { return std::max<int64_t>(1, (int64_t{1} << 20) / (6 * 64 * K)); }
+
 // Upcasts rows [row0, row0 + nrows) of a (rows, cols) fp8 matrix into dst,
 // in parallel. A single (per-tensor) scale is split by element chunks instead.
 void upcast_rows(const uint8_t* src, const float* scale, bool per_row, int64_t row0, int64_t nrows,
@@ -63,7 +78,9 @@ void upcast_rows(const uint8_t* src, const float* scale, bool per_row, int64_t r
 
 void fp8_upcast_out_cpu(const at::Tensor& w, const at::Tensor& scale, at::Tensor& out) {
   check_fp8_weight(w, scale);
-  TORCH_CHECK(out.is_contiguous() && out.numel() == w.numel(), "pyext fp8: out must be contiguous, with w's size");
+  TORCH_CHECK(out.is_contiguous() && out.sizes() == w.sizes(), "pyext fp8: out must be contiguous, with w's shape ",
+              w.sizes(), ", got ", out.sizes());
+  at::assert_no_overlap(out, w);
   const at::Tensor wc = w.contiguous(), sc = scale.contiguous();
   if (w.numel() == 0) return;
   const int64_t rows = w.size(0), cols = w.numel() / rows;
@@ -79,9 +96,9 @@ at::Tensor fp8_linear_cpu(const at::Tensor& x, const at::Tensor& w, const at::Te
   check_fp8_weight(w, scale);
   TORCH_CHECK(w.dim() == 2 && x.size(-1) == w.size(1), "pyext fp8_linear: shape mismatch");
   const int64_t K = w.size(1), N = w.size(0);
-  const at::Tensor x2 = x.reshape({-1, K}).contiguous();
+  const int64_t M = K ? x.numel() / K : c10::multiply_integers(x.sizes().begin(), x.sizes().end() - 1);
+  const at::Tensor x2 = x.reshape({M, K}).contiguous();
   const at::Tensor wc = w.contiguous(), sc = scale.contiguous();
-  const int64_t M = x2.size(0);
   std::vector<int64_t> out_shape(x.sizes().begin(), x.sizes().end());
   out_shape.back() = N;
   at::Tensor y = at::empty({M, N}, x.options());
@@ -89,17 +106,15 @@ at::Tensor fp8_linear_cpu(const at::Tensor& x, const at::Tensor& w, const at::Te
   if (K == 0) return (bias ? y.copy_(bias->expand({M, N})) : y.zero_()).view(out_shape);
 
   // bf16 on AVX512_BF16: the GEMM decodes the fp8 weight in its own packing step.
-  if (tile_rows == 0 && x.scalar_type() == at::kBFloat16 && fused_gemm_available()) {
+  if (tile_rows == 0 && x.scalar_type() == at::kBFloat16 && fused_gemm_available() && scales_fuse_exactly(sc)) {
     const at::Tensor bc = bias ? bias->contiguous() : at::Tensor();
     TORCH_CHECK(!bias || (bc.scalar_type() == at::kBFloat16 && bc.numel() == N), "pyext fp8_linear: bias must be bf16[N]");
     const Fp8GemmArgs args{reinterpret_cast<const uint16_t*>(x2.data_ptr()),
                            static_cast<const uint8_t*>(wc.data_ptr()), sc.data_ptr<float>(), sc.numel() == 1,
                            bias ? reinterpret_cast<const uint16_t*>(bc.data_ptr()) : nullptr,
                            reinterpret_cast<uint16_t*>(y.data_ptr()), M, N, K};
-    const int64_t units = fp8_gemm_units(M, N);
-    // Enough multiply-adds per thread to be worth waking the pool (a unit is 6 x 64 x K).
-    const int64_t grain = std::max<int64_t>(1, (int64_t{1} << 20) / (6 * 64 * K));
-    at::parallel_for(0, units, grain, [&](int64_t b, int64_t e) { fp8_gemm_bf16_avx512(args, b, e); });
+    at::parallel_for(0, fp8_gemm_units(M, N), fused_gemm_grain(K),
+                     [&](int64_t b, int64_t e) { fp8_gemm_bf16_avx512(args, b, e); });
     return y.view(out_shape);
   }
 
@@ -143,7 +158,9 @@ at::Tensor fp8_conv2d_cpu(const at::Tensor& x, const at::Tensor& w, const at::Te
               padding[1] >= 0, "pyext fp8_conv2d: stride and padding must be two non-negative ints (stride > 0)");
   TORCH_CHECK(scale.scalar_type() == at::kFloat && (scale.numel() == 1 || scale.numel() == w.size(0)),
               "pyext fp8_conv2d: scale must be float32 with 1 or N elements");
+  TORCH_CHECK(x.size(1) > 0, "pyext fp8_conv2d: x has no input channels");
   const at::Tensor xc = x.contiguous(at::MemoryFormat::ChannelsLast), wc = w.contiguous(), sc = scale.contiguous();
+  TORCH_CHECK(scales_fuse_exactly(sc), "pyext fp8_conv2d: every |scale| * 448 must be a finite bf16");
   const Conv2dGeometry g{x.size(0), x.size(2), x.size(3), x.size(1), 0, 0, w.size(1), w.size(2),
                          stride[0], stride[1], padding[0], padding[1]};
   const int64_t OH = (g.H + 2 * g.ph - g.kh) / g.sh + 1, OW = (g.W + 2 * g.pw - g.kw) / g.sw + 1;
@@ -160,8 +177,8 @@ at::Tensor fp8_conv2d_cpu(const at::Tensor& x, const at::Tensor& w, const at::Te
                    sc.data_ptr<float>(), sc.numel() == 1, bias ? reinterpret_cast<const uint16_t*>(bc.data_ptr()) : nullptr,
                    reinterpret_cast<uint16_t*>(y.data_ptr()), M, N, K};
   args.conv = &geom;
-  const int64_t grain = std::max<int64_t>(1, (int64_t{1} << 20) / (6 * 64 * K));
-  at::parallel_for(0, fp8_gemm_units(M, N), grain, [&](int64_t b, int64_t e) { fp8_gemm_bf16_avx512(args, b, e); });
+  at::parallel_for(0, fp8_gemm_units(M, N), fused_gemm_grain(K),
+                   [&](int64_t b, int64_t e) { fp8_gemm_bf16_avx512(args, b, e); });
   return y;
 }
 

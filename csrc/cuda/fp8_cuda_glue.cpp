@@ -2,6 +2,7 @@
 // torch.ops.pyext_C.fp8_upcast_out. Built only when torch has CUDA. It uses the
 // device-generic c10 stream API (no c10/cuda headers) so it also compiles, for a
 // syntax check, against a CPU-only torch.
+#include <ATen/MemoryOverlap.h>
 #include <c10/core/DeviceGuard.h>
 #include <c10/core/impl/DeviceGuardImplInterface.h>
 #include <torch/library.h>
@@ -14,7 +15,9 @@ void fp8_upcast_out_cuda(const at::Tensor& w, const at::Tensor& scale, at::Tenso
   TORCH_CHECK(w.scalar_type() == at::kByte, "pyext fp8_upcast (CUDA): weight must be the uint8 view of e4m3 codes");
   TORCH_CHECK(scale.scalar_type() == at::kFloat && (scale.numel() == 1 || scale.numel() == w.size(0)),
               "pyext fp8_upcast (CUDA): scale must be float32 with 1 or weight.size(0) elements");
-  TORCH_CHECK(out.is_contiguous() && out.numel() == w.numel(), "pyext fp8_upcast (CUDA): bad out");
+  TORCH_CHECK(out.is_contiguous() && out.sizes() == w.sizes(),
+              "pyext fp8_upcast (CUDA): out must be contiguous, with w's shape ", w.sizes(), ", got ", out.sizes());
+  at::assert_no_overlap(out, w);
   TORCH_CHECK(w.device() == out.device() && scale.device() == w.device(),
               "pyext fp8_upcast (CUDA): weight, scale and out must be on one device");
   int out_type;

@@ -27,6 +27,14 @@ __device__ __forceinline__ uint16_t to_fp16(float v) {
   return __half_as_ushort(__float2half_rn(v));
 }
 
+// decode(code) * s with the CPU path's NaN results: a NaN code keeps its own NaN, a NaN scale
+// gives its own bits, quieted (GPU arithmetic would return the canonical NaN 0x7fffffff).
+__device__ __forceinline__ float scaled(uint32_t code, float s) {
+  if ((code & 0x7fu) == 0x7fu) return decode(code);
+  if (s != s) return __uint_as_float(__float_as_uint(s) | 0x400000u);
+  return decode(code) * s;
+}
+
 template <int kOut>
 __device__ __forceinline__ void store(void* dst, int64_t i, float v) {
   if (kOut == 2) static_cast<float*>(dst)[i] = v;
@@ -46,8 +54,8 @@ __global__ void upcast_vec16(const uint4* __restrict__ src, void* __restrict__ d
       float4* out = reinterpret_cast<float4*>(dst) + c * 4;
 #pragma unroll
       for (int w = 0; w < 4; ++w)
-        out[w] = make_float4(decode(words[w] & 0xff) * s, decode((words[w] >> 8) & 0xff) * s,
-                             decode((words[w] >> 16) & 0xff) * s, decode(words[w] >> 24) * s);
+        out[w] = make_float4(scaled(words[w] & 0xff, s), scaled((words[w] >> 8) & 0xff, s),
+                             scaled((words[w] >> 16) & 0xff, s), scaled(words[w] >> 24, s));
     } else {
       uint32_t halves[8];
 #pragma unroll
@@ -55,7 +63,7 @@ __global__ void upcast_vec16(const uint4* __restrict__ src, void* __restrict__ d
         uint16_t h[4];
 #pragma unroll
         for (int b = 0; b < 4; ++b) {
-          const float v = decode((words[w] >> (8 * b)) & 0xff) * s;
+          const float v = scaled((words[w] >> (8 * b)) & 0xff, s);
           h[b] = kOut == 0 ? to_bf16(v) : to_fp16(v);
         }
         halves[2 * w] = h[0] | (static_cast<uint32_t>(h[1]) << 16);
@@ -73,7 +81,7 @@ __global__ void upcast_scalar(const uint8_t* __restrict__ src, void* __restrict_
                               int64_t n, int64_t cols, int per_row) {
   for (int64_t i = blockIdx.x * static_cast<int64_t>(blockDim.x) + threadIdx.x; i < n;
        i += static_cast<int64_t>(gridDim.x) * blockDim.x)
-    store<kOut>(dst, i, decode(src[i]) * scale[per_row ? i / cols : 0]);
+    store<kOut>(dst, i, scaled(src[i], scale[per_row ? i / cols : 0]));
 }
 
 template <int kOut>

@@ -42,6 +42,8 @@ def check_inputs(q, k, v, scale) -> None:
         _fail(f"k and v must have the same shape, got {tuple(k.shape)} and {tuple(v.shape)}")
     if q.shape[0] != k.shape[0] or q.shape[1] != k.shape[1] or q.shape[3] != k.shape[3]:
         _fail(f"q {tuple(q.shape)} and k {tuple(k.shape)} must agree in batch, heads and head_dim")
+    if q.shape[3] == 0:
+        _fail(f"head_dim is 0 (q {tuple(q.shape)}); supported: head_dim >= 1")
     if k.shape[2] == 0 and q.shape[2] > 0:
         _fail("k/v have zero length: softmax over no keys is undefined")
     if scale is not None and not (isinstance(scale, (int, float)) and math.isfinite(scale)):
@@ -61,11 +63,12 @@ def _scale(q, scale) -> float:
 
 # ----------------------------------------------------------------------------- cpp (CPU)
 
-def _cpp_advisory(q, k, v, scale):
+def _cpp_slower(q, k, v, scale):
     # Measured on Zen 4 (`python -m bench.attention`, README): the AVX-512 paths beat CPU
     # SDPA on every SD1.5/SDXL/Flux shape and dtype tried, the AVX2 and scalar paths do not
     # (d=80, 1 thread: avx2 35, scalar 5.5, SDPA 42 GFLOP/s). So auto-dispatch takes cpp only
-    # with AVX-512; backend="cpp" runs any path (PYEXT_CPU_SIMD caps it).
+    # with AVX-512 in static dispatch (measured dispatch times it); backend="cpp" runs any path
+    # (PYEXT_CPU_SIMD caps it).
     best = torch.ops.pyext_C.attention_paths()[0]
     if not best.startswith("avx512"):
         return [f"the C++ {best} path is slower than sdpa on CPU (measured); it runs when forced"]
@@ -97,6 +100,20 @@ def _triton(q, k, v, scale):
 
 # ----------------------------------------------------------------------------- PyTorch backends
 
+def _sdpa_reasons(q, k, v, scale):
+    # torch's CPU SDPA returns zeros for rows whose softmax is NaN (a NaN in q or k, a score
+    # that is +inf or overflows fp32). A bound on every score, two passes over q and k (small
+    # next to the attention), finds the inputs where that cannot happen; others go elsewhere.
+    if q.device.type != "cpu" or q.numel() == 0 or k.numel() == 0:
+        return []
+    bound = (torch.linalg.vector_norm(q, math.inf, dtype=torch.float32)
+             * torch.linalg.vector_norm(k, math.inf, dtype=torch.float32) * q.shape[-1] * abs(_scale(q, scale)))
+    if not bool(bound < 1e37):  # NaN compares False
+        return ["q or k holds NaN/inf, or scores may overflow fp32: torch's CPU SDPA returns 0 "
+                "where softmax gives NaN"]
+    return []
+
+
 def _sdpa(q, k, v, scale):
     return F.scaled_dot_product_attention(q, k, v, scale=scale)
 
@@ -113,31 +130,59 @@ def _xformers(q, k, v, scale):
 
 
 dispatch.register("attention", Backend(
-    "cpp", _cpp, unavailable=partial(kernel_missing, "attention"), advisory=_cpp_advisory, devices=("cpu",),
+    "cpp", _cpp, unavailable=partial(kernel_missing, "attention"), slower=_cpp_slower, devices=("cpu",),
     doc="C++ flash attention (AVX-512 BF16 / AVX-512 / AVX2 / scalar), O(seq) memory"))
 dispatch.register("attention", Backend(
     "triton", _triton, _triton_reasons, triton_unavailable, interpreter_advisory, devices=triton_devices(),
     doc="Triton flash attention, head dim split into power-of-two parts; cpu only under TRITON_INTERPRET=1"))
 
 dispatch.register("attention", Backend(
-    "sdpa", _sdpa, doc="torch.nn.functional.scaled_dot_product_attention"))
+    "sdpa", _sdpa, _sdpa_reasons, doc="torch.nn.functional.scaled_dot_product_attention"))
 dispatch.register("attention", Backend(
     "xformers", _xformers, unavailable=_xformers_unavailable, devices=("cuda",),
     doc="xformers.ops.memory_efficient_attention"))
 dispatch.register("attention", Backend(
-    "reference", attention_reference, doc="naive fp32 math; O(seq^2) memory; the test oracle"))
+    "reference", attention_reference, timed=False, doc="naive fp32 math; O(seq^2) memory; the test oracle"))
+
+# Self-check (pyext.dispatch): a small input of the variant against the reference, within twice
+# the error SDPA itself makes in that dtype at this size (fp32 accumulation, rounded outputs).
+_CHECK_TOLERANCE = {torch.float32: 1e-4, torch.float16: 4e-3, torch.bfloat16: 3e-2}
+
+
+def _sample(q, k, v, scale):
+    g = torch.Generator(device=q.device).manual_seed(0)
+
+    def rand(n):
+        return torch.randn(1, 2, n, q.shape[-1], generator=g, device=q.device).to(q.dtype)
+
+    return rand(37), rand(45), rand(45), scale
+
+
+def _close(out, ref, args):
+    err = (out.float() - ref.float()).abs().max().item()
+    return None if err <= _CHECK_TOLERANCE[ref.dtype] else f"max error {err:.3g} (tolerance {_CHECK_TOLERANCE[ref.dtype]:g})"
+
+
+dispatch.define("attention", sample=lambda args: _sample(*args), close=_close,
+                variant=lambda args: (str(args[0].dtype), args[0].shape[-1]))
 
 
 @torch.library.custom_op("pyext::attention", mutates_args=())
 def _attention_op(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: Optional[float] = None,
                   backend: Optional[str] = None) -> torch.Tensor:
     out = dispatch.select("attention", (q, k, v, scale), backend).run(q, k, v, scale)
-    return out.contiguous() if out.data_ptr() in (q.data_ptr(), k.data_ptr(), v.data_ptr()) else out
+    # The output has empty_like(q)'s strides on every backend, as the fake kernel promises: q's
+    # own when q is dense (as SDPA does, e.g. the (B, S, H, D)-transposed layout diffusers
+    # passes), contiguous otherwise. A custom op may not return one of its inputs either.
+    aliased = out.data_ptr() in (q.data_ptr(), k.data_ptr(), v.data_ptr())
+    if aliased or out.stride() != torch.empty_like(q, device="meta").stride():
+        out = torch.empty_like(q).copy_(out)
+    return out
 
 
 @_attention_op.register_fake
 def _(q, k, v, scale=None, backend=None):
-    return q.new_empty((*q.shape[:3], v.shape[-1]))
+    return torch.empty_like(q)
 
 
 def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: Optional[float] = None,

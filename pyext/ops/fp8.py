@@ -3,7 +3,7 @@
 Public functions validate their inputs (clear errors naming the op) and call the
 `torch.ops.pyext.*` custom ops, which pick a backend through `pyext.dispatch`.
 The reference backend is the semantics every other backend must match bit for
-bit (upcast) or to bf16 rounding (linear).
+bit (upcast) or to the compute dtype's rounding (linear: upcast, then GEMM).
 """
 from __future__ import annotations
 
@@ -16,6 +16,7 @@ import torch.nn.functional as F
 from pyext import dispatch
 from pyext._ext import cuda_kernel_missing, kernel_missing
 from pyext.dispatch import Backend, PyextError
+from pyext.ops._alias import apart_from
 from pyext.kernels import interpreter_advisory, triton_devices, triton_unavailable
 
 FP8 = torch.float8_e4m3fn
@@ -62,6 +63,9 @@ def fp8_quantize(w: torch.Tensor, per_channel: bool = True) -> tuple[torch.Tenso
               f"{getattr(w, 'dtype', type(w).__name__)}")
     if w.dim() < 1 or w.numel() == 0:
         _fail("fp8_quantize", f"expected a non-empty weight with at least one dimension, got shape {tuple(w.shape)}")
+    if w.device.type == "meta":
+        _fail("fp8_quantize", "the weight is a meta tensor (shapes only); quantizing needs its values: "
+              "load the weights first")
     wf = w.detach().float()
     finite = torch.isfinite(wf)
     if not bool(finite.all()):
@@ -69,9 +73,29 @@ def fp8_quantize(w: torch.Tensor, per_channel: bool = True) -> tuple[torch.Tenso
         _fail("fp8_quantize", f"weight has {int((~finite).sum())} non-finite values (first at index {bad}); "
               "fp8 storage needs finite weights")
     amax = wf.abs().reshape(wf.shape[0], -1).amax(1) if per_channel else wf.abs().amax().reshape(1)
-    scale = torch.where(amax > 0, amax / FP8_MAX, torch.ones_like(amax))
+    scale = _scales(amax)
     q = (wf / scale.reshape(-1, *[1] * (w.dim() - 1))).clamp(-FP8_MAX, FP8_MAX).to(FP8)
     return q, scale
+
+
+def _scales(amax: torch.Tensor) -> torch.Tensor:
+    """amax / 448 per channel; 1 for all-zero channels.
+
+    Below fp32's smallest normal, amax / 448 would be a subnormal that has lost bits, or 0
+    (whose codes are inf/NaN). There the scale is rounded up to a power of two, no smaller
+    than 2^-140 (the smallest code, 2^-9, times it is fp32's smallest subnormal), so
+    w / scale and codes * scale stay exact.
+    """
+    small = torch.exp2(torch.ceil(torch.log2(amax.double() / FP8_MAX)).clamp_min(-140)).float()
+    scale = torch.where(amax / FP8_MAX < torch.finfo(torch.float32).tiny, small, amax / FP8_MAX)
+    return torch.where(amax > 0, scale, torch.ones_like(amax))
+
+
+def scales_fuse_exactly(scale: torch.Tensor, dtype: torch.dtype) -> bool:
+    """Whether applying `scale` after the dot product (what the fused GEMMs do) gives the op's
+    meaning, upcast to `dtype` then GEMM, to rounding: every decoded weight times its scale must
+    be a finite `dtype` value. False for NaN/inf scales. Reads the scales (a sync on a GPU)."""
+    return bool((scale.abs() * FP8_MAX <= torch.finfo(dtype).max).all())
 
 
 # ----------------------------------------------------------------------------- reference
@@ -110,8 +134,10 @@ def decode_codes(codes: torch.Tensor) -> torch.Tensor:
 
 
 def fp8_upcast_reference(w: torch.Tensor, scale: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
-    """The semantics of fp8_upcast: round(fp32(w) * scale) to dtype. `w` is fp8 or its uint8 codes."""
-    f = decode_codes(w.view(torch.uint8)) * scale.reshape(-1, *[1] * (w.dim() - 1))
+    """The semantics of fp8_upcast: round(fp32(w) * scale) to dtype. `w` is fp8 or its uint8 codes.
+    A NaN code keeps its own NaN whatever the scale (NaN * NaN could return either operand)."""
+    decoded = decode_codes(w.view(torch.uint8))
+    f = torch.where(decoded.isnan(), decoded, decoded * scale.reshape(-1, *[1] * (w.dim() - 1)))
     return _round_fp32_to(f, dtype)
 
 
@@ -147,6 +173,8 @@ def _linear_triton_reasons(x, w, scale, bias):
 
 def _linear_triton(x, w, scale, bias):
     from pyext.kernels.fp8_linear import fp8_linear_triton
+    if not scales_fuse_exactly(scale, x.dtype):  # the kernel applies the scale to its accumulator
+        return fp8_linear_reference(x, w, scale, bias)
     return fp8_linear_triton(x, w, scale, bias)
 
 
@@ -166,12 +194,70 @@ dispatch.register("fp8_linear", Backend(
     "reference", fp8_linear_reference, doc="F.linear on the upcast weight"))
 
 
+# ----------------------------------------------------------------------------- self-check samples
+# (pyext.dispatch runs each backend once on these before choosing it automatically on a device)
+
+def sample_codes(shape, device, g: torch.Generator) -> torch.Tensor:
+    """Random finite e4m3 codes (uint8, no NaN codes) of `shape`."""
+    magnitude = torch.randint(0, 0x7F, shape, generator=g, device=device, dtype=torch.uint8)
+    sign = torch.randint(0, 2, shape, generator=g, device=device, dtype=torch.uint8) << 7
+    return magnitude | sign
+
+
+def sample_scale(like: torch.Tensor, channels: int, g: torch.Generator) -> torch.Tensor:
+    """Positive fp32 scales, per channel or per tensor as `like` is."""
+    per_tensor = like.numel() == 1
+    values = torch.rand(1 if per_tensor else channels, generator=g, device=like.device).add_(0.5).mul_(2e-3)
+    return values.reshape(like.shape) if per_tensor else values
+
+
+def relative_close(tolerance: dict):
+    """A dispatch `close` for outputs whose error scales with their magnitude."""
+    def close(out, ref, args):
+        err = (out.float() - ref.float()).abs().max().item()
+        allowed = tolerance[ref.dtype] * max(1.0, ref.float().abs().max().item())
+        return None if err <= allowed else f"max error {err:.3g} (allowed {allowed:.3g})"
+    return close
+
+
+# Upcast is exact on every backend; the linear, to the compute dtype's rounding of a K-long sum.
+LINEAR_TOLERANCE = {torch.float32: 1e-5, torch.float16: 4e-3, torch.bfloat16: 3e-2}
+
+
+def _sample_upcast(w, scale, out):
+    g = torch.Generator(device=w.device).manual_seed(0)
+    codes = sample_codes((5, 33), w.device, g)
+    return codes, sample_scale(scale, 5, g), torch.empty(5, 33, dtype=out.dtype, device=out.device)
+
+
+def _exact(out, ref, args):
+    same = torch.equal(out.view(torch.uint8), ref.view(torch.uint8))
+    return None if same else "bits differ from the reference"
+
+
+def _sample_linear(x, w, scale, bias):
+    g = torch.Generator(device=x.device).manual_seed(0)
+    k = x.shape[-1]
+    sample_x = torch.randn(5, k, generator=g, device=x.device).to(x.dtype)
+    sample_bias = None if bias is None else torch.randn(7, generator=g, device=x.device).to(bias.dtype)
+    return sample_x, sample_codes((7, k), x.device, g), sample_scale(scale, 7, g), sample_bias
+
+
+dispatch.define("fp8_upcast", sample=lambda args: _sample_upcast(*args), close=_exact, pure=False,
+                output=lambda args, returned: args[2], variant=lambda args: (str(args[2].dtype),))
+dispatch.define("fp8_linear", sample=lambda args: _sample_linear(*args), close=relative_close(LINEAR_TOLERANCE),
+                variant=lambda args: (str(args[0].dtype), args[2].numel() == 1, args[3] is None))
+
+
 # ----------------------------------------------------------------------------- custom ops
 # The ops take the weight as its uint8 codes (`w_fp8.view(torch.uint8)`): kernels read
 # bytes, and torch's op checkers (opcheck, schema checks) cannot compare float8 tensors.
 
 @torch.library.custom_op("pyext::fp8_upcast_out", mutates_args=("out",))
 def _fp8_upcast_out_op(w: torch.Tensor, scale: torch.Tensor, out: torch.Tensor, backend: Optional[str] = None) -> None:
+    if out.shape != w.shape:  # the public function checks this too; the raw op is callable directly
+        _fail("fp8_upcast", f"out has shape {tuple(out.shape)}; it must have the weight's shape {tuple(w.shape)}")
+    w, scale = apart_from([out], w, scale)
     dispatch.select("fp8_upcast", (w, scale, out), backend).run(w, scale, out)
 
 
@@ -222,7 +308,12 @@ def fp8_upcast(w: torch.Tensor, scale: torch.Tensor, dtype: torch.dtype = torch.
 
 def fp8_linear(x: torch.Tensor, w: torch.Tensor, scale: torch.Tensor, bias: Optional[torch.Tensor] = None,
                backend: Optional[str] = None) -> torch.Tensor:
-    """F.linear(x, fp8_upcast(w, scale, x.dtype), bias) without materialising the upcast weight."""
+    """F.linear(x, fp8_upcast(w, scale, x.dtype), bias) without materialising the upcast weight.
+
+    That is the meaning on every backend, non-finite or huge scales included. The fused
+    GEMMs apply the scale to the fp32 accumulator, which agrees to rounding while
+    |scale| * 448 is a finite x.dtype value; other scales take an upcast path.
+    """
     _check_weight("fp8_linear", w, scale)
     if not isinstance(x, torch.Tensor):
         _fail("fp8_linear", f"x must be a tensor, got {type(x).__name__}")

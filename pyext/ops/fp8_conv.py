@@ -16,11 +16,24 @@ import torch.nn.functional as F
 from pyext import dispatch
 from pyext._ext import cpu_capabilities, kernel_missing
 from pyext.dispatch import Backend
-from pyext.ops.fp8 import _check_dtype, _check_weight, _fail, fp8_upcast_reference
+from pyext.ops.fp8 import (LINEAR_TOLERANCE, _check_dtype, _check_weight, _fail, fp8_upcast_reference,
+                           relative_close, sample_codes, sample_scale, scales_fuse_exactly)
 
 
 def _pair(v) -> list[int]:
     return [int(v), int(v)] if isinstance(v, int) else [int(a) for a in v]
+
+
+def _is_int(v) -> bool:
+    return isinstance(v, int) and not isinstance(v, bool)
+
+
+def _check_pair(name: str, v, least: int) -> list[int]:
+    """An int or two ints, each >= least, as [h, w]."""
+    pair = [v, v] if _is_int(v) else list(v) if isinstance(v, (tuple, list)) else None
+    if pair is None or len(pair) != 2 or not all(_is_int(a) and a >= least for a in pair):
+        _fail("fp8_conv2d", f"{name} must be an int or two ints (height, width), each >= {least}; got {v!r}")
+    return pair
 
 
 def _is_channels_last(t: torch.Tensor) -> bool:
@@ -57,6 +70,9 @@ def _cpp_reasons(x, w, scale, bias, stride, padding, dilation, groups) -> list[s
         reasons.append(f"dilation must be 1, got {dilation}")
     if x.dim() == 4 and x.shape[1] % 2:
         reasons.append(f"input channels must be even (bf16 pairs), got {x.shape[1]}")
+    if x.device.type == "cpu" and not scales_fuse_exactly(scale, torch.bfloat16):
+        reasons.append("scales must be finite with |scale| * 448 within bfloat16's range "
+                       "(the kernel applies them after the dot product)")
     return reasons
 
 
@@ -69,6 +85,22 @@ dispatch.register("fp8_conv2d", Backend(
     doc="C++ implicit GEMM over channels-last bf16 activations, fp8 decoded in the GEMM's packing step"))
 dispatch.register("fp8_conv2d", Backend(
     "reference", fp8_conv2d_reference, doc="F.conv2d on the upcast weight"))
+
+
+def _sample(x, w, scale, bias, stride, padding, dilation, groups):
+    """A small input of the variant (dtype, memory format, geometry) for the dispatcher's self-check."""
+    g = torch.Generator(device=x.device).manual_seed(0)
+    out_channels = 2 * groups
+    sample_x = torch.randn(1, x.shape[1], 7, 6, generator=g, device=x.device).to(x.dtype)
+    sample_x = sample_x.contiguous(memory_format=torch.channels_last if _is_channels_last(x) else torch.contiguous_format)
+    codes = sample_codes((out_channels, *w.shape[1:]), x.device, g)
+    sample_bias = None if bias is None else torch.randn(out_channels, generator=g, device=x.device).to(bias.dtype)
+    return (sample_x, codes, sample_scale(scale, out_channels, g), sample_bias, stride, padding, dilation, groups)
+
+
+dispatch.define("fp8_conv2d", sample=lambda args: _sample(*args), close=relative_close(LINEAR_TOLERANCE),
+                variant=lambda args: (str(args[0].dtype), _is_channels_last(args[0]), tuple(args[1].shape[1:]),
+                                      args[2].numel() == 1, args[3] is None, *map(tuple, args[4:7]), args[7]))
 
 
 @torch.library.custom_op("pyext::fp8_conv2d", mutates_args=())
@@ -97,6 +129,10 @@ def fp8_conv2d(x: torch.Tensor, w: torch.Tensor, scale: torch.Tensor, bias: Opti
     if not isinstance(x, torch.Tensor) or x.dim() != 4:
         _fail(op, f"x must be a 4-D (batch, channels, height, width) tensor, got {dispatch.describe(x)}")
     _check_dtype(op, x.dtype, "x.dtype")
+    if x.shape[1] == 0:
+        _fail(op, f"x has 0 input channels; a convolution needs at least one, got x {tuple(x.shape)}")
+    if not _is_int(groups) or groups < 1 or w.shape[0] % groups:
+        _fail(op, f"groups must be a positive int dividing the {w.shape[0]} output channels, got {groups!r}")
     if w.dim() != 4 or x.shape[1] != w.shape[1] * groups:
         _fail(op, f"weight must be (out, in/groups, kh, kw) with in = x.shape[1]; got x {tuple(x.shape)}, "
               f"weight {tuple(w.shape)}, groups {groups}")
@@ -104,11 +140,8 @@ def fp8_conv2d(x: torch.Tensor, w: torch.Tensor, scale: torch.Tensor, bias: Opti
         _fail(op, f"x is on {x.device} but weight is on {w.device}")
     if bias is not None and (bias.shape != (w.shape[0],) or bias.dtype != x.dtype or bias.device != x.device):
         _fail(op, f"bias must be {x.dtype}[{w.shape[0]}] on {x.device}, got {dispatch.describe(bias)}")
-    if isinstance(padding, str):
-        _fail(op, f"padding must be integers, got {padding!r}")
-    stride, padding, dilation = _pair(stride), _pair(padding), _pair(dilation)
-    if min(stride) < 1 or min(padding) < 0 or min(dilation) < 1:
-        _fail(op, f"stride and dilation must be >= 1 and padding >= 0; got {stride}, {padding}, {dilation}")
+    stride, padding, dilation = (_check_pair("stride", stride, 1), _check_pair("padding", padding, 0),
+                                 _check_pair("dilation", dilation, 1))
     for i in range(2):
         if x.shape[2 + i] + 2 * padding[i] < dilation[i] * (w.shape[2 + i] - 1) + 1:
             _fail(op, f"the kernel {tuple(w.shape[2:])} is larger than the padded input {tuple(x.shape[2:])}")

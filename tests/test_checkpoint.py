@@ -1,0 +1,111 @@
+"""pyext.checkpoint: fp8 checkpoints with per-tensor checksums, and clear errors for damaged,
+incomplete or foreign directories."""
+import json
+import struct
+
+import pytest
+import torch
+import torch.nn as nn
+from diffusers import ModelMixin
+from diffusers.configuration_utils import ConfigMixin, register_to_config
+
+from pyext import PyextError, checkpoint
+from pyext.nn import FP8Linear
+
+
+class Tiny(ModelMixin, ConfigMixin):
+    @register_to_config
+    def __init__(self, width: int = 64):
+        super().__init__()
+        self.up = nn.Linear(width, width)
+        self.down = nn.Linear(width, 16)
+
+    def forward(self, x):
+        return self.down(self.up(x))
+
+
+def fp8_model() -> Tiny:
+    torch.manual_seed(0)
+    model = Tiny()
+    model.up = FP8Linear.from_linear(model.up)
+    return model
+
+
+@pytest.fixture
+def saved(tmp_path):
+    model = fp8_model()
+    checkpoint.save_pretrained(model, str(tmp_path), max_shard_size="6KB")
+    return model, tmp_path
+
+
+def tensor_data_offsets(path):
+    """{key: (begin, end)} byte ranges of each tensor in a safetensors file."""
+    raw = path.read_bytes()
+    (n,) = struct.unpack("<Q", raw[:8])
+    header = json.loads(raw[8:8 + n])
+    return {k: (8 + n + v["data_offsets"][0], 8 + n + v["data_offsets"][1])
+            for k, v in header.items() if k != "__metadata__"}
+
+
+def test_round_trip_with_checksums(saved):
+    model, path = saved
+    shards = sorted(path.glob("*.safetensors"))
+    assert len(shards) > 1
+    manifest = json.loads((path / checkpoint.MANIFEST).read_text())
+    assert sorted(manifest["files"]) == [s.name for s in shards]
+    assert all(len(d) == 64 for files in manifest["files"].values() for d in files.values())
+    loaded = checkpoint.from_pretrained(Tiny, str(path))
+    x = torch.randn(3, 64)
+    with torch.no_grad():
+        assert torch.equal(loaded(x), model(x))
+
+
+def test_flipped_byte_names_the_tensor_and_the_file(saved):
+    _, path = saved
+    shard = next(s for s in sorted(path.glob("*.safetensors")) if "up.weight" in tensor_data_offsets(s))
+    begin, _ = tensor_data_offsets(shard)["up.weight"]
+    raw = bytearray(shard.read_bytes())
+    raw[begin + 5] ^= 0x10
+    shard.write_bytes(bytes(raw))
+    with pytest.raises(PyextError, match=rf"tensor 'up.weight' in .*{shard.name} does not match its saved SHA-256"):
+        checkpoint.from_pretrained(Tiny, str(path))
+    loaded = checkpoint.from_pretrained(Tiny, str(path), verify=False)  # the opt-out loads the damaged bytes
+    assert int(loaded.up.weight.view(-1)[5]) == raw[begin + 5]
+
+
+def test_missing_shard_names_the_file(saved):
+    _, path = saved
+    victim = sorted(path.glob("*.safetensors"))[-1]
+    victim.unlink()
+    with pytest.raises(PyextError, match=rf"lacks the shard file\(s\) {victim.name}"):
+        checkpoint.from_pretrained(Tiny, str(path))
+
+
+def test_missing_shard_of_a_checkpoint_without_checksums(saved):
+    """Manifests written before checksums existed: diffusers' index still names the shards."""
+    _, path = saved
+    manifest = json.loads((path / checkpoint.MANIFEST).read_text())
+    (path / checkpoint.MANIFEST).write_text(json.dumps({"format": 1, "layers": manifest["layers"]}))
+    checkpoint.from_pretrained(Tiny, str(path))  # still loads, with nothing to verify
+    victim = sorted(path.glob("*.safetensors"))[0]
+    victim.unlink()
+    with pytest.raises(PyextError, match=rf"lacks the shard file\(s\) {victim.name}"):
+        checkpoint.from_pretrained(Tiny, str(path))
+
+
+def test_empty_directory(tmp_path):
+    with pytest.raises(PyextError, match=rf"pyext.checkpoint.from_pretrained: {tmp_path} is empty. Expected an fp8 "
+                                         r"checkpoint written by pyext.checkpoint.save_pretrained"):
+        checkpoint.from_pretrained(Tiny, str(tmp_path))
+
+
+def test_plain_model_directory(tmp_path):
+    Tiny().save_pretrained(str(tmp_path))
+    with pytest.raises(PyextError, match=r"holds config.json, diffusion_pytorch_model.safetensors but no "
+                                         r"pyext_fp8.json.*quantize_fp8"):
+        checkpoint.from_pretrained(Tiny, str(tmp_path))
+
+
+def test_not_a_directory(tmp_path):
+    with pytest.raises(PyextError, match="is not a directory"):
+        checkpoint.from_pretrained(Tiny, str(tmp_path / "nowhere"))
