@@ -39,38 +39,66 @@ class Preset:
     row_timeout_s: int
     unrelated_seed: bool  # also generate another seed in `original`: the PSNR an unrelated video scores
     threads: int = 0     # torch.set_num_threads in each row; 0 keeps torch's default
+    bf16_needs_native: bool = True  # compute in fp32 where the CPU lacks native bf16 (hours otherwise)
 
 
 PRESETS = {
     # CogVideoX-2b's transformer and VAE on 2 CPU cores: a step of the 1.7B transformer (CFG batch 2)
-    # takes about a minute in fp32 and four or more in bf16 (without native bf16 the CPU emulates it),
-    # a decode minutes: one timed run per row, no extra unrelated-seed run.
-    "bench": Preset("bench", 2, 1, 1, 1800, unrelated_seed=False),
+    # takes minutes in fp32, a decode a minute: one timed run per row, no warm-up (a CPU compiles and
+    # tunes nothing; the first call's oneDNN set-up is under 1% of a step), no unrelated-seed run.
+    "bench": Preset("bench", 2, 0, 1, 2400, unrelated_seed=False),
     # CI: seconds for all rows. One thread: tiny ops gain nothing from two.
-    "tiny": Preset("tiny", 2, 1, 1, 120, unrelated_seed=True, threads=1),
+    "tiny": Preset("tiny", 2, 1, 1, 120, unrelated_seed=True, threads=1, bf16_needs_native=False),
 }
 
-# row -> steps applied in order to the fp32 pipeline as built. The fp8 rows start from bf16 as
-# the seed's example does, with the VAE decoding in fp32 (see _fp32_decode); the pyext_optimize
-# rows get the fp32 pipeline and decide dtypes themselves.
+# row -> steps applied in order to the fp32 pipeline as built. The fp8 rows first go to the compute
+# dtype (`compute`: bf16, as the seed's example, where the CPU computes bf16 natively, else fp32), with
+# the VAE decoding in fp32 (see _fp32_decode); the pyext_optimize rows get the fp32 pipeline and
+# decide dtypes themselves.
 ROWS = {
     "original": (),
     "bf16": ("bf16",),
-    "diffusers_layerwise_fp8": ("bf16", "layerwise_fp8"),
-    "pyext_fp8": ("bf16", "pyext_fp8"),
+    "diffusers_layerwise_fp8": ("compute", "layerwise_fp8"),
+    "pyext_fp8": ("compute", "pyext_fp8"),
     "pyext_optimize": ("pyext_optimize",),
     "pyext_optimize_fp8": ("pyext_optimize_fp8",),
 }
 
 
-def _apply_step(pipe, step: str, call: dict, notes: dict):
+def compute_dtype(preset: Preset) -> torch.dtype:
+    """bf16 as the seed's example, unless the preset is too big for a CPU that emulates bf16 (see
+    skip_reason): fp32 there."""
+    from pyext import _compat
+
+    native = _compat.cpu_has_native_bf16() or not preset.bf16_needs_native
+    return torch.bfloat16 if native else torch.float32
+
+
+def skip_reason(row: str, preset: Preset) -> str | None:
+    """Why a row cannot run on this CPU in useful time, with the figure that says so, or None."""
+    if "bf16" not in ROWS[row] or compute_dtype(preset) == torch.bfloat16:
+        return None
+    times = {}
+    for dtype in (torch.float32, torch.bfloat16):  # one GEMM at the transformer's width
+        a, b = torch.randn(256, 1920, dtype=dtype), torch.randn(1920, 1920, dtype=dtype)
+        t = time.perf_counter()
+        a @ b
+        times[dtype] = time.perf_counter() - t
+    ratio = times[torch.bfloat16] / times[torch.float32]
+    return (f"this CPU has no native bf16 (no AVX512-BF16/AMX): a bf16 GEMM 256x1920x1920 took "
+            f"{ratio:.0f}x the fp32 one, so a bf16 step would take hours; the fp8 rows compute in fp32")
+
+
+def _apply_step(pipe, step: str, call: dict, notes: dict, compute: torch.dtype):
     import pyext
 
-    if step == "bf16":
+    if step == "bf16" or (step == "compute" and compute == torch.bfloat16):
         pipe.to(torch.bfloat16)
         _fp32_decode(pipe)
-    elif step == "layerwise_fp8":  # exactly the seed's line
-        pipe.transformer.enable_layerwise_casting(storage_dtype=torch.float8_e4m3fn, compute_dtype=torch.bfloat16)
+    elif step == "compute":
+        notes[step] = "computes in fp32: this CPU has no native bf16"
+    elif step == "layerwise_fp8":  # the seed's line, with this CPU's compute dtype
+        pipe.transformer.enable_layerwise_casting(storage_dtype=torch.float8_e4m3fn, compute_dtype=compute)
     elif step == "pyext_fp8":
         report = pyext.quantize_fp8(pipe.transformer)
         notes[step] = (f"{len(report.converted)} transformer layers in fp8, their weights "
@@ -130,7 +158,7 @@ def run_row(name: str, spec: dict) -> dict:
     pipe = pyext.offline.build_pipeline(ARCH, preset.size, seed=SEED)
     notes = {}
     for step in ROWS[name]:
-        pipe = _apply_step(pipe, step, call, notes)
+        pipe = _apply_step(pipe, step, call, notes, compute_dtype(preset))
     for note in notes.values():  # also in the row's log: a row that times out still shows what was set up
         print(note, flush=True)
     clock = latency.StageClock("cpu")
@@ -142,8 +170,9 @@ def run_row(name: str, spec: dict) -> dict:
         return pyext.offline.run_example(pipe, ARCH, preset.size, steps=steps, seed=seed, **call)
 
     # The warm-up stops at the latents: a CPU has nothing to warm in the VAE (no autotuning, no
-    # compilation), and at size "bench" its decode takes minutes.
-    generate(preset.warmup_steps, output_type="latent")
+    # compilation), and at size "bench" its decode takes a minute.
+    if preset.warmup_steps:
+        generate(preset.warmup_steps, output_type="latent")
     setup_s = time.perf_counter() - t0
     release_freed_memory()  # the fp32 weights a cast freed must not stay resident and count as this row's peak
     rss_reset = latency._reset_peak_rss()
@@ -204,7 +233,8 @@ def run(preset_name: str, out: str, rows: list[str] | None = None, repeats: int 
     report = {
         "preset": preset_name, "preset_parameters": asdict(preset), "repeats": spec["repeats"],
         "model": f"{ARCH} {preset.size}", "weights": "random", "prompt": pyext.offline.PROMPT, "seed": SEED,
-        "call": pyext.offline.example_call(ARCH, preset.size), "min_psnr_db": latency.MIN_PSNR_DB,
+        "call": pyext.offline.example_call(ARCH, preset.size),
+        "compute_dtype": str(compute_dtype(preset)).removeprefix("torch."), "min_psnr_db": latency.MIN_PSNR_DB,
         "versions": latency.versions(), "rows": results, "rows_planned": rows,
     }
     # diffusers imports the pipeline's module lazily, and with it torch._dynamo and T5: seconds
@@ -220,8 +250,12 @@ def run(preset_name: str, out: str, rows: list[str] | None = None, repeats: int 
         for name in rows:
             print(f"bench.video: {name} ...", flush=True)
             t0 = time.perf_counter()
-            results[name] = latency._run_in_subprocess(_RowContext(ctx), name, spec_path, workdir, out,
-                                                       preset.row_timeout_s)
+            reason = skip_reason(name, preset)
+            if reason:
+                results[name] = {"reason": reason}
+            else:
+                results[name] = latency._run_in_subprocess(_RowContext(ctx), name, spec_path, workdir, out,
+                                                           preset.row_timeout_s)
             results[name]["row_wall_s"] = time.perf_counter() - t0  # the whole row: build, set-up, runs
             print(f"  {name:26s} {latency._short(results[name])}  (row took {results[name]['row_wall_s']:.1f} s)",
                   flush=True)
@@ -248,10 +282,13 @@ def write_markdown(report: dict, path: str) -> None:
         f"{report['model']} of pyext.offline, weights: **random** (seeded, seed {report['seed']}), so frames are "
         f"noise-like and the check compares numerics, not quality. {call['num_frames']} frames of "
         f"{call['width']}x{call['height']}, {p['steps']} steps, default guidance (transformer batch 2), median of "
-        f"{report['repeats']} run(s) after a {p['warmup_steps']}-step warm-up (up to the latents), on the CPU; each "
-        f"row in its own process. Prompt: \"{report['prompt']}\". In the bf16 and fp8 rows the VAE decodes in "
-        "fp32, as diffusers' force_upcast does for other VAEs: a CPU without native bf16 runs bf16 3-D "
-        "convolutions over 100x slower than fp32 ones. pyext_optimize rows keep the dtypes pyext chooses.",
+        f"{report['repeats']} run(s) "
+        + (f"after a {p['warmup_steps']}-step warm-up (up to the latents)" if p["warmup_steps"] else "without warm-up")
+        + f", on the CPU; each row in its own process. Prompt: \"{report['prompt']}\". The fp8 rows compute in "
+        f"{report['compute_dtype']} (bf16 as the seed's example where the CPU has native bf16, else fp32). In the "
+        "bf16 rows the VAE decodes in fp32, as diffusers' force_upcast does for other VAEs: a CPU without native "
+        "bf16 runs bf16 3-D convolutions over 100x slower than fp32 ones. pyext_optimize rows keep the dtypes "
+        "pyext chooses.",
         f"Machine: {m['cpu']}, {m['cpu_count']} CPUs, torch threads {p['threads'] or m['torch_threads']}"
         + (f", load average at the end {', '.join(f'{x:.1f}' for x in m['load_average'])}" if "load_average" in m else "")
         + ". " + ", ".join(f"{k} {v}" for k, v in report["versions"].items()) + ".",
