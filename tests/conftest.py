@@ -34,7 +34,40 @@ def run_in_triton_interpreter(script: str, timeout: int = 900) -> dict:
     import sys
 
     pytest.importorskip("triton")
+    broken = _interpreter_problem()
+    if broken:
+        pytest.skip(broken)
     env = dict(os.environ, TRITON_INTERPRET="1")
     proc = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, env=env, timeout=timeout)
     assert proc.returncode == 0, proc.stderr[-3000:]
     return json.loads(proc.stdout.strip().splitlines()[-1])
+
+
+_PROBE = """
+import triton, triton.language as tl, torch
+@triton.jit
+def k(x, n, B: tl.constexpr):
+    for i in range(0, n, B):
+        tl.store(x + i + tl.arange(0, B), tl.arange(0, B))
+x = torch.zeros(8, dtype=torch.int32)
+k[(1,)](x, 8, B=4)
+"""
+_INTERPRETER_PROBLEM = []
+
+
+def _interpreter_problem() -> str:
+    """Why this Triton's interpreter cannot run a loop over a runtime int here, or "" when it can.
+    (Triton 3.6's interpreter calls int() on 1-element arrays, which NumPy 2.4+ refuses.)"""
+    import os
+    import subprocess
+    import sys
+
+    if not _INTERPRETER_PROBLEM:
+        proc = subprocess.run([sys.executable, "-c", _PROBE], capture_output=True, text=True,
+                              env=dict(os.environ, TRITON_INTERPRET="1"), timeout=300)
+        import numpy
+        import triton
+        _INTERPRETER_PROBLEM.append("" if proc.returncode == 0 else
+                                    f"Triton {triton.__version__}'s interpreter fails here (NumPy {numpy.__version__}): "
+                                    + proc.stderr.strip().splitlines()[-1][:200])
+    return _INTERPRETER_PROBLEM[0]

@@ -36,7 +36,7 @@ def _fp8_linear_kernel(
     # Grouped ordering: neighbouring programs share weight tiles in L2.
     group = pid // (GROUP_M * num_n)
     first_m = group * GROUP_M
-    size_m = min(num_m - first_m, GROUP_M)
+    size_m = tl.minimum(num_m - first_m, GROUP_M)
     pid_m = first_m + (pid % (GROUP_M * num_n)) % size_m
     pid_n = (pid % (GROUP_M * num_n)) // size_m
 
@@ -46,8 +46,8 @@ def _fp8_linear_kernel(
     x_ptrs = x_ptr + offs_m[:, None] * stride_xm + offs_k[None, :] * stride_xk
     w_ptrs = w_ptr + offs_n[None, :] * stride_wn + offs_k[:, None] * stride_wk  # (BLOCK_K, BLOCK_N) view
     acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
-    for k in range(0, tl.cdiv(K, BLOCK_K)):
-        k_left = K - k * BLOCK_K
+    for k0 in range(0, K, BLOCK_K):
+        k_left = K - k0
         a = tl.load(x_ptrs, mask=(offs_m[:, None] < M) & (offs_k[None, :] < k_left), other=0.0)
         w = tl.load(w_ptrs, mask=(offs_n[None, :] < N) & (offs_k[:, None] < k_left), other=0)
         acc += tl.dot(a, _decode_fp8_div256(w, a.dtype))
