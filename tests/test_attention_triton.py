@@ -40,7 +40,14 @@ SCRIPT = textwrap.dedent("""
         bf16 = "accepted"
     except ValueError as e:
         bf16 = str(e)
-    print(json.dumps(dict(cases=cases, picked=picked, bf16=bf16)))
+    # Every key of the first blocks scores -inf (fp32 overflow), later ones are finite: a finite answer.
+    q = torch.full((1, 1, 2, 4), 1e20)
+    k = torch.rand(1, 1, 300, 4) + 0.1
+    k[0, 0, :256] *= -1e20
+    v = torch.randn(1, 1, 300, 4)
+    out, ref = attention(q, k, v, backend="triton"), attention(q, k, v, backend="reference")
+    neg_inf = dict(finite=bool(torch.isfinite(out).all()), err=(out - ref).abs().max().item())
+    print(json.dumps(dict(cases=cases, picked=picked, bf16=bf16, neg_inf=neg_inf)))
 """)
 
 EPS = {"torch.float16": 1e-4, "torch.float32": 1e-6}
@@ -54,6 +61,7 @@ def test_triton_attention_in_interpreter():
         assert case["err"] <= 2 * case["torch_err"] + EPS[case["dtype"]], case
     assert result["picked"] != "triton"
     assert "bf16 tl.dot wrongly" in result["bf16"]
+    assert result["neg_inf"]["finite"] and result["neg_inf"]["err"] < 1e-5, result["neg_inf"]
 
 
 def test_head_dim_parts_cover_exactly():
