@@ -6,30 +6,36 @@ from pyext.techniques.base import Entry, Technique
 
 
 class VAETiling(Technique):
-    """AutoencoderKL-family 2-D VAEs get pyext's tiling (pyext.vae: exact borders, whole-image
-    statistics, streamed tiles); other VAEs (3-D video VAEs, DC-AE, VQ) diffusers' own
-    enable_tiling. Only when the decision says the full decode would not fit, or when asked."""
+    """AutoencoderKL-family 2-D VAEs get pyext's exact tiling (pyext.vae: the untiled decode's
+    numbers, one tile on the device); other VAEs (3-D video VAEs, DC-AE, VQ) diffusers' own
+    tiling, with their linear blend fused where they have it. Only when the decision says the
+    full decode would not fit, or when asked."""
 
     name = "vae_tiling"
 
     def apply(self, pipe, d) -> list[Entry]:
+        from pyext import vae as pvae
+
         entries = []
         for name, vae in d.components.vaes.items():
+            report = None
             if not d.vae_tiling:
                 entries.append(self.skipped(name, d.vae_tiling_reason))
-            elif vae_kind(vae) == "kl2d":
-                from pyext import vae as pvae
-
+                continue
+            if vae_kind(vae) == "kl2d":
                 report = pvae.tile_vae(vae)
-                entries.append(self.applied(name, f"pyext tiling, {report['tile_sample_min_size']}-px tiles "
+            if report is not None and report["patched"]:
+                entries.append(self.applied(name, f"pyext tiling (exact), {report['tile_sample_min_size']}-px tiles "
                                                   f"({d.vae_tiling_reason})",
                                             lambda v=vae: (pvae.untile_vae(v), "diffusers' decode again")[1]))
             elif getattr(vae, "use_tiling", False):
                 entries.append(self.already(name, "diffusers' tiling was on"))
             elif hasattr(vae, "enable_tiling"):
-                vae.enable_tiling()
-                entries.append(self.applied(name, f"diffusers' tiling for this {vae_kind(vae)} VAE ({d.vae_tiling_reason})",
-                                            lambda v=vae: (v.disable_tiling(), "tiling off")[1]))
+                fused = pvae.tile_video_vae(vae)["fused_blends"]
+                blend = f", {' and '.join(fused)} fused" if fused else ""
+                entries.append(self.applied(name, f"diffusers' tiling for this {vae_kind(vae)} VAE{blend} "
+                                                  f"({d.vae_tiling_reason})",
+                                            lambda v=vae: (pvae.untile_video_vae(v), "tiling off")[1]))
             else:
                 entries.append(self.skipped(name, f"{type(vae).__name__} has no tiling"))
         return entries

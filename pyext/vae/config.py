@@ -1,0 +1,65 @@
+"""TilingConfig: every option of a tiled VAE run, checked once when it is made."""
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Optional
+
+from pyext.dispatch import PyextError
+
+METHODS = ("exact", "tiles", "diffusers")
+
+
+def fail(msg: str) -> None:
+    raise PyextError(f"pyext.tile_vae: {msg}")
+
+
+def _is_int(v) -> bool:
+    return isinstance(v, int) and not isinstance(v, bool)
+
+
+@dataclass(frozen=True)
+class TilingConfig:
+    """How pyext tiles an AutoencoderKL decode or encode.
+
+    method:
+      "exact": the untiled decode's numbers to rounding, each layer run once. Tiles abut
+        without overlap; before each GroupNorm its whole-image statistics are gathered from all
+        tiles, and the whole image's state is kept on the host in between (pinned on a GPU: the
+        device holds one tile). See pyext.vae.exact.
+      "tiles": each tile with its own GroupNorm statistics, the mid block on the whole latent
+        and `context` real neighbours around each tile, blended over `overlap`: the memory of
+        one tile and no host staging, but not exact.
+      "diffusers": diffusers' own tiled numbers (its grid, blend and per-tile mid block),
+        streamed into one output instead of keeping every tile.
+    tile_size: output-side tile in pixels (sets tile_sample_min_size and tile_latent_min_size);
+      None keeps the VAE's. It must be a multiple of the VAE's downsampling factor (checked by
+      tile_vae, which knows the VAE).
+    overlap: tile_overlap_factor for "tiles" and "diffusers"; None keeps the VAE's.
+    context: "tiles" only: latent pixels of real neighbourhood run around each tile and
+      cropped off again; None: the tiled part's receptive field.
+    enable: also turn the VAE's use_tiling on.
+    """
+
+    method: str = "exact"
+    tile_size: Optional[int] = None
+    overlap: Optional[float] = None
+    context: Optional[int] = None
+    enable: bool = True
+
+    def __post_init__(self):
+        if self.method not in METHODS:
+            fail(f"method must be one of {METHODS}, got {self.method!r}")
+        if self.tile_size is not None and (not _is_int(self.tile_size) or self.tile_size < 1):
+            fail(f"tile_size must be a positive int (pixels) or None, got {self.tile_size!r}")
+        if self.overlap is not None:
+            if self.method == "exact":
+                fail(f"overlap applies to method 'tiles' or 'diffusers'; exact tiles do not overlap (got {self.overlap!r})")
+            if isinstance(self.overlap, bool) or not isinstance(self.overlap, (int, float)) or not 0 <= self.overlap < 1:
+                fail(f"overlap must be a fraction in [0, 1) or None, got {self.overlap!r}")
+        if self.context is not None:
+            if self.method != "tiles":
+                fail(f"context applies to method 'tiles' only, got context={self.context!r} with method={self.method!r}")
+            if not _is_int(self.context) or self.context < 0:
+                fail(f"context must be a non-negative int (latent pixels) or None, got {self.context!r}")
+        if not isinstance(self.enable, bool):
+            fail(f"enable must be True or False, got {self.enable!r}")

@@ -1,0 +1,142 @@
+"""The exact tiled run: the network, segment by segment, over abutting tiles, with every
+GroupNorm normalised by the whole image's statistics.
+
+The tiled part of the network is cut before every GroupNorm: each resnet into two steps, the
+second starting at its second GroupNorm (stages.split_resnets), and a segment starts at each
+step with a GroupNorm, taking along the steps without one that follow it (a resampler, the
+output activation and conv). A segment runs over all tiles twice: the first pass stops at its
+GroupNorm, which is its first call, and only adds the moments of that input over each tile's
+own pixels (statistics.SyncedGroupNorms); the second normalises with the merged whole-image
+statistics and runs every tile to the end. So each layer runs once, as in the untiled
+network; the first passes only read. (A segment with more GroupNorm calls, from a block that
+is not split, runs once more per call, each pass stopping at the next one.)
+
+Each tile runs with `margin` more pixels of the segment's input on each side (its receptive
+field, a few pixels) and keeps only its own pixels of the output, which are then those of the
+untiled network. So the result is the untiled network's to rounding, and no tile overlaps
+another.
+
+Between segments the whole-image state (the activation, and inside a resnet also the residual
+it adds at its end) lives on the host, pinned when the network runs on a GPU, so only one
+tile's working set is on the device; one band per tile row, each freed as soon as no later
+tile reads it. So the host holds about the largest state of the whole image between two
+GroupNorms (for the SD VAE: 256 channels at full resolution). That is the price of exact
+statistics in one pass: holding less means recomputing the network up to each GroupNorm.
+"""
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+from fractions import Fraction
+
+import torch
+
+from pyext.vae import stages
+from pyext.vae.config import fail
+from pyext.vae.geometry import Span, equal_cores, rescale, window
+from pyext.vae.statistics import Moments, Stop, SyncedGroupNorms
+
+
+@dataclass(frozen=True)
+class Segment:
+    steps: list
+    scale: Fraction  # output pixels per input pixel
+    margin: int      # input pixels of receptive field per side, aligned to the downsampling
+
+
+def segments(steps) -> list[Segment]:
+    """A new segment at each step with a GroupNorm (and one for the steps before the first)."""
+    groups: list[list] = []
+    for step in steps:
+        if not groups or stages.has_group_norm(step):
+            groups.append([])
+        groups[-1].append(step)
+    return [Segment(g, math.prod((s.scale for s in g), start=Fraction(1)), stages.margin(g)) for g in groups]
+
+
+class Bands:
+    """A whole-image state on the host: one or more activations (..., C, H, W) of the same
+    height and width, one tuple of tensors per tile row."""
+
+    def __init__(self, rows: list[Span], width: int, pin: bool):
+        self.rows, self.width, self.pin = rows, width, pin
+        self.parts: list = [None] * len(rows)
+
+    @classmethod
+    def of(cls, t: torch.Tensor, rows: list[Span]) -> "Bands":
+        bands = cls(rows, t.shape[-1], t.is_cuda)
+        for i, (a, b) in enumerate(rows):
+            bands.write(i, (0, t.shape[-1]), (t[..., a:b, :],))
+        return bands
+
+    @property
+    def height(self) -> int:
+        return self.rows[-1][1]
+
+    def read(self, ys: Span, xs: Span) -> tuple:
+        pieces = [tuple(t[..., max(ys[0], a) - a:min(ys[1], b) - a, xs[0]:xs[1]] for t in part)
+                  for (a, b), part in zip(self.rows, self.parts) if a < ys[1] and b > ys[0]]
+        return pieces[0] if len(pieces) == 1 else tuple(torch.cat(ts, dim=-2) for ts in zip(*pieces))
+
+    def write(self, row: int, xs: Span, tiles: tuple) -> None:
+        if self.parts[row] is None:
+            a, b = self.rows[row]
+            self.parts[row] = tuple(torch.empty((*t.shape[:-2], b - a, self.width), dtype=t.dtype, pin_memory=self.pin)
+                                    for t in tiles)
+        for band, t in zip(self.parts[row], tiles):
+            band[..., xs[0]:xs[1]].copy_(t)  # blocking: a strided host destination
+
+    def free_above(self, y: int) -> None:
+        """Frees the bands that end at or above row y."""
+        for i, (_, b) in enumerate(self.rows):
+            if b <= y:
+                self.parts[i] = None
+
+    def whole(self) -> tuple:
+        return tuple(torch.cat(ts, dim=-2) if len(ts) > 1 else ts[0] for ts in zip(*self.parts))
+
+
+def _run_segment(seg: Segment, state: Bands, cols: list[Span], device) -> tuple[Bands, list[Span]]:
+    rows, (H, W) = state.rows, (state.height, state.width)
+    out_rows = rescale(rows, seg.scale, math.floor(H * seg.scale))
+    out_cols = rescale(cols, seg.scale, math.floor(W * seg.scale))
+    known: list = []
+    while True:
+        moments, out, finished = Moments(), Bands(out_rows, out_cols[-1][1], state.pin), 0
+        for r, ys in enumerate(rows):
+            (y0, y1) = window(ys, H, seg.margin)
+            for c, xs in enumerate(cols):
+                (x0, x1) = window(xs, W, seg.margin)
+                tile = tuple(t.to(device) for t in state.read((y0, y1), (x0, x1)))
+                try:
+                    with SyncedGroupNorms(known, moments, (ys[0] - y0, y1 - ys[1], xs[0] - x0, x1 - xs[1]),
+                                          (y1 - y0, x1 - x0)):
+                        y = stages.run(seg.steps, *tile)
+                except Stop:
+                    continue
+                finished += 1
+                y = y if isinstance(y, tuple) else (y,)
+                oy, ox = int((ys[0] - y0) * seg.scale), int((xs[0] - x0) * seg.scale)
+                (a, b), (p, q) = out_rows[r], out_cols[c]
+                if y[0].shape[-2] < oy + b - a or y[0].shape[-1] < ox + q - p:
+                    fail(f"a {y1 - y0}x{x1 - x0} window gave a {tuple(y[0].shape[-2:])} output; at scale {seg.scale} "
+                         f"it should cover {oy + b - a}x{ox + q - p}: this network does not scale like AutoencoderKL's")
+                out.write(r, (p, q), tuple(t[..., oy:oy + b - a, ox:ox + q - p] for t in y))
+            if finished and r + 1 < len(rows):  # the last pass: free what no later tile reads
+                state.free_above(window(rows[r + 1], H, seg.margin)[0])
+        if finished not in (0, len(rows) * len(cols)):
+            raise RuntimeError("tiles of one segment stopped at different GroupNorm calls")
+        if finished:
+            return out, out_cols
+        known.append(moments.result())
+
+
+def run(tiled_steps, x: torch.Tensor, tile: int, unit: int) -> torch.Tensor:
+    """The tiled steps on x, exactly, over abutting tiles of at most `tile` pixels of x (cores
+    multiples of `unit`, so every downsampling stays on the full run's grid)."""
+    rows, cols = (equal_cores(n, tile, unit) for n in x.shape[-2:])
+    state = Bands.of(x, rows)
+    for seg in segments(stages.split_resnets(tiled_steps)):
+        state, cols = _run_segment(seg, state, cols, x.device)
+    out, = state.whole()
+    return out.to(x.device)

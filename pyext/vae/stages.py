@@ -1,0 +1,218 @@
+"""An AutoencoderKL's decoder or encoder as a flat sequence of steps, and how far each reaches.
+
+A step is one call (a resnet, a resampler, a norm, a conv, the mid block's attention) with the
+module it runs and how it scales the resolution. The calls and their order are those of
+diffusers' Decoder.forward / Encoder.forward without gradient checkpointing, so running the
+steps one after another is the module's own forward.
+"""
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+from fractions import Fraction
+from typing import Callable, Optional
+
+import torch
+from torch import nn
+
+from pyext import ops
+
+QUERY_CHUNK = 4096  # tokens per query chunk in lean_self_attention
+
+
+@dataclass(frozen=True)
+class Step:
+    call: Callable[..., torch.Tensor]  # tensors -> a tensor or a tuple of them
+    module: nn.Module
+    scale: Fraction = Fraction(1)  # output pixels per input pixel, per side
+
+
+def run(steps, *x: torch.Tensor):
+    """The steps one after another; a step that returns a tuple passes it on as its
+    successor's arguments."""
+    for step in steps:
+        x = step.call(*x)
+        x = x if isinstance(x, tuple) else (x,)
+    return x[0] if len(x) == 1 else x
+
+
+def has_group_norm(step: Step) -> bool:
+    return any(isinstance(m, nn.GroupNorm) for m in step.module.modules())
+
+
+def has_attention(steps) -> bool:
+    from diffusers.models.attention_processor import Attention
+    return any(isinstance(m, Attention) for s in steps for m in s.module.modules())
+
+
+def radius(steps) -> float:
+    """Input pixels (per side) that one output pixel of `steps` depends on, convolutions only.
+    Assumes each module runs its convolutions in registration order at one resolution, as
+    diffusers' resnets and resamplers do; an upsampler's conv runs after its interpolation."""
+    r, res = 0.0, Fraction(1)  # res: pixels at this point per input pixel
+    for step in steps:
+        at = res * max(step.scale, 1)
+        for m in step.module.modules():
+            if isinstance(m, nn.Conv2d):
+                k, d = m.kernel_size[0], m.dilation[0]
+                # a stride-2 conv padded (0, 1) reads k-1 pixels on one side
+                r += ((k - 1) * d if m.stride[0] > 1 else (k - 1) // 2 * d) / float(at)
+        res *= step.scale
+    return r
+
+
+def alignment(steps) -> int:
+    """Input pixels a window of `steps` must start on so that every downsampling stays on the
+    full run's pixel grid."""
+    down = Fraction(1)
+    for step in steps:
+        down *= min(step.scale, Fraction(1))
+    return int(1 / down)
+
+
+def margin(steps) -> int:
+    """The receptive-field radius rounded up to whole, aligned input pixels."""
+    align = alignment(steps)
+    return math.ceil(radius(steps) / align - 1e-9) * align
+
+
+# ----------------------------------------------------------------------------- lean attention
+
+def lean_attention_unsupported(attn) -> Optional[str]:
+    """Why lean_self_attention cannot stand in for this attention layer's forward, or None."""
+    from diffusers.models.attention_processor import AttnProcessor, AttnProcessor2_0
+    processor = getattr(attn, "processor", None)
+    if type(processor) not in (AttnProcessor, AttnProcessor2_0):
+        return f"processor {type(processor).__name__}"
+    if attn.group_norm is None or attn.spatial_norm is not None or attn.is_cross_attention:
+        return "not a group-normed self-attention"
+    if getattr(attn, "norm_q", None) is not None or getattr(attn, "norm_k", None) is not None:
+        return "q/k norms"
+    if attn.to_k.out_features % attn.heads:
+        return "an inner dim that the heads do not divide"
+    return None
+
+
+def lean_self_attention(attn, x: torch.Tensor) -> torch.Tensor:
+    """The VAE mid block's self-attention layer in about half the memory of its processor.
+
+    Keys and values are projected once for all tokens; the queries, pyext.ops.attention and the
+    output projection then run per chunk of tokens, and each chunk's result (plus the residual)
+    is written over the rows of the group-normed input it came from, which no later chunk
+    reads. Live at the peak: input, normed input, keys and values (4x the input). Softmax rows
+    do not depend on how the queries are chunked."""
+    b, c, h, w = x.shape
+    n, heads, inner = h * w, attn.heads, attn.to_k.out_features
+    normed = attn.group_norm(x)
+    tokens = normed.view(b, c, n).transpose(1, 2)  # (b, tokens, channels), a view
+    keys, values = (normed.new_empty(b, n, inner) for _ in range(2))
+    for s in range(0, n, QUERY_CHUNK):
+        rows = tokens[:, s:s + QUERY_CHUNK]
+        keys[:, s:s + QUERY_CHUNK] = attn.to_k(rows)
+        values[:, s:s + QUERY_CHUNK] = attn.to_v(rows)
+    keys, values = (t.view(b, n, heads, inner // heads).transpose(1, 2) for t in (keys, values))
+    out, flat_x = normed.view(b, c, n), x.view(b, c, n)
+    for s in range(0, n, QUERY_CHUNK):
+        e = min(n, s + QUERY_CHUNK)
+        q = attn.to_q(tokens[:, s:e]).view(b, e - s, heads, inner // heads).transpose(1, 2)
+        o = ops.attention(q, keys, values, scale=attn.scale)
+        o = attn.to_out[1](attn.to_out[0](o.transpose(1, 2).reshape(b, e - s, inner))).transpose(1, 2)
+        if attn.residual_connection:
+            o = o + flat_x[:, :, s:e]
+        out[:, :, s:e] = o / attn.rescale_output_factor
+    return normed
+
+
+# ----------------------------------------------------------------------------- the steps
+
+def _mid_block_steps(mid) -> list[Step]:
+    """UNetMidBlock2D.forward as steps, its attention layers lean where they can be."""
+    from diffusers.models.unets.unet_2d_blocks import UNetMidBlock2D
+    if type(mid).forward is not UNetMidBlock2D.forward:
+        return [Step(lambda x: mid(x, None), mid)]
+    steps = [Step(lambda x, r=mid.resnets[0]: r(x, None), mid.resnets[0])]
+    for attn, r in zip(mid.attentions, mid.resnets[1:]):
+        if attn is not None:
+            lean = lean_attention_unsupported(attn) is None
+            steps.append(Step((lambda x, a=attn: lean_self_attention(a, x)) if lean else (lambda x, a=attn: a(x)), attn))
+        steps.append(Step(lambda x, r=r: r(x, None), r))
+    return steps
+
+
+def _block_steps(block, resample_attr: str, scale: Fraction) -> list[Step]:
+    """A plain Up/DownDecoder/EncoderBlock2D split into its resnets and resamplers; any other
+    block is one step."""
+    resamplers = getattr(block, resample_attr, None) or []
+    if not hasattr(block, "resnets") or hasattr(block, "attentions"):
+        return [Step(block, block, scale if resamplers else Fraction(1))]
+    return ([Step(lambda x, r=r: r(x, None), r) for r in block.resnets]
+            + [Step(u, u, scale) for u in resamplers])
+
+
+def steps_of(vae, kind: str) -> list[Step]:
+    """The decoder (with post_quant_conv) or the encoder (with quant_conv) as steps."""
+    plain = lambda *ms: [Step(m, m) for m in ms if m is not None]  # noqa: E731
+    if kind == "decode":
+        d = vae.decoder
+        steps = plain(vae.post_quant_conv, d.conv_in) + _mid_block_steps(d.mid_block)
+        for b in d.up_blocks:
+            steps += _block_steps(b, "upsamplers", Fraction(2))
+        return steps + plain(d.conv_norm_out, d.conv_act, d.conv_out)
+    e = vae.encoder
+    steps = plain(e.conv_in)
+    for b in e.down_blocks:
+        steps += _block_steps(b, "downsamplers", Fraction(1, 2))
+    return steps + _mid_block_steps(e.mid_block) + plain(e.conv_norm_out, e.conv_act, e.conv_out, vae.quant_conv)
+
+
+# ----------------------------------------------------------------------------- resnet halves
+
+def _splittable(module) -> bool:
+    """A ResnetBlock2D whose forward without a time embedding is norm1, act, conv1, norm2, act,
+    dropout, conv2, plus the (shortcut of the) input, over output_scale_factor (as in every
+    AutoencoderKL: no resampling inside, no time projection, no scale-shift norm)."""
+    from diffusers.models.resnet import ResnetBlock2D
+    return (isinstance(module, ResnetBlock2D) and type(module).forward is ResnetBlock2D.forward
+            and module.upsample is None and module.downsample is None and module.time_emb_proj is None
+            and module.time_embedding_norm != "scale_shift")
+
+
+def resnet_first_half(r, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """ResnetBlock2D up to its second GroupNorm: (conv1's output, the residual the block adds).
+    The 1x1 shortcut runs here, on the same input as in the block, so only its output (the
+    block's output channels) is carried to the second half."""
+    h = r.conv1(r.nonlinearity(r.norm1(x)))
+    return h, (r.conv_shortcut(x) if r.conv_shortcut is not None else x)
+
+
+def resnet_second_half(r, h: torch.Tensor, residual: torch.Tensor) -> torch.Tensor:
+    h = r.conv2(r.dropout(r.nonlinearity(r.norm2(h))))
+    return (residual + h) / r.output_scale_factor
+
+
+def split_resnets(steps) -> list[Step]:
+    """Each plain resnet step as two, cut before its second GroupNorm, so a run can store the
+    state there instead of recomputing conv1 (pyext.vae.exact)."""
+    out = []
+    for step in steps:
+        r = step.module
+        if _splittable(r):
+            first = nn.ModuleList([m for m in (r.norm1, r.conv1, r.conv_shortcut) if m is not None])
+            out += [Step(lambda x, r=r: resnet_first_half(r, x), first),
+                    Step(lambda h, res, r=r: resnet_second_half(r, h, res), nn.ModuleList([r.norm2, r.conv2]))]
+        else:
+            out.append(step)
+    return out
+
+
+def split(steps, kind: str) -> tuple[list, list, list]:
+    """(before, tiled, after): the part at latent resolution runs once on the whole input
+    (before the tiles when decoding, after them when encoding); the tiles run the part that
+    changes the resolution. The mid block's attention, which spans the whole latent, is thus
+    never tiled."""
+    resampling = [i for i, s in enumerate(steps) if s.scale != 1]
+    if kind == "decode":
+        k = resampling[0] if resampling else len(steps)
+        return steps[:k], steps[k:], []
+    k = resampling[-1] + 1 if resampling else 0
+    return [], steps[:k], steps[k:]

@@ -1,0 +1,174 @@
+"""pyext.vae's exact method: the tiled decode/encode is the untiled one, on small random VAEs
+of several shapes, at odd sizes, and its schedule runs each segment k + 1 times."""
+import pytest
+import torch
+
+from pyext.vae import TilingConfig, exact, stages, tiled_run
+from pyext.vae.geometry import equal_cores
+from pyext.vae.statistics import Moments
+
+diffusers = pytest.importorskip("diffusers")
+
+SHAPES = {  # block_out_channels, norm_num_groups, layers_per_block, latent_channels, sample (tile) size
+    "3 blocks, 8 groups": ((32, 64, 64), 8, 1, 4, 64),
+    "2 blocks, 4 groups, 2 layers": ((16, 24), 4, 2, 4, 32),
+    "4 blocks, 16 groups, 16 latent channels": ((32, 32, 64, 64), 16, 1, 16, 64),
+}
+
+
+def _vae(name, dtype=torch.float32, seed=0):
+    channels, groups, layers, latent, sample = SHAPES[name]
+    torch.manual_seed(seed)
+    n = len(channels)
+    vae = diffusers.AutoencoderKL(block_out_channels=channels, down_block_types=("DownEncoderBlock2D",) * n,
+                                  up_block_types=("UpDecoderBlock2D",) * n, latent_channels=latent,
+                                  norm_num_groups=groups, layers_per_block=layers, sample_size=sample)
+    return vae.eval().to(dtype)
+
+
+def _smooth(shape, seed, coarse=4):
+    gen = torch.Generator().manual_seed(seed)
+    low = torch.randn(*shape[:-2], -(-shape[-2] // coarse), -(-shape[-1] // coarse), generator=gen)
+    return 2 * torch.nn.functional.interpolate(low, size=shape[-2:], mode="bilinear", align_corners=False)
+
+
+def psnr(a, ref):
+    mse = float(((a.double() - ref.double()) ** 2).mean())
+    return float("inf") if mse == 0 else 10 * torch.log10((ref.max() - ref.min()).double() ** 2 / mse).item()
+
+
+def _full(vae, kind, x):
+    if kind == "decode":
+        return vae.decoder(vae.post_quant_conv(x))
+    return vae.quant_conv(vae.encoder(x))
+
+
+@torch.no_grad()
+@pytest.mark.parametrize("name", list(SHAPES))
+@pytest.mark.parametrize("kind", ["decode", "encode"])
+def test_exact_equals_the_untiled_run(name, kind):
+    """fp32, odd sizes, several tiles per axis, white-noise and smooth inputs: the tiled result
+    is the untiled one to fp32 rounding (and far from what per-tile statistics give)."""
+    vae = _vae(name)
+    tile = vae.tile_latent_min_size if kind == "decode" else vae.tile_sample_min_size
+    side = (2 * tile + 5, tile + 3)  # 3 x 2 tiles, the last ones odd-sized
+    channels = vae.config.latent_channels if kind == "decode" else 3
+    for seed, x in enumerate((torch.randn(1, channels, *side), _smooth((1, channels, *side), 1))):
+        full = _full(vae, kind, x)
+        got = tiled_run(vae, x, kind)
+        assert got.shape == full.shape
+        assert psnr(got, full) >= 100, (seed, psnr(got, full))
+        torch.testing.assert_close(got, full, rtol=1e-4, atol=1e-4 * float(full.abs().max()))
+    if kind == "decode" and name == "3 blocks, 8 groups":  # per-tile statistics are visibly different
+        per_tile = tiled_run(vae, x, kind, TilingConfig(method="tiles"))
+        assert psnr(per_tile, full) < 80
+
+
+@torch.no_grad()
+@pytest.mark.parametrize("dtype,min_db", [(torch.bfloat16, 30.0), (torch.float16, 45.0)])
+def test_exact_in_half_precision_is_as_close_as_the_untiled_runs_own_rounding(dtype, min_db):
+    """16-bit: the exact tiled decode is within the rounding the untiled decode itself has in
+    that dtype (both against the fp32 decode)."""
+    vae32 = _vae("3 blocks, 8 groups")
+    vae = _vae("3 blocks, 8 groups").to(dtype)
+    z = _smooth((1, 4, 37, 21), 3)
+    ref = _full(vae32, "decode", z)
+    full = _full(vae, "decode", z.to(dtype))
+    got = tiled_run(vae, z.to(dtype), "decode")
+    assert got.dtype == dtype
+    assert psnr(got, ref) >= min(min_db, psnr(full, ref) - 3.0), (psnr(got, ref), psnr(full, ref))
+
+
+@torch.no_grad()
+def test_batch_of_two_gets_per_sample_statistics():
+    vae = _vae("2 blocks, 4 groups, 2 layers")
+    z = torch.cat([torch.randn(1, 4, 35, 19), 3 * torch.randn(1, 4, 35, 19) + 1])
+    torch.testing.assert_close(tiled_run(vae, z, "decode"), _full(vae, "decode", z), rtol=1e-4, atol=1e-4)
+
+
+def test_moments_merge_equals_the_whole():
+    """Chan's merge of tile moments gives the whole tensor's mean and variance per (sample, group)."""
+    gen = torch.Generator().manual_seed(0)
+    x = torch.randn(2, 8, 23, 17, generator=gen, dtype=torch.float64) * 5 + 100  # offset: cancellation
+    m = Moments()
+    for a, b in ((0, 5), (5, 6), (6, 23)):
+        for c, d in ((0, 9), (9, 17)):
+            m.add(x[..., a:b, c:d], 4)
+    mean, var = m.result()
+    want_var, want_mean = torch.var_mean(x.reshape(2, 4, -1), dim=-1, correction=0)
+    torch.testing.assert_close(mean, want_mean, rtol=1e-6, atol=1e-6)  # tiles reduce in fp32
+    torch.testing.assert_close(var, want_var, rtol=1e-4, atol=1e-6)
+
+
+def _group_norm_calls(steps) -> int:
+    return sum(isinstance(m, torch.nn.GroupNorm) for s in steps for m in s.module.modules())
+
+
+@torch.no_grad()
+@pytest.mark.parametrize("kind", ["decode", "encode"])
+def test_each_segment_runs_once_per_group_norm_plus_once(kind, monkeypatch):
+    """The schedule: a segment with k GroupNorm calls runs k + 1 times over the tiles (k passes
+    stopped at a GroupNorm, one to the end), and every window is one tile plus the margins."""
+    vae = _vae("3 blocks, 8 groups")
+    x = torch.randn(1, 4, 37, 30) if kind == "decode" else torch.randn(1, 3, 150, 121)
+    runs, windows = [], []
+    real_run, real_read = stages.run, exact.Bands.read
+    # a segment by the layers it runs (split_resnets makes new containers on every call)
+    key = lambda steps: tuple(id(m) for s in steps for m in s.module.modules() if not list(m.children()))  # noqa: E731
+    monkeypatch.setattr(stages, "run", lambda steps, *t: runs.append(key(steps)) or real_run(steps, *t))
+    monkeypatch.setattr(exact.Bands, "read", lambda self, ys, xs: windows.append(
+        (self.height, ys[1] - ys[0], xs[1] - xs[0])) or real_read(self, ys, xs))
+    plan_steps = stages.split_resnets(stages.split(stages.steps_of(vae, kind), kind)[1])
+    segs = exact.segments(plan_steps)
+    tiled_run(vae, x, kind)
+    tile = vae.tile_latent_min_size if kind == "decode" else vae.tile_sample_min_size
+    n, unit = x.shape[-2], 1 if kind == "decode" else 4
+    tiles = len(equal_cores(x.shape[-2], tile, unit)) * len(equal_cores(x.shape[-1], tile, unit))
+    assert tiles == 6
+    for seg in segs:
+        assert runs.count(key(seg.steps)) == (_group_norm_calls(seg.steps) + 1) * tiles
+    assert sum(_group_norm_calls(s.steps) for s in segs) == _group_norm_calls(plan_steps) > 0
+    margin = max(s.margin for s in segs)
+    for height, h, w in windows:
+        res = height / n  # this segment's pixels per pixel of the input
+        assert max(h, w) <= tile * res + 2 * margin, (height, h, w)
+
+
+@torch.no_grad()
+def test_bands_are_freed_once_no_tile_reads_them():
+    whole = torch.arange(80.0).view(1, 2, 8, 5)
+    bands = exact.Bands.of(whole, [(0, 3), (3, 6), (6, 8)])
+    torch.testing.assert_close(bands.read((2, 7), (1, 4))[0], whole[..., 2:7, 1:4])
+    bands.free_above(5)
+    assert bands.parts[0] is None and bands.parts[1] is not None
+    vae = _vae("3 blocks, 8 groups")
+    state = exact.Bands.of(torch.randn(1, 64, 48, 20), equal_cores(48, 16))
+    first_half = exact.segments(stages.split_resnets(stages.split(stages.steps_of(vae, "decode"), "decode")[1]))[1]
+    out, _ = exact._run_segment(first_half, state, equal_cores(20, 16), torch.device("cpu"))
+    assert state.parts[0] is None and state.parts[-1] is not None  # the last pass freed what it had read
+    assert all(len(p) == 2 for p in out.parts)  # conv1's output and the residual
+
+
+def test_segments_start_at_group_norms_and_carry_what_follows_them():
+    vae = _vae("3 blocks, 8 groups")
+    tiled = stages.split_resnets(stages.split(stages.steps_of(vae, "decode"), "decode")[1])
+    segs = exact.segments(tiled)
+    # upsampler | resnet to norm2 | norm2 on | ... | resnet from norm2 + upsampler | ... | norm + act + conv
+    assert [len(s.steps) for s in segs] == [1, 1, 1, 1, 2, 1, 1, 1, 1, 3]
+    assert [s.scale for s in segs] == [2, 1, 1, 1, 2, 1, 1, 1, 1, 1]
+    assert [s.margin for s in segs] == [1, 1, 1, 1, 2, 1, 1, 1, 1, 1]  # an upsampler's conv reaches half a pixel
+    assert [_group_norm_calls(s.steps) for s in segs] == [0] + [1] * 9
+
+
+@torch.no_grad()
+@pytest.mark.parametrize("channels", [(8, 8), (8, 16)])
+def test_resnet_halves_are_the_resnet(channels):
+    """The two halves a resnet is cut into give its forward bit for bit, shortcut or not."""
+    from diffusers.models.resnet import ResnetBlock2D
+    torch.manual_seed(0)
+    r = ResnetBlock2D(in_channels=channels[0], out_channels=channels[1], temb_channels=None, groups=4,
+                      output_scale_factor=2.0).eval()
+    first, second = stages.split_resnets([stages.Step(lambda x: r(x, None), r)])
+    x = torch.randn(2, channels[0], 9, 7)
+    assert torch.equal(second.call(*first.call(x)), r(x, None))
+    assert first.module[-1] is r.conv_shortcut or channels[0] == channels[1]
