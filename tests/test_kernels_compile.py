@@ -2,8 +2,6 @@
 every Triton config of every kernel, and the CUDA C++ kernels through nvcc; no default config
 spills registers, and no kernel asks for more shared memory than its arch has."""
 import json
-import subprocess
-import sys
 
 import pytest
 import torch
@@ -75,12 +73,11 @@ def test_the_cli_prints_the_check_as_json(entries, monkeypatch, capsys):
     assert json.loads(capsys.readouterr().out) == entries
 
 
-def test_plan_is_a_dry_run_with_the_gpu_dtype():
-    out = subprocess.run([sys.executable, "-m", "pyext", "plan", "--json", "--arch", "sd15", "flux",
-                          "--device", "cuda", "--capability", "9.0"], capture_output=True, text=True)
-    assert out.returncode == 0, out.stderr
-    rows = json.loads(out.stdout)
-    assert [r["dtype"] for r in rows] == ["bfloat16", "bfloat16"]
-    old = subprocess.run([sys.executable, "-m", "pyext", "plan", "--json", "--arch", "sd15",
-                          "--capability", "7.5"], capture_output=True, text=True)
-    assert json.loads(old.stdout)[0]["dtype"] == "float16"
+def test_plan_is_a_dry_run_with_the_gpu_dtype(capsys):
+    from pyext import __main__ as cli
+
+    assert cli.main(["plan", "--json", "--arch", "sd15", "--device", "cuda", "--capability", "9.0"]) == 0
+    [row] = json.loads(capsys.readouterr().out)
+    assert row["dtype"] == "bfloat16" and row["capability"] == [9, 0] and set(row["plans"]) >= {"8GB"}
+    assert cli.main(["plan", "--json", "--arch", "sd15", "--capability", "7.5"]) == 0
+    assert json.loads(capsys.readouterr().out)[0]["dtype"] == "float16"

@@ -1,7 +1,7 @@
 """Fused tile blend: put one decoded (or encoded) tile into a preallocated output,
 overlap ramps included, in one pass and one kernel launch per tile.
 
-Two modes (both stream tiles in raster order; see pyext/vae.py):
+Two modes (both stream tiles in raster order; see pyext/vae/streaming.py):
 
 * ``normalized``: ``out[y:y+h, x:x+w] += w * tile`` with symmetric ramps
   ``w = wy(row) * wx(col)``; inside an overlap of length ``ov`` the weight of index k
