@@ -29,6 +29,7 @@ never crashes a pipeline or gives it a wrong answer.
 """
 from __future__ import annotations
 
+import functools
 import importlib.metadata
 import json
 import os
@@ -172,6 +173,7 @@ def can_measure(device: torch.device) -> bool:
     return not (device.type == "cuda" and torch.cuda.is_current_stream_capturing())
 
 
+@functools.lru_cache(maxsize=None)  # asked on every op call: no /proc read or driver query each time
 def device_name(device: torch.device) -> str:
     """Names the hardware (cache files and keys are per device model, not per index)."""
     if device.type == "cuda":
