@@ -405,19 +405,26 @@ def prepare_model(model: str | None, preset: Preset, workdir: str) -> tuple[str,
     return path, "random"
 
 
+def prepare_rows(bench: str, rows: list[str] | None, known: list[str], out: str) -> list[str]:
+    """The rows to run (all by default; `original` first, since every row is checked against it),
+    and an output folder with an empty images/ and a logs/."""
+    rows = rows or known
+    unknown = [r for r in rows if r not in known]
+    if unknown:
+        raise SystemExit(f"{bench}: unknown rows {unknown}; rows are {known}")
+    if "original" not in rows:
+        rows = ["original"] + rows
+    os.makedirs(os.path.join(out, "logs"), exist_ok=True)
+    shutil.rmtree(os.path.join(out, "images"), ignore_errors=True)
+    return rows
+
+
 def run(preset_name: str, out: str, model: str | None = None, rows: list[str] | None = None,
         repeats: int | None = None) -> dict:
     from tqdm import tqdm
 
     preset = PRESETS[preset_name]
-    rows = rows or list(ROWS)
-    unknown = [r for r in rows if r not in ROWS]
-    if unknown:
-        raise SystemExit(f"bench.latency: unknown rows {unknown}; rows are {list(ROWS)}")
-    if "original" not in rows:  # every row is checked against it
-        rows = ["original"] + rows
-    os.makedirs(os.path.join(out, "logs"), exist_ok=True)
-    shutil.rmtree(os.path.join(out, "images"), ignore_errors=True)
+    rows = prepare_rows("bench.latency", rows, list(ROWS), out)
     workdir = tempfile.mkdtemp(prefix="bench_latency_")
     try:
         print(f"bench.latency: preparing sd15 ({preset.size}) ...", flush=True)

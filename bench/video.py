@@ -220,14 +220,7 @@ def run(preset_name: str, out: str, rows: list[str] | None = None, repeats: int 
     import pyext.offline
 
     preset = PRESETS[preset_name]
-    rows = rows or list(ROWS)
-    unknown = [r for r in rows if r not in ROWS]
-    if unknown:
-        raise SystemExit(f"bench.video: unknown rows {unknown}; rows are {list(ROWS)}")
-    if "original" not in rows:  # every row is checked against it
-        rows = ["original"] + rows
-    os.makedirs(os.path.join(out, "logs"), exist_ok=True)
-    shutil.rmtree(os.path.join(out, "images"), ignore_errors=True)
+    rows = latency.prepare_rows("bench.video", rows, list(ROWS), out)
     spec = {"preset": asdict(preset), "out": os.path.abspath(out), "repeats": repeats or preset.repeats}
     results = {}
     report = {

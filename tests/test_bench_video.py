@@ -1,6 +1,5 @@
 """bench.video end to end on the tiny preset (all rows, seconds on a CPU)."""
 import json
-import math
 import os
 import subprocess
 import sys
@@ -8,6 +7,7 @@ import sys
 import pytest
 
 from bench import video
+from tests.test_bench import assert_rows_well_formed
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
@@ -19,14 +19,7 @@ def test_tiny_preset_reports_every_row(tmp_path):
     report = json.loads((tmp_path / "video.json").read_text())
     rows = report["rows"]
     assert list(rows) == list(video.ROWS)
-    for name, row in rows.items():
-        if "latency_s" in row:
-            assert row["latency_s"] > 0 and math.isfinite(row["latency_s"]), name
-            assert set(row["stages_s"]) >= {"text_encoding", "denoising", "vae_decode"}, name
-            assert row["peak_memory_bytes"] > row["weight_bytes"] > 0, name
-            assert row["check"] == "ok", (name, row["check"])
-        else:
-            assert isinstance(row["reason"], str) and row["reason"], name
+    assert_rows_well_formed(rows)
     for name in ("original", "bf16", "diffusers_layerwise_fp8", "pyext_fp8"):  # nothing here may be missing
         assert "latency_s" in rows[name], (name, rows[name])
     # bf16 halves the text encoder and transformer (the VAE decodes in fp32; "about": the transformer's
