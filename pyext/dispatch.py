@@ -458,11 +458,19 @@ def _automatic(op: Op, args: tuple) -> Backend:
     )
 
 
-def _guarded(op: Op, backend: Backend, args: tuple) -> Backend:
-    """The backend, with a run that marks it unusable and retries on the next one if it raises."""
-    def run(*call_args):
+_GUARDED: dict[tuple[str, str], tuple[Backend, Backend]] = {}  # (op, name) -> (backend, its wrapper)
+
+
+def _guarded(op: Op, backend: Backend) -> Backend:
+    """The backend, with a run that marks it unusable and retries on the next one if it raises
+    (one wrapper per op and backend, made once: select runs on every op call)."""
+    key = (op.name, backend.name)
+    if key in _GUARDED and _GUARDED[key][0] is backend:
+        return _GUARDED[key][1]
+
+    def run(*args):
         try:
-            return backend.run(*call_args)
+            return backend.run(*args)
         except (PyextError, torch.OutOfMemoryError):  # the caller's input, or its size: not the kernel
             raise
         except Exception as err:
@@ -471,9 +479,10 @@ def _guarded(op: Op, backend: Backend, args: tuple) -> Backend:
             with _LOCK:
                 _mark_unusable(_cache(_device(args)), op, backend,
                                f"raised at run time: {type(err).__name__}: {str(err)[:200]}")
-            return select(op.name, args).run(*call_args)
+            return select(op.name, args).run(*args)
 
-    return replace(backend, run=run)
+    _GUARDED[key] = backend, replace(backend, run=run)  # new, or the op was re-registered
+    return _GUARDED[key][1]
 
 
 def select(op_name: str, args: tuple, forced: str | None = None) -> Backend:
@@ -483,7 +492,7 @@ def select(op_name: str, args: tuple, forced: str | None = None) -> Backend:
     if forced is not None:
         return _forced(op, forced, args)
     with _LOCK:
-        return _guarded(op, _automatic(op, args), args)
+        return _guarded(op, _automatic(op, args))
 
 
 def status(device: str) -> dict[str, list[dict]]:
