@@ -50,6 +50,7 @@ def check_names() -> dict[str, str]:
             _resolve(key)
         except (ImportError, AttributeError) as err:
             missing[spec] = f"{type(err).__name__}: {err}"
+    missing.update({f"torch.ops.mkldnn.{op}": "missing" for op in MKLDNN_OPS if not hasattr(torch.ops.mkldnn, op)})
     return missing
 
 
@@ -153,6 +154,29 @@ def cast_own_tensors(module, dtype: torch.dtype) -> None:
     """Cast a module's own floating parameters and buffers, not its children's, through
     nn.Module._apply (so layers that track their dtype there, like pyext's fp8 layers, see it)."""
     module._apply(lambda t: t.to(dtype) if t.is_floating_point() else t, recurse=False)
+
+
+# ----------------------------------------------------------------------------- oneDNN (CPU)
+# torch's private oneDNN ops that inductor's freezing uses; pyext.nn.packed calls them eagerly.
+MKLDNN_OPS = ("_reorder_convolution_weight", "_reorder_linear_weight", "_convolution_pointwise", "_linear_pointwise")
+
+
+def mkldnn_reorder_conv_weight(weight, padding, stride, dilation, groups, input_shape):
+    return torch.ops.mkldnn._reorder_convolution_weight(weight, list(padding), list(stride), list(dilation),
+                                                        groups, input_shape)
+
+
+def mkldnn_reorder_linear_weight(weight):
+    return torch.ops.mkldnn._reorder_linear_weight(weight, None)
+
+
+def mkldnn_conv(x, packed, bias, padding, stride, dilation, groups):
+    return torch.ops.mkldnn._convolution_pointwise(x, packed, bias, list(padding), list(stride), list(dilation),
+                                                   groups, "none", [], None)
+
+
+def mkldnn_linear(x, packed, bias):
+    return torch.ops.mkldnn._linear_pointwise(x, packed, bias, "none", [], "")
 
 
 # ----------------------------------------------------------------------------- devices

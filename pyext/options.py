@@ -60,6 +60,8 @@ class OptimizeOptions:
         `_skip_layerwise_casting_patterns` and `_keep_in_fp32_modules`.
     keep_original_weights: keep a CPU copy of converted weights so `restore` is exact.
     channels_last: "auto" (conv-heavy denoisers and 2-D VAEs) | "on" | "off".
+    prepack: "auto" (on a CPU: Conv2d/Linear weights of denoisers, VAEs and controlnets packed once
+        for oneDNN) | "on" (every component) | "off".
     compile: "auto" (trace where the family allows it, on GPUs) | "off" | "trace" | "compile".
     compile_backend: the torch.compile backend for compile="compile".
     vae_tiling: "auto" (only when the full decode would not fit the budget) | "on" | "off".
@@ -77,6 +79,7 @@ class OptimizeOptions:
     fp8_skip: tuple[str, ...] = DEFAULT_SKIP
     keep_original_weights: bool = False
     channels_last: Switch = "auto"
+    prepack: Switch = "auto"
     compile: CompileMode = "auto"
     compile_backend: str = "inductor"
     vae_tiling: Switch = "auto"
@@ -90,7 +93,7 @@ class OptimizeOptions:
     batch: int = 2
 
     def __post_init__(self):
-        for name, kind in (("fp8", FP8Mode), ("channels_last", Switch), ("compile", CompileMode),
+        for name, kind in (("fp8", FP8Mode), ("channels_last", Switch), ("prepack", Switch), ("compile", CompileMode),
                            ("vae_tiling", Switch), ("vae_slicing", Switch), ("offload", OffloadMode)):
             value = getattr(self, name)
             if not isinstance(value, str) or value not in get_args(kind):

@@ -21,17 +21,24 @@ class Compile(Technique):
             if mode == "off":
                 entries.append(self.skipped(name, "compile='off'"))
             elif mode == "compile":
-                entries.append(self._compile(name, module, d.options.compile_backend))
+                entries.append(self._compile(name, module, d.options.compile_backend, d.device))
             else:
                 entries.append(self._trace(pipe, name, module, d, auto=mode == "auto"))
         return entries
 
-    def _compile(self, name, module, backend) -> Entry:
+    def _compile(self, name, module, backend, device) -> Entry:
         if _compat.is_compiled_in_place(module):
             return self.already(name, "torch.compile")
-        module.compile(backend=backend)  # in place: hooks and attribute access keep working
-        return self.applied(name, f"torch.compile(backend={backend!r})",
-                            lambda: (_compat.uncompile_in_place(module), "eager again")[1])
+        detail = f"torch.compile(backend={backend!r})"
+        options = None
+        if backend == "inductor" and device.type == "cpu":
+            # Freezing folds the weights into the graph as constants and packs them for oneDNN
+            # once, which is what makes inductor fast on CPUs.
+            options = {"freezing": True}
+            detail += " with freezing: the weights are constants of the graph; after changing them " \
+                      "(fuse_lora, load_state_dict) run pyext.restore and optimize again"
+        module.compile(backend=backend, options=options)  # in place: hooks and attribute access keep working
+        return self.applied(name, detail, lambda: (_compat.uncompile_in_place(module), "eager again")[1])
 
     def _trace(self, pipe, name, module, d, auto: bool) -> Entry:
         if isinstance(module, TracedUNet):

@@ -1,0 +1,255 @@
+"""Conv2d/Linear weights packed once into oneDNN's blocked layout, for CPU inference.
+
+torch's eager CPU convolution reorders a plain weight into oneDNN's blocked layout on every
+call. At a UNet's small spatial sizes that reorder costs more than the convolution itself
+(bench/cpu_runtimes.py; README, "CPU runtimes"). OpenVINO and inductor's freezing pack once;
+`PackedWeight` does the same in eager mode.
+
+A PackedWeight is the layer's `weight` Parameter itself, so the layer stays an nn.Conv2d /
+nn.Linear and holds one copy of its weights, in the packed layout only:
+- F.conv2d / F.linear with it run oneDNN's kernels on the packed weight (`__torch_function__`);
+  a convolution is packed for the input shape it sees, repacked when the shape changes;
+- any other use (a read, a copy, `.to(...)`, state_dict's values) sees the plain weight,
+  unpacked on demand (`__torch_dispatch__`); an in-place write (load_state_dict) repacks.
+`pack(module)` / `unpack(module)` convert a model's layers; unpacking is exact. A cast or move
+(`module.to(...)`) unpacks a layer first and packs it again if it stays packable.
+"""
+from __future__ import annotations
+
+import threading
+from dataclasses import dataclass, field
+
+import torch
+import torch.nn as nn
+import torch.nn.functional as F
+from torch.utils._pytree import tree_map
+
+from pyext import _compat
+
+# oneDNN packs fp32 anywhere; bf16 only where the CPU computes it natively (the reorder refuses
+# otherwise). fp16 convolutions have no oneDNN CPU path worth packing for.
+DTYPES = (torch.float32, torch.bfloat16)
+
+
+def dtype_reason(dtype: torch.dtype) -> str | None:
+    if dtype == torch.float32:
+        return None
+    if dtype == torch.bfloat16:
+        return None if _compat.cpu_has_native_bf16() else "bf16 packing needs native bf16 (AVX512-BF16/AMX)"
+    return f"{dtype} is not packed (supported: {', '.join(map(str, DTYPES))})"
+
+
+@dataclass
+class _Packed:
+    """What every alias of one PackedWeight shares (Parameter creation and `.data` make aliases)."""
+
+    tensor: torch.Tensor               # the mkldnn-layout weight
+    conv: tuple | None                 # (stride, padding, dilation, groups) of a Conv2d, None for a Linear
+    input_shape: tuple | None = None   # the input shape a convolution weight is packed for
+    lock: threading.Lock = field(default_factory=threading.Lock)
+
+    def dense(self) -> torch.Tensor:
+        return self.tensor.to_dense()
+
+    def pack(self, dense: torch.Tensor, input_shape: tuple | None = None) -> None:
+        if self.conv is None:
+            self.tensor = _compat.mkldnn_reorder_linear_weight(dense.contiguous())
+        else:
+            stride, padding, dilation, groups = self.conv
+            self.tensor = _compat.mkldnn_reorder_conv_weight(dense.contiguous(), padding, stride, dilation, groups,
+                                                             list(input_shape) if input_shape else None)
+        self.input_shape = input_shape
+
+    def for_input(self, shape: tuple) -> torch.Tensor:
+        # A convolution's blocked layout depends on the input shape; one packed for another
+        # shape runs, but up to 10x slower (measured at SD1.5 UNet shapes), so repack.
+        if self.conv is not None and shape != self.input_shape:
+            with self.lock:
+                if shape != self.input_shape:
+                    self.pack(self.dense(), shape)
+        return self.tensor
+
+
+class PackedWeight(torch.Tensor):
+    @staticmethod
+    def __new__(cls, packed: _Packed, like: torch.Tensor):
+        return torch.Tensor._make_wrapper_subclass(cls, like.shape, strides=like.stride(), dtype=like.dtype,
+                                                   device=like.device, requires_grad=False)
+
+    def __init__(self, packed: _Packed, like: torch.Tensor):
+        self.packed = packed
+
+    @classmethod
+    def of(cls, weight: torch.Tensor, conv: tuple | None) -> "PackedWeight":
+        packed = _Packed(None, conv)
+        packed.pack(weight.detach())
+        return cls(packed, weight.detach())  # keeps the plain weight's strides (channels-last or not)
+
+    def __repr__(self) -> str:
+        kind = "Linear" if self.packed.conv is None else f"Conv2d, input {self.packed.input_shape}"
+        return f"PackedWeight({tuple(self.shape)}, {self.dtype}, oneDNN layout for {kind})"
+
+    @classmethod
+    def __torch_function__(cls, func, types, args=(), kwargs=None):
+        kwargs = kwargs or {}
+        fast = _fast_path(func, args, kwargs)
+        if fast is not None:
+            return fast
+        with torch._C.DisableTorchFunctionSubclass():
+            return func(*args, **kwargs)
+
+    @classmethod
+    def __torch_dispatch__(cls, func, types, args=(), kwargs=None):
+        kwargs = kwargs or {}
+        if func in (torch.ops.aten.detach.default, torch.ops.aten.alias.default):
+            return cls(args[0].packed, args[0])  # an alias shares the packed weight
+        unpacked = tree_map(lambda a: a.packed.dense() if isinstance(a, PackedWeight) else a, (args, kwargs))
+        out = func(*unpacked[0], **unpacked[1])
+        # An in-place write (param.copy_ in load_state_dict, peft's merges) lands in the dense
+        # copy: pack it back so the weight really changes.
+        for i, arg in enumerate(func._schema.arguments):
+            if arg.alias_info is not None and arg.alias_info.is_write and i < len(args) \
+                    and isinstance(args[i], PackedWeight):
+                args[i].packed.pack(unpacked[0][i], args[i].packed.input_shape)
+                return args[i] if out is unpacked[0][i] else out
+        return out
+
+
+def _fast_path(func, args, kwargs):
+    """oneDNN on the packed weight for F.conv2d / F.linear on a CPU input of the weight's dtype; else None."""
+    if func not in (F.conv2d, F.linear):
+        return None
+    names = ("input", "weight", "bias", "stride", "padding", "dilation", "groups")
+    call = dict(zip(names, args)) | kwargs
+    x, weight, bias = call.get("input"), call.get("weight"), call.get("bias")
+    if not (isinstance(weight, PackedWeight) and isinstance(x, torch.Tensor) and not isinstance(x, PackedWeight)
+            and x.device.type == "cpu" and x.dtype == weight.dtype and (bias is None or bias.dtype == x.dtype)
+            and not (torch.is_grad_enabled() and (x.requires_grad or (bias is not None and bias.requires_grad)))):
+        return None
+    if func is F.linear:
+        return _compat.mkldnn_linear(x, weight.packed.tensor, bias)
+    stride, padding, dilation, groups = weight.packed.conv
+    if (call.get("stride", 1), call.get("padding", 0), call.get("dilation", 1), call.get("groups", 1)) != \
+            weight.packed.conv or x.dim() != 4:
+        return None  # called with other arguments than the layer's (F.pad + padding 0, say): plain path
+    return _compat.mkldnn_conv(x, weight.packed.for_input(tuple(x.shape)), bias, padding, stride, dilation, groups)
+
+
+def skip_reason(module: nn.Module, packable_types: tuple[type, ...] = (nn.Conv2d, nn.Linear)) -> str | None:
+    """Why a layer is not packed; None when it is packable."""
+    w = getattr(module, "weight", None)
+    if isinstance(w, PackedWeight):
+        return "already packed"
+    if type(module) not in packable_types:
+        return "not a plain Conv2d/Linear"
+    if w.device.type != "cpu":
+        return f"on {w.device.type}: oneDNN packing is for the CPU"
+    reason = dtype_reason(w.dtype)
+    if reason:
+        return reason
+    if isinstance(module, nn.Conv2d) and (isinstance(module.padding, str) or module.padding_mode != "zeros"):
+        return f"padding {module.padding!r}, mode {module.padding_mode!r}: only numeric zero padding"
+    return None
+
+
+def _conv_args(module: nn.Module) -> tuple | None:
+    if isinstance(module, nn.Linear):
+        return None
+    return (tuple(module.stride), tuple(module.padding), tuple(module.dilation), module.groups)
+
+
+def _unchanged_by(fn, weight: torch.Tensor) -> bool:
+    """Whether `fn` (what Module._apply maps over tensors) hands a tensor like `weight` back as it is."""
+    last = weight.dim() == 4 and weight.is_contiguous(memory_format=torch.channels_last)
+    probe = torch.empty((2,) * weight.dim(), dtype=weight.dtype, device=weight.device)
+    if last:
+        probe = probe.contiguous(memory_format=torch.channels_last)
+    return fn(probe) is probe
+
+
+class _Packable:
+    """A layer whose weight is packed whenever it sits on the CPU in a packable dtype.
+
+    torch's Module._apply (`.to()`, `.float()`, offload moves) would write a cast result into
+    the packed Parameter's metadata and leave the packed tensor stale; here the weight is
+    unpacked first, cast or moved plain, and packed again if it is still packable."""
+
+    def _apply(self, fn, recurse=True):
+        w = self.weight
+        if isinstance(w, PackedWeight) and _unchanged_by(fn, w):
+            # `.to("cpu")` on the CPU, a cast to the dtype it has: keep the packed weight as it is.
+            del self._parameters["weight"]
+            try:
+                return super()._apply(fn, recurse)
+            finally:
+                self._parameters["weight"] = w
+        self._unpack_weight()
+        out = super()._apply(fn, recurse)
+        if skip_reason(self, packable_types=(type(self),)) is None:
+            self._pack_weight()
+        return out
+
+    def _pack_weight(self) -> None:
+        self.weight = nn.Parameter(PackedWeight.of(self.weight, _conv_args(self)), requires_grad=False)
+
+    def _unpack_weight(self) -> None:
+        w = self.weight
+        if isinstance(w, PackedWeight):
+            dense = torch.empty_strided(w.shape, w.stride(), dtype=w.dtype).copy_(w.packed.dense())
+            self.weight = nn.Parameter(dense, requires_grad=self._trainable)
+
+    def _save_to_state_dict(self, destination, prefix, keep_vars):
+        super()._save_to_state_dict(destination, prefix, keep_vars)
+        # Savers (safetensors, torch.save) need plain tensors: the values a plain layer gives.
+        if isinstance(self.weight, PackedWeight):
+            destination[prefix + "weight"] = self.weight.packed.dense()
+
+
+class PackedConv2d(_Packable, nn.Conv2d):
+    pass
+
+
+class PackedLinear(_Packable, nn.Linear):
+    pass
+
+
+_PACKED_CLASS = {nn.Conv2d: PackedConv2d, nn.Linear: PackedLinear}
+
+
+@dataclass
+class PackReport:
+    packed: list[str] = field(default_factory=list)
+    skipped: dict[str, str] = field(default_factory=dict)
+
+    def __str__(self) -> str:
+        return f"{len(self.packed)} Conv2d/Linear weights packed for oneDNN ({len(self.skipped)} left plain)"
+
+
+def pack(model: nn.Module, layers: tuple[type, ...] = (nn.Conv2d, nn.Linear)) -> PackReport:
+    """Pack the model's plain Conv2d/Linear weights in place (only the packed copy is kept).
+    The layers become PackedConv2d/PackedLinear (still nn.Conv2d/nn.Linear to diffusers and PEFT)."""
+    report = PackReport()
+    for name, module in model.named_modules():
+        if not isinstance(module, layers):
+            continue
+        reason = skip_reason(module)
+        if reason:
+            report.skipped[name] = reason
+            continue
+        module._trainable = module.weight.requires_grad  # packed weights are frozen; unpack thaws them
+        module.__class__ = _PACKED_CLASS[type(module)]
+        module._pack_weight()
+        report.packed.append(name)
+    return report
+
+
+def unpack(model: nn.Module) -> list[str]:
+    """Plain layers and weights again (exact: packing only reorders)."""
+    done = []
+    for name, module in model.named_modules():
+        if isinstance(module, _Packable):
+            module._unpack_weight()
+            module.__class__ = next(plain for plain, cls in _PACKED_CLASS.items() if cls is type(module))
+            del module._trainable
+            done.append(name)
+    return done

@@ -1,0 +1,54 @@
+"""Conv2d/Linear weights packed once into oneDNN's layout, on the CPU (pyext.nn.packed)."""
+from __future__ import annotations
+
+import functools
+
+from pyext.nn.packed import dtype_reason, pack, unpack
+from pyext.techniques.base import Entry, Technique
+
+AUTO_ROLES = ("denoiser", "vae", "controlnet")  # where convolutions and large GEMMs carry the time
+
+
+class Prepack(Technique):
+    """prepack="auto": the denoisers, VAEs and controlnets of a CPU pipeline; "on": every
+    component on the CPU; "off". Not with compile="trace"/"compile": a trace records plain
+    weights, and inductor's freezing packs them itself."""
+
+    name = "prepack"
+
+    def apply(self, pipe, d) -> list[Entry]:
+        entries = []
+        for name, module in d.components.modules.items():
+            why = self._why_not(name, d)
+            if why:
+                entries.append(self.skipped(name, why))
+                continue
+            report = pack(module)
+            if report.packed:
+                entries.append(self.applied(name, str(report), functools.partial(self._undo, module)))
+            elif any(r == "already packed" for r in report.skipped.values()):
+                entries.append(self.already(name, "weights packed before"))
+            else:
+                reasons = sorted(set(report.skipped.values()))
+                entries.append(self.skipped(name, "no packable layers (" + "; ".join(reasons[:3] or ["none"]) + ")"))
+        return entries
+
+    @staticmethod
+    def _why_not(name: str, d) -> str | None:
+        setting = d.options.prepack
+        if setting == "off":
+            return "prepack='off'"
+        if d.device.type != "cpu":
+            return f"on {d.device.type}: oneDNN packing is for CPU pipelines"
+        if d.options.compile in ("trace", "compile") and name in d.components.denoisers:
+            return f"compile={d.options.compile!r} takes the weights as they are (inductor's freezing packs them itself)"
+        reason = dtype_reason(d.dtype) if d.dtype is not None else None
+        if reason:
+            return reason
+        if setting == "auto" and d.components.roles[name] not in AUTO_ROLES:
+            return f"auto: a {d.components.roles[name]}; prepack='on' packs it too"
+        return None
+
+    @staticmethod
+    def _undo(module) -> str:
+        return f"{len(unpack(module))} weights plain again (exact: packing only reorders)"

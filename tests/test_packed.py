@@ -1,0 +1,215 @@
+"""Weights packed once for oneDNN (pyext.nn.packed, prepack technique): same outputs as the plain
+layers, one copy of the weights, exact unpacking, and the module's other uses keep working."""
+import io
+
+import numpy as np
+import pytest
+import torch
+import torch.nn as nn
+
+import pyext
+from pyext import _compat
+from pyext.dispatch import PyextError
+from pyext.nn import packed
+from pyext.nn.packed import PackedWeight, pack, unpack
+from pyext.offline import build_pipeline
+
+DTYPES = [torch.float32] + ([torch.bfloat16] if _compat.cpu_has_native_bf16() else [])
+TOL = {torch.float32: 1e-4, torch.bfloat16: 2e-2}  # relative to the output's scale: other accumulation orders
+
+# (in, out, kernel, stride, padding, dilation, groups, bias, input H x W): odd sizes included
+CONVS = [(8, 16, 3, 1, 1, 1, 1, True, (9, 7)), (16, 16, 3, 2, 1, 1, 1, True, (8, 8)),
+         (6, 10, 1, 1, 0, 1, 1, False, (5, 11)), (12, 12, 3, 1, 2, 2, 1, True, (10, 10)),
+         (8, 8, 3, 1, 1, 1, 2, True, (6, 6)), (3, 5, (3, 1), 1, (1, 0), 1, 1, True, (7, 4))]
+LINEARS = [(40, 48, True, (3, 7)), (13, 5, False, (2,)), (64, 130, True, (1, 2, 3))]
+
+
+def rel_err(out, ref):
+    return ((out.float() - ref.float()).abs().max() / ref.float().abs().max().clamp_min(1e-6)).item()
+
+
+def count_fast_calls(monkeypatch):
+    calls = {"conv": 0, "linear": 0}
+    conv, linear = _compat.mkldnn_conv, _compat.mkldnn_linear
+    monkeypatch.setattr(_compat, "mkldnn_conv", lambda *a: (calls.__setitem__("conv", calls["conv"] + 1), conv(*a))[1])
+    monkeypatch.setattr(_compat, "mkldnn_linear",
+                        lambda *a: (calls.__setitem__("linear", calls["linear"] + 1), linear(*a))[1])
+    return calls
+
+
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+@pytest.mark.parametrize("spec", CONVS, ids=str)
+@pytest.mark.parametrize("channels_last", [False, True])
+def test_conv_matches_plain_and_unpacks_exactly(spec, dtype, channels_last, monkeypatch):
+    cin, cout, k, s, p, d, g, bias, hw = spec
+    torch.manual_seed(0)
+    conv = nn.Conv2d(cin, cout, k, s, p, d, g, bias).to(dtype).eval().requires_grad_(False)
+    fmt = torch.channels_last if channels_last else torch.contiguous_format
+    conv.to(memory_format=fmt)
+    x = torch.randn(2, cin, *hw, dtype=dtype).contiguous(memory_format=fmt)
+    ref, weight = conv(x), conv.weight.detach().clone()
+    calls = count_fast_calls(monkeypatch)
+    assert pack(conv).packed == [""]
+    assert isinstance(conv.weight, PackedWeight)
+    assert rel_err(conv(x), ref) <= TOL[dtype]
+    assert calls["conv"] == 1  # oneDNN on the packed weight, not the plain path
+    assert conv.weight.packed.input_shape == tuple(x.shape)
+    x2 = torch.randn(3, cin, hw[0] + 2, hw[1] + 1, dtype=dtype)  # a new shape repacks, still right
+    assert rel_err(conv(x2), nn.functional.conv2d(x2, weight, conv.bias, s, p, d, g)) <= TOL[dtype]
+    assert conv.weight.packed.input_shape == tuple(x2.shape)
+    unpack(conv)
+    assert type(conv.weight) is nn.Parameter and torch.equal(conv.weight, weight)
+    assert conv.weight.is_contiguous(memory_format=fmt)
+
+
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+@pytest.mark.parametrize("spec", LINEARS, ids=str)
+def test_linear_matches_plain(spec, dtype, monkeypatch):
+    fin, fout, bias, lead = spec
+    torch.manual_seed(0)
+    lin = nn.Linear(fin, fout, bias).to(dtype).eval()
+    x = torch.randn(*lead, fin, dtype=dtype)
+    ref, weight = lin(x), lin.weight.detach().clone()
+    calls = count_fast_calls(monkeypatch)
+    pack(lin)
+    with torch.no_grad():
+        out = lin(x)
+    assert out.shape == ref.shape and rel_err(out, ref) <= TOL[dtype]
+    assert calls["linear"] == 1
+    unpack(lin)
+    assert torch.equal(lin.weight, weight) and lin.weight.requires_grad  # thawed as it was
+
+
+def small_model():
+    torch.manual_seed(0)
+    return nn.Sequential(nn.Conv2d(4, 8, 3, padding=1), nn.SiLU(), nn.Conv2d(8, 8, 3, stride=2, padding=1),
+                         nn.Flatten(), nn.Linear(8 * 3 * 3, 5)).eval()
+
+
+def test_one_copy_state_dict_load_and_save():
+    model = small_model()
+    plain = {k: v.clone() for k, v in model.state_dict().items()}
+    pack(model)
+    state = model.state_dict()
+    assert all(type(v) is torch.Tensor and torch.equal(v, plain[k]) for k, v in state.items())
+    x = torch.randn(2, 4, 6, 6)
+    doubled = {k: v * 2 for k, v in plain.items()}
+    model.load_state_dict(doubled)  # an in-place write must reach the packed weight
+    assert isinstance(model[0].weight, PackedWeight)
+    twin = small_model()
+    twin.load_state_dict(doubled)
+    assert rel_err(model(x), twin(x)) <= TOL[torch.float32]
+    from safetensors.torch import load, save
+    assert all(torch.equal(v, doubled[k]) for k, v in load(save(model.state_dict())).items())
+    buffer = io.BytesIO()
+    torch.save(model.state_dict(), buffer)
+    buffer.seek(0)
+    assert all(torch.equal(v, doubled[k]) for k, v in torch.load(buffer).items())
+
+
+def rss_bytes() -> int:
+    with open("/proc/self/statm") as f:
+        return int(f.read().split()[1]) * 4096
+
+
+def test_one_copy_of_the_weights_is_held():
+    import gc
+
+    gc.collect()
+    before = rss_bytes()
+    layer = nn.Linear(4096, 4096, bias=False)  # 64 MiB: large allocations go straight back to the OS
+    one_copy = 4096 * 4096 * 4
+    pack(layer)
+    gc.collect()
+    held = rss_bytes() - before
+    assert held < 1.5 * one_copy, f"{held / 2**20:.0f} MiB held for a {one_copy / 2**20:.0f} MiB weight"
+
+
+def test_reads_and_casts_see_the_plain_weight():
+    model = small_model()
+    weight = model[0].weight.detach().clone()
+    pack(model)
+    w = model[0].weight
+    assert w.shape == weight.shape and w.dtype == weight.dtype
+    assert torch.equal(w * 1, weight) and torch.equal(w[1], weight[1]) and w.sum().item() == weight.sum().item()
+    packed_tensor = model[0].weight.packed.tensor
+    model.to("cpu").float()  # changes nothing: the packed weight stays as it is
+    assert model[0].weight.packed.tensor is packed_tensor
+    model.to(torch.float64)  # unpacked, cast, and left plain: float64 is not packed
+    assert type(model[0].weight) is nn.Parameter and torch.equal(model[0].weight, weight.double())
+    assert model[0](torch.randn(1, 4, 5, 5, dtype=torch.float64)).dtype == torch.float64
+    model.to(torch.float32)  # packable again: packed again, values intact
+    assert isinstance(model[0].weight, PackedWeight) and torch.equal(model[0].weight * 1, weight)
+    model.to(memory_format=torch.channels_last)
+    assert isinstance(model[0].weight, PackedWeight) and model[0].weight.is_contiguous(memory_format=torch.channels_last)
+    assert unpack(model) == ["0", "2", "4"]
+    assert type(model[0]) is nn.Conv2d and type(model[4]) is nn.Linear and torch.equal(model[0].weight, weight)
+
+
+def test_skip_reasons():
+    conv = nn.Conv2d(4, 4, 3, padding="same")
+    assert "padding" in packed.skip_reason(conv)
+    assert "dtype" in packed.skip_reason(nn.Linear(4, 4).half()) or "not packed" in packed.skip_reason(
+        nn.Linear(4, 4).half())
+    assert packed.skip_reason(nn.Conv3d(2, 2, 1)) == "not a plain Conv2d/Linear"
+    lin = nn.Linear(4, 4)
+    pack(lin)
+    assert packed.skip_reason(lin) == "already packed" and isinstance(lin, nn.Linear)
+
+
+def generate(pipe, steps=2):
+    return pipe("a cat", height=64, width=64, num_inference_steps=steps, output_type="np",
+                generator=torch.Generator().manual_seed(0)).images
+
+
+def test_optimize_packs_on_cpu_reports_and_restores_exactly():
+    pipe = build_pipeline("sd15", "tiny")
+    ref = generate(pipe)
+    pyext.optimize(pipe, dtype="keep")
+    entries = {(e.component, e.technique): e for e in pyext.report(pipe).entries}
+    assert entries["unet", "prepack"].status == "applied" and entries["vae", "prepack"].status == "applied"
+    assert entries["text_encoder", "prepack"].status == "skipped"
+    assert any(isinstance(m.weight, PackedWeight) for m in pipe.unet.modules() if isinstance(m, nn.Conv2d))
+    assert np.abs(generate(pipe) - ref).max() <= 1e-4
+    pyext.restore(pipe)
+    assert not any(isinstance(p, PackedWeight) for p in pipe.unet.parameters())
+    assert np.abs(generate(pipe) - ref).max() == 0
+
+
+def test_optimize_prepack_off_and_compile_skip_say_why():
+    pipe = pyext.optimize(build_pipeline("sd15", "tiny"), dtype="keep", prepack="off")
+    assert not any(isinstance(p, PackedWeight) for p in pipe.unet.parameters())
+    with pytest.raises(PyextError, match="prepack"):
+        pyext.optimize(build_pipeline("sd15", "tiny"), prepack="yes")
+    pipe = pyext.optimize(build_pipeline("sd15", "tiny"), dtype="keep", compile="trace")
+    entry = next(e for e in pyext.report(pipe).entries if e.component == "unet" and e.technique == "prepack")
+    assert entry.status == "skipped" and "trace" in entry.detail
+
+
+def test_lora_on_packed_layers(tmp_path):
+    from test_optimize import make_lora
+
+    lora = make_lora(tmp_path)
+    pipe = pyext.optimize(build_pipeline("sd15", "tiny"), dtype="keep")
+    twin = build_pipeline("sd15", "tiny")
+    plain = generate(pipe)
+    pipe.load_lora_weights(lora, adapter_name="a")
+    twin.load_lora_weights(lora, adapter_name="a")
+    with_lora = generate(pipe)
+    assert np.abs(with_lora - plain).max() > 0.01  # the LoRA really acts
+    assert np.abs(with_lora - generate(twin)).max() <= 1e-4
+    pipe.unload_lora_weights()
+    assert np.abs(generate(pipe) - plain).max() <= 1e-5
+    assert any(isinstance(p, PackedWeight) for p in pipe.unet.parameters())
+
+
+def test_compile_on_cpu_turns_on_inductor_freezing(monkeypatch):
+    seen = {}
+    monkeypatch.setattr(torch.nn.Module, "compile", lambda self, **kw: seen.update(kw))
+    pipe = pyext.optimize(build_pipeline("sd15", "tiny"), dtype="keep", compile="compile")
+    assert seen == {"backend": "inductor", "options": {"freezing": True}}
+    entry = next(e for e in pyext.report(pipe).entries if e.technique == "compile")
+    assert "freezing" in entry.detail
+    seen.clear()
+    pyext.optimize(build_pipeline("sd15", "tiny"), dtype="keep", compile="compile", compile_backend="aot_eager")
+    assert seen == {"backend": "aot_eager", "options": None}
