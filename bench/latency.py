@@ -43,6 +43,7 @@ class Preset:
     row_timeout_s: int   # a row still running after this is reported as timed out
     skip: tuple = ()     # ((row, reason), ...) rows this preset does not run
     threads: int = 0     # torch.set_num_threads in each row; 0 keeps torch's default
+    emulated_bf16: bool = False  # half rows in bf16 on a CPU without native bf16 (tiny sizes only)
 
 
 PRESETS = {
@@ -55,8 +56,9 @@ PRESETS = {
     # CI: the tiny sd15 of pyext.offline, seconds for all rows.
     # One thread: tiny ops gain nothing from two, and on a shared machine a stalled
     # second thread only adds noise.
-    "tiny": Preset("tiny", "cpu", 64, 64, 2, 1, 1, 120, threads=1, skip=(
-        ("torch_compile", "not run in preset tiny: inductor needs minutes on CPU; see presets cpu/gpu"),)),
+    "tiny": Preset("tiny", "cpu", 64, 64, 2, 1, 1, 120, threads=1, emulated_bf16=True, skip=(
+        ("torch_compile", "not run in preset tiny: inductor needs minutes on CPU; see presets cpu/gpu"),
+        ("torch_compile_freezing", "not run in preset tiny: inductor needs minutes on CPU; see preset cpu"))),
 }
 
 # row -> (half precision?, steps applied in order). Cumulative like the seed's table, with two
@@ -74,6 +76,10 @@ ROWS = {
     "pyext_fp8": (True, ("channels_last", "sdpa_attention", "pyext_fp8")),
     "pyext_optimize": (False, ("pyext_optimize",)),
     "torch_compile": (True, ("channels_last", "sdpa_attention", "torch_compile")),
+    # CPU runtimes (issue 15): inductor with weight freezing, and OpenVINO converted from the
+    # same fp32 modules, computing in bf16 where the CPU has it natively (OpenVINO's own default).
+    "torch_compile_freezing": (True, ("channels_last", "sdpa_attention", "torch_compile_freezing")),
+    "openvino": (False, ("sdpa_attention", "openvino")),
 }
 
 # The seed's published Titan RTX figures (seconds), shown beside ours for reference.
@@ -90,9 +96,15 @@ class RowUnavailable(Exception):
     """This row cannot run here; the message is the reason shown in the table."""
 
 
-def half_dtype(device: str):
-    # CPU has no fast fp16 GEMM; bf16 is the CPU's half precision (labelled so in the table).
-    return torch.float16 if device == "cuda" else torch.bfloat16
+def half_dtype(preset: Preset):
+    # CPU has no fast fp16 GEMM; bf16 is the CPU's half precision (labelled so in the table) where
+    # oneDNN computes it natively. Elsewhere bf16 is emulated, ~100x slower: the cpu preset's rows
+    # stay fp32 there, while the tiny preset keeps bf16 so that CI runs the bf16 path everywhere.
+    from pyext._compat import cpu_has_native_bf16
+
+    if preset.device == "cuda":
+        return torch.float16
+    return torch.bfloat16 if preset.emulated_bf16 or cpu_has_native_bf16() else torch.float32
 
 
 def unavailable(name: str, preset: Preset) -> str | None:
@@ -110,6 +122,11 @@ def unavailable(name: str, preset: Preset) -> str | None:
             return "xformers not installed"
         if preset.device != "cuda":
             return "xformers memory-efficient attention needs CUDA"
+    if "openvino" in steps:
+        from bench.cpu_runtimes import unavailable as runtime_unavailable
+        if preset.device != "cpu":
+            return "the openvino row is for CPU presets"
+        return runtime_unavailable("openvino")
     if "pyext_optimize" in steps:
         import pyext
         if not hasattr(pyext, "optimize"):
@@ -199,6 +216,19 @@ def _apply_step(pipe, step, preset, notes: dict):
             notes["pyext_optimize"] = " ".join(str(pyext.report(pipe)).split())
     elif step == "torch_compile":
         pipe.unet = torch.compile(pipe.unet)
+    elif step == "torch_compile_freezing":
+        import torch._inductor.config as inductor_config
+
+        inductor_config.freezing = True  # this row's process only
+        pipe.unet = torch.compile(pipe.unet)
+    elif step == "openvino":
+        from bench import cpu_runtimes
+
+        unet, decode = cpu_runtimes.openvino_calls(pipe, *cpu_runtimes.example_inputs(pipe, preset.height, preset.width),
+                                                   threads=preset.threads)
+        pipe.unet = TracedUNet(pipe.unet, unet)
+        pipe.vae.decode = lambda latents, return_dict=False, **unused: (decode(latents),)
+        notes["openvino"] = f"OpenVINO {cpu_runtimes.openvino_version()}, inference precision {unet.precision}"
     else:
         raise ValueError(f"unknown step {step!r}")
     return pipe
@@ -228,16 +258,27 @@ class StageClock:
         self.totals = {}
 
 
-def _weight_bytes(pipe) -> int:
-    total = 0
-    for name in ("unet", "text_encoder", "vae"):
-        module = getattr(pipe, name)
-        seen = set()  # a tensor shared by two modules counts once
-        for t in list(module.parameters()) + list(module.buffers()):
-            if isinstance(t, torch.Tensor) and t.data_ptr() not in seen:
-                seen.add(t.data_ptr())
-                total += t.numel() * t.element_size()
-    return total
+def _tensor_key(t: torch.Tensor):
+    """What identifies a tensor's memory: its storage address, or the tensor itself for one that
+    holds its data elsewhere (pyext's oneDNN-packed weights)."""
+    try:
+        return t.data_ptr() or id(t)  # 0: no storage of its own
+    except RuntimeError:
+        return id(t)
+
+
+def component_weight_bytes(pipe, names=None) -> dict[str, int]:
+    """Bytes of parameters and buffers per module of the pipeline, each tensor counted once (in the
+    first module holding it); fp8 codes are 1 byte."""
+    seen, sizes = set(), {}
+    for name, module in pipe.components.items():
+        if isinstance(module, torch.nn.Module) and (names is None or name in names):
+            sizes[name] = 0
+            for t in list(module.parameters()) + list(module.buffers()):
+                if _tensor_key(t) not in seen:
+                    seen.add(_tensor_key(t))
+                    sizes[name] += t.numel() * t.element_size()
+    return sizes
 
 
 def _reset_peak_rss() -> bool:
@@ -264,7 +305,7 @@ def run_row(name: str, spec: dict) -> dict:
 
     preset = Preset(**spec["preset"])
     half, steps = ROWS[name]
-    dtype = half_dtype(preset.device) if half else torch.float32
+    dtype = half_dtype(preset) if half else torch.float32
     if preset.threads:
         torch.set_num_threads(preset.threads)
     torch.manual_seed(SEED)
@@ -311,7 +352,8 @@ def run_row(name: str, spec: dict) -> dict:
         "latency_s": latency, "latencies_s": [r[0] for r in runs], "setup_s": setup_s,
         "stages_s": {**stages, "other": latency - sum(stages.values())},
         "denoiser_it_per_s": preset.steps / stages["denoising"] if stages.get("denoising") else None,
-        "peak_memory_bytes": peak, "peak_memory_kind": peak_kind, "weight_bytes": _weight_bytes(pipe),
+        "peak_memory_bytes": peak, "peak_memory_kind": peak_kind,
+        "weight_bytes": sum(component_weight_bytes(pipe, ("unet", "text_encoder", "vae")).values()),
         "dtype": str(pipe.unet.dtype).replace("torch.", ""), "steps": list(steps),
         "load_average_1m": os.getloadavg()[0],  # other processes' load: on a shared machine, the noise
     }

@@ -122,20 +122,6 @@ def _fp32_decode(pipe) -> None:
     pipe.vae.decode = lambda latents, *args, **kwargs: decode(latents.float(), *args, **kwargs)
 
 
-def _weight_bytes(pipe) -> dict[str, int]:
-    """Bytes of parameters and buffers per module of the pipeline, each tensor counted once (in the
-    first module holding it); fp8 codes are 1 byte."""
-    seen, sizes = set(), {}
-    for name, module in pipe.components.items():
-        if isinstance(module, torch.nn.Module):
-            sizes[name] = 0
-            for t in list(module.parameters()) + list(module.buffers()):
-                if t.data_ptr() not in seen:
-                    seen.add(t.data_ptr())
-                    sizes[name] += t.numel() * t.element_size()
-    return sizes
-
-
 # pyext keeps its fp8 codes in uint8 tensors (a dtype cast cannot touch them); no other weight is uint8.
 _SHORT = {torch.float32: "fp32", torch.bfloat16: "bf16", torch.float16: "fp16",
           torch.float8_e4m3fn: "fp8", torch.uint8: "fp8"}
@@ -183,7 +169,7 @@ def run_row(name: str, spec: dict) -> dict:
         video = generate(preset.steps)
         runs.append((time.perf_counter() - t, dict(clock.totals)))
     latency_s, stages = sorted(runs, key=lambda r: r[0])[len(runs) // 2]  # the median run
-    weights = _weight_bytes(pipe)
+    weights = latency.component_weight_bytes(pipe)
     result = {
         "latency_s": latency_s, "latencies_s": [r[0] for r in runs], "setup_s": setup_s,
         "stages_s": {**stages, "other": latency_s - sum(stages.values())},
