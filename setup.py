@@ -50,23 +50,32 @@ def _write_build_info(torch, with_cuda, cuda_reason):
         f.write("# Written by setup.py at build time.\nBUILD_INFO = " + repr(info) + "\n")
 
 
+def _sources():
+    """(CPU sources, CUDA-only sources): csrc/module.cpp and every op family's folder csrc/<family>/,
+    so a new family builds with no edit here. A family's *.cpp are CPU sources (SIMD units pick their
+    ISA with `#pragma GCC target`) except its *_cuda_glue.cpp, the torch side of its CUDA kernels,
+    which like its *.cu needs CUDA torch."""
+    cpp = sorted(glob.glob("csrc/*.cpp") + glob.glob("csrc/*/*.cpp"))
+    cuda_glue = [s for s in cpp if s.endswith("_cuda_glue.cpp")]
+    return [s for s in cpp if s not in cuda_glue], sorted(glob.glob("csrc/*/*.cu")) + cuda_glue
+
+
 def _extensions():
     if _flag("PYEXT_SKIP_BUILD"):
         return [], {}
     import torch
     from torch.utils.cpp_extension import BuildExtension, CppExtension, CUDAExtension
 
-    cpu_sources = sorted(glob.glob("csrc/*.cpp") + glob.glob("csrc/cpu/*.cpp"))
+    cpu_sources, cuda_sources = _sources()
     cuda_reason = _cuda_reason(torch)
     with_cuda = cuda_reason is None
     # -fopenmp: at::parallel_for is inline and needs OpenMP to run in parallel; the
     # runtime resolves to the libgomp torch already loaded (same soname).
     cxx = ["-O3", "-std=c++20", "-fopenmp", "-Wno-unused-parameter"]
-    kwargs = dict(extra_link_args=["-fopenmp"])
+    kwargs = dict(extra_link_args=["-fopenmp"], include_dirs=[os.path.join(ROOT, "csrc")])
     if with_cuda:
-        sources = cpu_sources + sorted(glob.glob("csrc/cuda/*.cu") + glob.glob("csrc/cuda/*.cpp"))
         ext = CUDAExtension(
-            "pyext._C", sources,
+            "pyext._C", cpu_sources + cuda_sources,
             extra_compile_args={"cxx": cxx + ["-DPYEXT_WITH_CUDA"], "nvcc": ["-O3", "-std=c++17", "-DPYEXT_WITH_CUDA"]},
             **kwargs,
         )

@@ -2,8 +2,8 @@
 // themselves are registered as torch.ops.pyext_C.* by each family's file.
 #include <torch/extension.h>
 
-#include "cpu/cpu_features.h"
-#include "cpu/fp8_gemm.h"
+#include "common/cpu_features.h"
+#include "fp8/fp8_gemm_cpu.h"
 
 TORCH_LIBRARY(pyext_C, m) {}  // each kernel family adds its ops with TORCH_LIBRARY_FRAGMENT
 

@@ -7,7 +7,7 @@
 #include <cstring>
 #include <cmath>
 #include <vector>
-#include "attention_cpu.h"
+#include "attention/attention_cpu.h"
 using namespace pyext::cpu;
 int main() {
   AttnKernel ks[4] = {attention_kernel_scalar(), attention_kernel_avx2(), attention_kernel_avx512(), attention_kernel_avx512_bf16dot()};
@@ -22,21 +22,20 @@ int main() {
   int fails = 0;
   for (int ki = 0; ki < 4; ++ki) {
     if (!runs[ki]) { printf("skipped %s (CPU lacks it)\n", names[ki]); continue; }
-    for (int ti = 0; ti < 3; ++ti) {
-      AttnType t = (AttnType)ti;
-      if (ki == 3 && t != AttnType::kBF16) continue;
-      size_t es = t == AttnType::kF32 ? 4 : 2;
+    for (PyextDtype t : {PYEXT_BF16, PYEXT_F16, PYEXT_F32}) {
+      if (ki == 3 && t != PYEXT_BF16) continue;
+      size_t es = PYEXT_DTYPE_SIZE(t);
       for (int64_t d : ds) for (int64_t sq : {1L, 9L, 17L}) for (int64_t skv : ss) {
         // exact-size heap buffers so ASan catches any overrun
         char* q = (char*)malloc(sq * d * es); char* k = (char*)malloc(skv * d * es); char* v = (char*)malloc(skv * d * es);
         char* o = (char*)malloc(sq * d * es);
         for (int64_t i = 0; i < sq * d * (int64_t)es; ++i) q[i] = (i % 2) ? 0x3f : 0x00;  // small positive values
         for (int64_t i = 0; i < skv * d * (int64_t)es; ++i) { k[i] = (i % 2) ? 0x3e : 0x11; v[i] = (i % 2) ? 0x3f : 0x22; }
-        if (t == AttnType::kF32) { for (int64_t i=0;i<sq*d;++i) ((float*)q)[i]=0.01f*(i%7); for (int64_t i=0;i<skv*d;++i) {((float*)k)[i]=0.02f*(i%5); ((float*)v)[i]=1.0f;} }
+        if (t == PYEXT_F32) { for (int64_t i=0;i<sq*d;++i) ((float*)q)[i]=0.01f*(i%7); for (int64_t i=0;i<skv*d;++i) {((float*)k)[i]=0.02f*(i%5); ((float*)v)[i]=1.0f;} }
         void* p = malloc(ks[ki].packed_bytes(skv, d));
         ks[ki].pack(k, v, skv, d, t, p);
         ks[ki].forward(q, sq, p, skv, d, 0.1f, t, o);
-        if (t == AttnType::kF32) for (int64_t i=0;i<sq*d;++i) if (std::fabs(((float*)o)[i]-1.0f) > 1e-5f) { if (fails++ < 5) printf("bad %s d=%ld sq=%ld skv=%ld %f\n", names[ki], d, sq, skv, ((float*)o)[i]); break; }
+        if (t == PYEXT_F32) for (int64_t i=0;i<sq*d;++i) if (std::fabs(((float*)o)[i]-1.0f) > 1e-5f) { if (fails++ < 5) printf("bad %s d=%ld sq=%ld skv=%ld %f\n", names[ki], d, sq, skv, ((float*)o)[i]); break; }
         free(q); free(k); free(v); free(o); free(p);
       }
     }

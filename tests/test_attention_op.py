@@ -254,9 +254,9 @@ def test_kernels_clean_under_sanitizers(tmp_path):
     """Every kernel path (scalar/avx2/avx512/avx512_bf16), head dims 1..256, odd lengths, built
     without torch under AddressSanitizer + UBSan: no out-of-bounds access, no UB."""
     root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-    src = os.path.join(root, "csrc", "cpu")
-    units = ["attention_scalar.cpp", "attention_avx2.cpp", "attention_avx512.cpp", "attention_avx512_bf16.cpp",
-             "cpu_features.cpp"]
+    src = os.path.join(root, "csrc")
+    units = [f"attention/attention_cpu_{isa}.cpp" for isa in ("scalar", "avx2", "avx512", "avx512_bf16")]
+    units.append("common/cpu_features.cpp")
     exe = str(tmp_path / "harness")
     build = subprocess.run(
         ["g++", "-std=c++20", "-O1", "-g", "-fsanitize=address,undefined", "-fno-sanitize-recover=undefined",

@@ -12,7 +12,8 @@ import pytest
 import torch
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-GLUE_FILES = sorted(glob.glob(os.path.join(ROOT, "csrc", "cuda", "*.cpp")))
+CSRC = os.path.join(ROOT, "csrc")
+GLUE_FILES = sorted(glob.glob(os.path.join(CSRC, "*", "*_cuda_glue.cpp")))
 TORCH_INCLUDE = os.path.join(os.path.dirname(torch.__file__), "include")
 
 
@@ -27,7 +28,7 @@ def test_cuda_glue_compiles_against_torch_headers(glue):
     if cuda_include is None:
         pytest.skip("CUDA runtime headers not found (set CUDA_HOME)")
     cmd = ["g++", "-std=c++20", "-fsyntax-only", "-w", f"-I{TORCH_INCLUDE}",
-           f"-I{os.path.join(TORCH_INCLUDE, 'torch', 'csrc', 'api', 'include')}", f"-I{cuda_include}", glue]
+           f"-I{os.path.join(TORCH_INCLUDE, 'torch', 'csrc', 'api', 'include')}", f"-I{cuda_include}", f"-I{CSRC}", glue]
     proc = subprocess.run(cmd, capture_output=True, text=True)
     assert proc.returncode == 0, proc.stderr[-3000:]
 

@@ -1,4 +1,6 @@
 """fp8 ops: exactness against the reference, errors, dispatch and opcheck."""
+import math
+
 import pytest
 import torch
 import torch.nn.functional as F
@@ -38,6 +40,38 @@ def test_upcast_bit_exact_all_codes(simd, dtype, scale_kind):
     }[scale_kind]
     out = fp8_upcast(w, scale, dtype, backend="cpp")
     assert same_bits(out, fp8_upcast_reference(w, scale, dtype))
+
+
+def special_fp32() -> torch.Tensor:
+    """fp32 values that probe the narrowing to bf16/fp16: ties (to even, down and up) and their
+    fp32 neighbours, fp16 / bf16 / fp32 subnormals, the largest finites and the ties that overflow
+    to inf, zeros, infs, and NaNs (quiet, signalling, with payloads, both signs)."""
+    v = torch.tensor([1.0, 1 + 2**-8, 1 + 3 * 2**-8, 1 + 2**-11, 1 + 3 * 2**-11, 2**-14, 2**-24, 2**-25, 3 * 2**-25,
+                      65504.0, 65512.0, 65520.0, 65536.0, 2**-133, 2**-134, 3 * 2**-134, 1e-40,
+                      (2 - 2**-7) * 2.0**127, (2 - 2**-8) * 2.0**127, (2 - 2**-23) * 2.0**127])
+    v = torch.cat([v, torch.nextafter(v, torch.full_like(v, math.inf)), torch.nextafter(v, torch.zeros_like(v))])
+    nans = torch.tensor([0x7FC00000, 0x7FC00001, 0x7FA00000, 0x7F800001, 0x7FFFFFFF, 0xFFC12345 - 2**32],
+                        dtype=torch.int32).view(torch.float32)
+    return torch.cat([v, -v, torch.tensor([0.0, -0.0, math.inf, -math.inf]), nans])
+
+
+def narrowed(f: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """The kernels' rounding (csrc/common/half_rounding.h): torch's own round-to-nearest-even cast,
+    and for NaN a quiet NaN keeping the sign and the top payload bits (torch's NaN bits vary)."""
+    bits = f.view(torch.int32)
+    nan = ((bits >> 16) | 0x40) if dtype == torch.bfloat16 else ((bits >> 16) & 0x8000) | 0x7E00 | ((bits >> 13) & 0x3FF)
+    return torch.where(f.isnan(), nan.to(torch.int16), f.to(dtype).view(torch.int16)).view(dtype)
+
+
+@needs_ext
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+def test_upcast_narrows_like_torch(simd, dtype):
+    """Code 1.0 times a per-row scale is the scale itself, so each row shows how the kernel (its
+    SIMD body, its tail, the AVX-512 lookup table from 640 codes on) rounds that fp32 value."""
+    scale = special_fp32()
+    w = torch.full((scale.numel(), 700), 0x38, dtype=torch.uint8).view(FP8)  # e4m3 1.0
+    out = fp8_upcast(w, scale, dtype, backend="cpp")
+    assert same_bits(out, narrowed(scale, dtype)[:, None].expand(out.shape))
 
 
 @pytest.mark.parametrize("dtype", DTYPES)

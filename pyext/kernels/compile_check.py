@@ -28,8 +28,7 @@ from pyext.kernels import Config
 ARCHS = (80, 90)
 # Largest dynamic shared memory one block may opt into: A100 (sm_80) 163 KiB, H100 (sm_90) 227 KiB.
 SHARED_LIMIT = {80: 163 * 1024, 90: 227 * 1024}
-CUDA_SOURCES = os.path.join(os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))),
-                            "csrc", "cuda")
+CSRC = os.path.join(os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))), "csrc")
 DTYPES = {torch.float16: "fp16", torch.bfloat16: "bf16", torch.float32: "fp32"}
 
 
@@ -135,13 +134,13 @@ def compile_cuda(source: str, arch: int) -> list[dict]:
     """One entry per kernel of a csrc .cu file, from nvcc -Xptxas -v."""
     base = {"kind": "cuda", "arch": f"sm_{arch}", "variant": "", "config": "as written", "default": True,
             "signature": {}, "constexprs": {}, "num_warps": None, "num_stages": None}
-    name = os.path.relpath(source, os.path.dirname(os.path.dirname(CUDA_SOURCES)))
+    name = os.path.relpath(source, os.path.dirname(CSRC))
     if shutil.which("nvcc") is None:
         return [dict(base, kernel=name, compiled=False, registers=None, spill_bytes=None, shared_bytes=None,
                      error="nvcc not found")]
     with tempfile.TemporaryDirectory() as tmp:
         proc = subprocess.run(["nvcc", "-std=c++17", "-O3", f"-gencode=arch=compute_{arch},code=sm_{arch}",
-                               "-Xptxas", "-v", "-c", source, "-o", os.path.join(tmp, "k.o")],
+                               "-Xptxas", "-v", f"-I{CSRC}", "-c", source, "-o", os.path.join(tmp, "k.o")],
                               capture_output=True, text=True)
     log = proc.stdout + proc.stderr
     if proc.returncode != 0:
@@ -175,7 +174,7 @@ def check_all(archs=ARCHS, everything: bool = False, jobs: int | None = None) ->
         finally:
             for key, value in saved.items():
                 os.environ.pop(key) if value is None else os.environ.__setitem__(key, value)
-    for source in sorted(glob.glob(os.path.join(CUDA_SOURCES, "*.cu"))):
+    for source in sorted(glob.glob(os.path.join(CSRC, "*", "*.cu"))):  # each op family's csrc/<family>/
         for arch in archs:
             entries += compile_cuda(source, arch)
     return entries

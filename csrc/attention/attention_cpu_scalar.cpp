@@ -1,6 +1,6 @@
 // Portable flash attention: the same algorithm with one-lane "vectors". The
 // reference path for every CPU and the baseline the SIMD units are tested against.
-#include "attention_impl.h"
+#include "attention/attention_cpu_impl.h"
 
 namespace pyext::cpu {
 namespace attn {

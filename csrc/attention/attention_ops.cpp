@@ -9,7 +9,8 @@
 #include <string>
 #include <vector>
 
-#include "attention_cpu.h"
+#include "attention/attention_cpu.h"
+#include "common/dtype_codes_torch.h"
 
 namespace pyext::cpu {
 namespace {
@@ -62,15 +63,6 @@ AttnKernel pick_kernel(const std::string& path, at::ScalarType dtype) {
   return attention_kernel_scalar();
 }
 
-AttnType attn_type(at::ScalarType dtype) {
-  switch (dtype) {
-    case at::kBFloat16: return AttnType::kBF16;
-    case at::kHalf: return AttnType::kF16;
-    case at::kFloat: return AttnType::kF32;
-    default: TORCH_CHECK(false, "pyext attention: dtype must be bfloat16, float16 or float32, got ", dtype);
-  }
-}
-
 at::Tensor attention_cpu(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, double scale,
                          c10::string_view path) {
   TORCH_CHECK(q.dim() == 4 && k.dim() == 4 && v.dim() == 4, "pyext attention: q, k, v must be 4-D");
@@ -79,7 +71,7 @@ at::Tensor attention_cpu(const at::Tensor& q, const at::Tensor& k, const at::Ten
   TORCH_CHECK(k.sizes() == v.sizes(), "pyext attention: k and v must have the same shape");
   TORCH_CHECK(q.size(0) == k.size(0) && q.size(1) == k.size(1) && q.size(3) == k.size(3),
               "pyext attention: q and k must agree in batch, heads and head_dim");
-  const AttnType type = attn_type(q.scalar_type());
+  const PyextDtype type = dtype_code(q.scalar_type(), "pyext attention");
   const int64_t B = q.size(0), H = q.size(1), Sq = q.size(2), Skv = k.size(2), D = q.size(3);
   at::Tensor out = at::empty({B, H, Sq, D}, q.options());
   if (out.numel() == 0) return out;

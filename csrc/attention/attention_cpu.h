@@ -9,20 +9,19 @@
 #include <cstddef>
 #include <cstdint>
 
-#include "cpu_features.h"
+#include "common/cpu_features.h"
+#include "common/dtype_codes.h"
 
 namespace pyext::cpu {
-
-enum class AttnType { kBF16 = 0, kF16 = 1, kF32 = 2 };
 
 struct AttnKernel {
   // Bytes of packed k+v for one (batch, head).
   size_t (*packed_bytes)(int64_t skv, int64_t d);
   // Packs k and v (each skv x d, contiguous, type t) into `packed`.
-  void (*pack)(const void* k, const void* v, int64_t skv, int64_t d, AttnType t, void* packed);
+  void (*pack)(const void* k, const void* v, int64_t skv, int64_t d, PyextDtype t, void* packed);
   // out[rows x d] = attention of q[rows x d] (contiguous, type t) over one packed k/v.
   void (*forward)(const void* q, int64_t rows, const void* packed, int64_t skv, int64_t d, float scale,
-                  AttnType t, void* out);
+                  PyextDtype t, void* out);
 };
 
 // fp32 accumulation everywhere; the *_bf16dot kernel (bf16 inputs only, needs

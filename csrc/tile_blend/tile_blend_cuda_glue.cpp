@@ -1,23 +1,15 @@
 // Torch glue for the CUDA tile blend: the CUDA implementation of
-// torch.ops.pyext_C.tile_blend (schema in csrc/cpu/tile_blend_ops.cpp). Built only
+// torch.ops.pyext_C.tile_blend (schema in tile_blend_ops.cpp). Built only
 // when torch has CUDA; it uses the device-generic c10 stream API (no c10/cuda
 // headers) so it also compiles, for a syntax check, against a CPU-only torch.
 #include <c10/core/DeviceGuard.h>
 #include <c10/core/impl/DeviceGuardImplInterface.h>
 #include <torch/library.h>
 
-#include "tile_blend.h"
+#include "common/dtype_codes_torch.h"
+#include "tile_blend/tile_blend_cuda.h"
 
 namespace {
-
-int dtype_code(at::ScalarType t) {
-  switch (t) {
-    case at::kFloat: return 0;
-    case at::kHalf: return 1;
-    case at::kBFloat16: return 2;
-    default: TORCH_CHECK(false, "pyext tile_blend (CUDA): dtype must be float32, float16 or bfloat16, got ", t);
-  }
-}
 
 void check_like(const at::Tensor& x, const at::Tensor& tile, int64_t rows, int64_t cols, const char* name) {
   TORCH_CHECK(x.is_contiguous() && x.scalar_type() == tile.scalar_type() && x.device() == tile.device() &&
@@ -32,7 +24,7 @@ void tile_blend_cuda(const at::Tensor& tile, at::Tensor& out, int64_t oy, int64_
                      const std::optional<at::Tensor>& left, at::Tensor& bottom, at::Tensor& right) {
   TORCH_CHECK(tile.dim() >= 3 && tile.is_contiguous(), "pyext tile_blend (CUDA): tile must be contiguous (..., C, h, w)");
   check_like(out, tile, -1, -1, "out");
-  const int dt = dtype_code(tile.scalar_type());
+  const PyextDtype dt = pyext::dtype_code(tile.scalar_type(), "pyext tile_blend (CUDA)");
   const int64_t th = tile.size(-2), tw = tile.size(-1), H = out.size(-2), W = out.size(-1);
   const int64_t planes = th * tw ? tile.numel() / (th * tw) : 0;
   const c10::DeviceGuard guard(tile.device());

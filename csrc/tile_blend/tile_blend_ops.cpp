@@ -7,21 +7,13 @@
 
 #include <algorithm>
 
-#include "tile_blend.h"
+#include "common/dtype_codes_torch.h"
+#include "tile_blend/tile_blend_cpu.h"
 
 namespace pyext::cpu {
 namespace {
 
 constexpr int64_t kModeDiffusers = 0, kModeNormalized = 1;
-
-BlendDtype blend_dtype(at::ScalarType t) {
-  switch (t) {
-    case at::kFloat: return BlendDtype::kF32;
-    case at::kHalf: return BlendDtype::kF16;
-    case at::kBFloat16: return BlendDtype::kBF16;
-    default: TORCH_CHECK(false, "pyext tile_blend: dtype must be float32, float16 or bfloat16, got ", t);
-  }
-}
 
 // Checks x is contiguous, of tile's dtype/device, shaped (leading..., rows, cols).
 void check_plane_tensor(const at::Tensor& x, const at::Tensor& tile, int64_t rows, int64_t cols, const char* name) {
@@ -39,7 +31,7 @@ TileBlendArgs make_args(const at::Tensor& tile, at::Tensor& out, int64_t oy, int
                         const std::optional<at::Tensor>& left, at::Tensor& bottom, at::Tensor& right) {
   TORCH_CHECK(tile.dim() >= 3 && tile.is_contiguous(), "pyext tile_blend: tile must be contiguous (..., C, h, w)");
   TileBlendArgs a{};
-  a.dtype = blend_dtype(tile.scalar_type());
+  a.dtype = dtype_code(tile.scalar_type(), "pyext tile_blend");
   a.th = tile.size(-2);
   a.tw = tile.size(-1);
   check_plane_tensor(out, tile, -1, -1, "out");

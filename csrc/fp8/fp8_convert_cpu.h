@@ -8,21 +8,20 @@
 #pragma once
 #include <cstdint>
 
-#include "cpu_features.h"
+#include "common/cpu_features.h"
+#include "common/dtype_codes.h"
 
 namespace pyext::cpu {
-
-enum class OutType { kBF16 = 0, kF16 = 1, kF32 = 2 };
 
 // stream: the output is large and not read back soon (a whole-weight upcast), so the
 // kernel may use non-temporal stores that skip the read-for-ownership of each line.
 using Fp8RowFn = void (*)(const uint8_t* src, void* dst, int64_t n, float scale, bool stream);
 
-Fp8RowFn fp8_row_kernel_scalar(OutType out);
-Fp8RowFn fp8_row_kernel_avx2(OutType out);
-Fp8RowFn fp8_row_kernel_avx512(OutType out);
+Fp8RowFn fp8_row_kernel_scalar(PyextDtype out);
+Fp8RowFn fp8_row_kernel_avx2(PyextDtype out);
+Fp8RowFn fp8_row_kernel_avx512(PyextDtype out);
 
-inline Fp8RowFn fp8_row_kernel(OutType out, SimdLevel level) {
+inline Fp8RowFn fp8_row_kernel(PyextDtype out, SimdLevel level) {
   switch (level) {
     case SimdLevel::kAvx512: return fp8_row_kernel_avx512(out);
     case SimdLevel::kAvx2: return fp8_row_kernel_avx2(out);
@@ -33,10 +32,5 @@ inline Fp8RowFn fp8_row_kernel(OutType out, SimdLevel level) {
 // The SIMD kernels multiply by scale * 256, which is exact unless it overflows;
 // rows with a larger (or NaN) scale take the scalar path.
 inline bool scale_is_simd_safe(float scale) { return scale > -1.0e36f && scale < 1.0e36f; }
-
-// Scalar helpers shared by the tails of the SIMD kernels.
-float fp8_decode(uint8_t code);
-uint16_t fp32_to_bf16_bits(float value);
-uint16_t fp32_to_fp16_bits(float value);
 
 }  // namespace pyext::cpu

@@ -11,20 +11,12 @@
 #include <algorithm>
 #include <cmath>
 
-#include "fp8_convert.h"
-#include "fp8_gemm.h"
+#include "common/dtype_codes_torch.h"
+#include "fp8/fp8_convert_cpu.h"
+#include "fp8/fp8_gemm_cpu.h"
 
 namespace pyext::cpu {
 namespace {
-
-OutType out_type(at::ScalarType dtype) {
-  switch (dtype) {
-    case at::kBFloat16: return OutType::kBF16;
-    case at::kHalf: return OutType::kF16;
-    case at::kFloat: return OutType::kF32;
-    default: TORCH_CHECK(false, "pyext fp8: output dtype must be bfloat16, float16 or float32, got ", dtype);
-  }
-}
 
 void check_fp8_weight(const at::Tensor& w, const at::Tensor& scale) {
   // The weight arrives as a uint8 view of the e4m3 codes: the kernels read bytes, and
@@ -56,8 +48,9 @@ int64_t fused_gemm_grain(int64_t K) { return std::max<int64_t>(1, (int64_t{1} <<
 // in parallel. A single (per-tensor) scale is split by element chunks instead.
 void upcast_rows(const uint8_t* src, const float* scale, bool per_row, int64_t row0, int64_t nrows,
                  int64_t cols, void* dst, at::ScalarType dtype) {
-  const Fp8RowFn fn = fp8_row_kernel(out_type(dtype), simd_level());
-  const int64_t esize = dtype == at::kFloat ? 4 : 2;
+  const PyextDtype code = dtype_code(dtype, "pyext fp8");
+  const Fp8RowFn fn = fp8_row_kernel(code, simd_level());
+  const int64_t esize = PYEXT_DTYPE_SIZE(code);
   char* out = static_cast<char*>(dst);
   constexpr int64_t kGrainElems = 1 << 15;  // enough work per task to amortise the fork
   // Outputs well past the L3 (32 MiB on the Zen 4 this was tuned on) cannot be read back
@@ -145,7 +138,7 @@ at::Tensor fp8_linear_cpu(const at::Tensor& x, const at::Tensor& w, const at::Te
   return y.view(out_shape);
 }
 
-// Convolution as an implicit GEMM over channels-last activations (see fp8_gemm.h).
+// Convolution as an implicit GEMM over channels-last activations (see fp8_gemm_cpu.h).
 // x: (B, C, H, W) bf16 in channels-last memory; w: (N, kh, kw, C) uint8 codes.
 // Returns (B, N, OH, OW) bf16 in channels-last memory.
 at::Tensor fp8_conv2d_cpu(const at::Tensor& x, const at::Tensor& w, const at::Tensor& scale,

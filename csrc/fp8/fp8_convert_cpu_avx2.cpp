@@ -1,15 +1,15 @@
 // AVX2 + F16C fp8 row kernels, 16 codes per step.
 //
-// Decoding trick: the 7 magnitude bits of an e4m3 code, shifted left by 7, are
-// the fp16 encoding of value/256 (e4m3 has exponent bias 7, fp16 has 15), for
-// normals and subnormals alike. F16C widens that exactly to fp32 and one fp32
+// Decoding is fp8_e4m3.h's, 16 lanes at a time: the 7 magnitude bits of an e4m3 code,
+// shifted left by 7, are the fp16 encoding of value/256 (e4m3 has exponent bias 7, fp16
+// has 15), for normals and subnormals alike. F16C widens that exactly to fp32 and one fp32
 // multiply by (scale * 256) gives value * scale with a single rounding, the
 // same product the reference computes. NaN codes are patched to fp32 0x7ff00000.
 #if defined(__x86_64__) && (defined(__GNUC__) || defined(__clang__))
 #pragma GCC target("avx2,fma,f16c")
 #include <immintrin.h>
 
-#include "fp8_convert.h"
+#include "fp8/fp8_convert_cpu.h"
 
 namespace pyext::cpu {
 namespace {
@@ -37,18 +37,18 @@ inline __m256i to_bf16_lanes(__m256 v) {
   return _mm256_blendv_epi8(rounded, _mm256_srli_epi32(bits, 16), is_nan);
 }
 
-template <OutType kOut>
+template <PyextDtype kOut>
 void rows_avx2(const uint8_t* src, void* dst, int64_t n, float scale, bool /*stream*/) {
   if (!(scale_is_simd_safe(scale))) return fp8_row_kernel_scalar(kOut)(src, dst, n, scale, false);
   const __m256 scale256 = _mm256_set1_ps(scale * 256.0f);
   int64_t i = 0;
   for (; i + 16 <= n; i += 16) {
     const Decoded d = decode16(src + i, scale256);
-    if constexpr (kOut == OutType::kF32) {
+    if constexpr (kOut == PYEXT_F32) {
       float* out = static_cast<float*>(dst) + i;
       _mm256_storeu_ps(out, d.lo);
       _mm256_storeu_ps(out + 8, d.hi);
-    } else if constexpr (kOut == OutType::kF16) {
+    } else if constexpr (kOut == PYEXT_F16) {
       auto* out = reinterpret_cast<__m128i*>(static_cast<uint16_t*>(dst) + i);
       _mm_storeu_si128(out, _mm256_cvtps_ph(d.lo, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC));
       _mm_storeu_si128(out + 1, _mm256_cvtps_ph(d.hi, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC));
@@ -59,25 +59,25 @@ void rows_avx2(const uint8_t* src, void* dst, int64_t n, float scale, bool /*str
     }
   }
   if (i < n) {
-    const size_t esize = kOut == OutType::kF32 ? 4 : 2;
-    fp8_row_kernel_scalar(kOut)(src + i, static_cast<char*>(dst) + i * esize, n - i, scale, false);
+    constexpr size_t kEsize = PYEXT_DTYPE_SIZE(kOut);
+    fp8_row_kernel_scalar(kOut)(src + i, static_cast<char*>(dst) + i * kEsize, n - i, scale, false);
   }
 }
 
 }  // namespace
 
-Fp8RowFn fp8_row_kernel_avx2(OutType out) {
+Fp8RowFn fp8_row_kernel_avx2(PyextDtype out) {
   switch (out) {
-    case OutType::kBF16: return rows_avx2<OutType::kBF16>;
-    case OutType::kF16: return rows_avx2<OutType::kF16>;
-    default: return rows_avx2<OutType::kF32>;
+    case PYEXT_BF16: return rows_avx2<PYEXT_BF16>;
+    case PYEXT_F16: return rows_avx2<PYEXT_F16>;
+    default: return rows_avx2<PYEXT_F32>;
   }
 }
 
 }  // namespace pyext::cpu
 #else
-#include "fp8_convert.h"
+#include "fp8/fp8_convert_cpu.h"
 namespace pyext::cpu {
-Fp8RowFn fp8_row_kernel_avx2(OutType out) { return fp8_row_kernel_scalar(out); }
+Fp8RowFn fp8_row_kernel_avx2(PyextDtype out) { return fp8_row_kernel_scalar(out); }
 }  // namespace pyext::cpu
 #endif

@@ -10,10 +10,10 @@
 #pragma once
 #include <algorithm>
 #include <cmath>
-#include <cstring>
 #include <memory>
 
-#include "attention_cpu.h"
+#include "attention/attention_cpu.h"
+#include "common/half_rounding.h"
 
 // Everything here has internal linkage: each SIMD unit gets its own copy compiled
 // for its own target, so the linker can never hand an AVX-512 body to the scalar unit.
@@ -31,72 +31,18 @@ inline int64_t round_up(int64_t x, int64_t m) { return (x + m - 1) / m * m; }
 // exp2(-inf - -inf) would be NaN: subtracting 0 instead gives p = 0 and alpha = 0.
 inline float softmax_shift(float running_max) { return running_max == -INFINITY ? 0.0f : running_max; }
 
-inline float bf16_to_float(uint16_t h) {
-  uint32_t u = static_cast<uint32_t>(h) << 16;
-  float f;
-  std::memcpy(&f, &u, 4);
-  return f;
-}
-
-inline float fp16_to_float(uint16_t h) {
-  const uint32_t sign = static_cast<uint32_t>(h & 0x8000u) << 16;
-  const uint32_t exp = (h >> 10) & 0x1fu, mant = h & 0x3ffu;
-  uint32_t u;
-  if (exp == 0x1f) {
-    u = sign | 0x7f800000u | (mant << 13);
-  } else if (exp != 0) {
-    u = sign | ((exp + 112) << 23) | (mant << 13);
-  } else {  // zero or subnormal: mant * 2^-24, exact in fp32
-    float f = static_cast<float>(mant) * 5.9604644775390625e-08f;
-    std::memcpy(&u, &f, 4);
-    u |= sign;
-  }
-  float f;
-  std::memcpy(&f, &u, 4);
-  return f;
-}
-
-inline float load_elem(const void* p, int64_t i, AttnType t) {
+inline float load_elem(const void* p, int64_t i, PyextDtype t) {
   switch (t) {
-    case AttnType::kBF16: return bf16_to_float(static_cast<const uint16_t*>(p)[i]);
-    case AttnType::kF16: return fp16_to_float(static_cast<const uint16_t*>(p)[i]);
+    case PYEXT_BF16: return bf16_to_float(static_cast<const uint16_t*>(p)[i]);
+    case PYEXT_F16: return fp16_to_float(static_cast<const uint16_t*>(p)[i]);
     default: return static_cast<const float*>(p)[i];
   }
 }
 
-// Round-to-nearest-even narrowing; NaN stays NaN. (Same rules as fp8_convert_scalar.cpp.)
-inline uint16_t float_to_bf16(float f) {
-  uint32_t u;
-  std::memcpy(&u, &f, 4);
-  if ((u & 0x7fffffffu) > 0x7f800000u) return static_cast<uint16_t>((u >> 16) | 0x40u);
-  return static_cast<uint16_t>((u + 0x7fffu + ((u >> 16) & 1u)) >> 16);
-}
-
-inline uint16_t float_to_fp16(float f) {
-  uint32_t u;
-  std::memcpy(&u, &f, 4);
-  const uint16_t sign = static_cast<uint16_t>((u >> 16) & 0x8000u);
-  u &= 0x7fffffffu;
-  if (u > 0x7f800000u) return sign | 0x7e00u;
-  if (u >= 0x477ff000u) return sign | 0x7c00u;  // rounds to >= 65536: inf
-  if (u < 0x38800000u) {                        // fp16 subnormal: let the FPU round at 2^-24
-    float a, magic = 0.5f;
-    std::memcpy(&a, &u, 4);
-    float s = a + magic;
-    uint32_t sb, mb;
-    std::memcpy(&sb, &s, 4);
-    std::memcpy(&mb, &magic, 4);
-    return sign | static_cast<uint16_t>(sb - mb);
-  }
-  const uint32_t odd = (u >> 13) & 1u;
-  u += 0xc8000fffu + odd;  // rebias exponent (-112 << 23) and round to nearest even
-  return sign | static_cast<uint16_t>(u >> 13);
-}
-
-inline void store_elem(void* p, int64_t i, float f, AttnType t) {
+inline void store_elem(void* p, int64_t i, float f, PyextDtype t) {
   switch (t) {
-    case AttnType::kBF16: static_cast<uint16_t*>(p)[i] = float_to_bf16(f); break;
-    case AttnType::kF16: static_cast<uint16_t*>(p)[i] = float_to_fp16(f); break;
+    case PYEXT_BF16: static_cast<uint16_t*>(p)[i] = float_to_bf16(f); break;
+    case PYEXT_F16: static_cast<uint16_t*>(p)[i] = float_to_fp16(f); break;
     default: static_cast<float*>(p)[i] = f;
   }
 }
@@ -121,7 +67,7 @@ struct Fp32Attention {
     return static_cast<size_t>(round_up(skv, W) * d + skv * round_up(d, W)) * sizeof(float);
   }
 
-  static void pack(const void* k, const void* v, int64_t skv, int64_t d, AttnType t, void* packed) {
+  static void pack(const void* k, const void* v, int64_t skv, int64_t d, PyextDtype t, void* packed) {
     float* kp = static_cast<float*>(packed);
     float* vp = kp + round_up(skv, W) * d;
     const int64_t dv = round_up(d, W);
@@ -155,7 +101,7 @@ struct Fp32Attention {
   }
 
   static void forward(const void* q, int64_t rows, const void* packed, int64_t skv, int64_t d, float scale,
-                      AttnType t, void* out) {
+                      PyextDtype t, void* out) {
     const float* kp = static_cast<const float*>(packed);
     const float* vp = kp + round_up(skv, W) * d;
     const int64_t dv = round_up(d, W);
@@ -165,7 +111,7 @@ struct Fp32Attention {
     float* o = qall + kPass * d;
     float* s = o + kPass * dv;
     float m_all[kPass], l_all[kPass], alpha_all[kPass];
-    const int64_t esize = t == AttnType::kF32 ? 4 : 2;
+    const int64_t esize = PYEXT_DTYPE_SIZE(t);
 
     // Up to kPass query rows share each block of keys (kept in L2) before the next block,
     // so k/v that outgrow L2 (fp32 packs, long sequences) are streamed kPass / R times less.

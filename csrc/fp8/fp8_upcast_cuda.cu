@@ -1,48 +1,37 @@
 // fp8 (e4m3fn) -> bf16/fp16/fp32 upcast on the GPU with 16-byte vector loads:
 // each thread decodes 16 codes (one uint4) and writes them with vector stores.
-// Decoding and rounding mirror csrc/cpu/fp8_convert_scalar.cpp bit for bit.
-#include <cuda_fp16.h>
-
-#include "fp8_upcast.h"
+// Decoding and rounding are the CPU kernels' own (fp8_e4m3.h, half_rounding.h).
+#include "common/half_rounding.h"
+#include "fp8/fp8_e4m3.h"
+#include "fp8/fp8_upcast_cuda.h"
 
 namespace {
 
-__device__ __forceinline__ float decode(uint32_t code) {
-  const uint32_t sign = (code & 0x80u) << 8;
-  if ((code & 0x7fu) == 0x7fu) return __uint_as_float((sign << 16) | 0x7ff00000u);
-  // The magnitude bits shifted left by 7 are the fp16 encoding of value / 256.
-  return __half2float(__ushort_as_half(static_cast<unsigned short>(sign | ((code & 0x7fu) << 7)))) * 256.0f;
-}
-
-__device__ __forceinline__ uint16_t to_bf16(float v) {
-  const uint32_t u = __float_as_uint(v);
-  if ((u & 0x7fffffffu) > 0x7f800000u) return static_cast<uint16_t>(u >> 16);
-  return static_cast<uint16_t>((u + 0x7fffu + ((u >> 16) & 1u)) >> 16);
-}
-
-__device__ __forceinline__ uint16_t to_fp16(float v) {
-  const uint32_t u = __float_as_uint(v);
-  if ((u & 0x7fffffffu) > 0x7f800000u)  // NaN: keep sign and payload as the CPU path does
-    return static_cast<uint16_t>(((u >> 16) & 0x8000u) | 0x7e00u | ((u >> 13) & 0x3ffu));
-  return __half_as_ushort(__float2half_rn(v));
-}
+using pyext::float_to_bf16;
+using pyext::float_to_fp16;
+using pyext::fp8_e4m3_decode;
 
 // decode(code) * s with the CPU path's NaN results: a NaN code keeps its own NaN, a NaN scale
 // gives its own bits, quieted (GPU arithmetic would return the canonical NaN 0x7fffffff).
 __device__ __forceinline__ float scaled(uint32_t code, float s) {
-  if ((code & 0x7fu) == 0x7fu) return decode(code);
+  if ((code & 0x7fu) == 0x7fu) return fp8_e4m3_decode(code);
   if (s != s) return __uint_as_float(__float_as_uint(s) | 0x400000u);
-  return decode(code) * s;
+  return fp8_e4m3_decode(code) * s;
 }
 
-template <int kOut>
+template <PyextDtype kOut>
+__device__ __forceinline__ uint16_t narrow(float v) {
+  return kOut == PYEXT_BF16 ? float_to_bf16(v) : float_to_fp16(v);
+}
+
+template <PyextDtype kOut>
 __device__ __forceinline__ void store(void* dst, int64_t i, float v) {
-  if (kOut == 2) static_cast<float*>(dst)[i] = v;
-  else static_cast<uint16_t*>(dst)[i] = kOut == 0 ? to_bf16(v) : to_fp16(v);
+  if (kOut == PYEXT_F32) static_cast<float*>(dst)[i] = v;
+  else static_cast<uint16_t*>(dst)[i] = narrow<kOut>(v);
 }
 
 // Vector path: cols % 16 == 0 (or one scale), 16-byte aligned pointers.
-template <int kOut>
+template <PyextDtype kOut>
 __global__ void upcast_vec16(const uint4* __restrict__ src, void* __restrict__ dst, const float* __restrict__ scale,
                              int64_t chunks, int64_t chunks_per_row, int per_row) {
   for (int64_t c = blockIdx.x * static_cast<int64_t>(blockDim.x) + threadIdx.x; c < chunks;
@@ -50,7 +39,7 @@ __global__ void upcast_vec16(const uint4* __restrict__ src, void* __restrict__ d
     const float s = scale[per_row ? c / chunks_per_row : 0];
     const uint4 packed = src[c];
     const uint32_t words[4] = {packed.x, packed.y, packed.z, packed.w};
-    if (kOut == 2) {
+    if (kOut == PYEXT_F32) {
       float4* out = reinterpret_cast<float4*>(dst) + c * 4;
 #pragma unroll
       for (int w = 0; w < 4; ++w)
@@ -64,7 +53,7 @@ __global__ void upcast_vec16(const uint4* __restrict__ src, void* __restrict__ d
 #pragma unroll
         for (int b = 0; b < 4; ++b) {
           const float v = scaled((words[w] >> (8 * b)) & 0xff, s);
-          h[b] = kOut == 0 ? to_bf16(v) : to_fp16(v);
+          h[b] = narrow<kOut>(v);
         }
         halves[2 * w] = h[0] | (static_cast<uint32_t>(h[1]) << 16);
         halves[2 * w + 1] = h[2] | (static_cast<uint32_t>(h[3]) << 16);
@@ -76,7 +65,7 @@ __global__ void upcast_vec16(const uint4* __restrict__ src, void* __restrict__ d
   }
 }
 
-template <int kOut>
+template <PyextDtype kOut>
 __global__ void upcast_scalar(const uint8_t* __restrict__ src, void* __restrict__ dst, const float* __restrict__ scale,
                               int64_t n, int64_t cols, int per_row) {
   for (int64_t i = blockIdx.x * static_cast<int64_t>(blockDim.x) + threadIdx.x; i < n;
@@ -84,7 +73,7 @@ __global__ void upcast_scalar(const uint8_t* __restrict__ src, void* __restrict_
     store<kOut>(dst, i, scaled(src[i], scale[per_row ? i / cols : 0]));
 }
 
-template <int kOut>
+template <PyextDtype kOut>
 cudaError_t launch(const uint8_t* src, void* dst, const float* scale, int64_t rows, int64_t cols, int per_row,
                    cudaStream_t stream) {
   const int64_t n = rows * cols;
@@ -105,11 +94,11 @@ cudaError_t launch(const uint8_t* src, void* dst, const float* scale, int64_t ro
 }  // namespace
 
 extern "C" cudaError_t pyext_fp8_upcast_cuda(const uint8_t* src, void* dst, const float* scale, int64_t rows,
-                                             int64_t cols, int per_row, int out_type, cudaStream_t stream) {
+                                             int64_t cols, int per_row, PyextDtype out_type, cudaStream_t stream) {
   switch (out_type) {
-    case 0: return launch<0>(src, dst, scale, rows, cols, per_row, stream);
-    case 1: return launch<1>(src, dst, scale, rows, cols, per_row, stream);
-    case 2: return launch<2>(src, dst, scale, rows, cols, per_row, stream);
+    case PYEXT_BF16: return launch<PYEXT_BF16>(src, dst, scale, rows, cols, per_row, stream);
+    case PYEXT_F16: return launch<PYEXT_F16>(src, dst, scale, rows, cols, per_row, stream);
+    case PYEXT_F32: return launch<PYEXT_F32>(src, dst, scale, rows, cols, per_row, stream);
     default: return cudaErrorInvalidValue;
   }
 }

@@ -11,7 +11,7 @@
 // GPUs); the running max, the row sums and the output accumulate in fp32.
 #if defined(__x86_64__) && (defined(__GNUC__) || defined(__clang__))
 #pragma GCC target("avx512f,avx512bw,avx512vl,avx512dq,avx512bf16,avx2,fma,f16c")
-#include "attention_vec_avx512.h"
+#include "attention/attention_cpu_vec_avx512.h"
 
 namespace pyext::cpu {
 namespace attn {
@@ -45,7 +45,7 @@ size_t packed_bytes(int64_t skv, int64_t d) {
   return static_cast<size_t>(round_up(skv, 16) * round_up(d, 2) + round_up(skv, 2) * round_up(d, 16)) * 2;
 }
 
-void pack(const void* k, const void* v, int64_t skv, int64_t d, AttnType, void* packed) {
+void pack(const void* k, const void* v, int64_t skv, int64_t d, PyextDtype, void* packed) {
   const uint16_t* ks = static_cast<const uint16_t*>(k);
   const uint16_t* vs = static_cast<const uint16_t*>(v);
   uint16_t* kp = static_cast<uint16_t*>(packed);
@@ -83,7 +83,7 @@ inline void pv_tile(const uint32_t* pb, int64_t npairs, const uint16_t* vp, int6
     for (int n = 0; n < N; ++n) _mm512_storeu_ps(o + r * dv + c + n * 16, acc[r][n]);
 }
 
-void forward(const void* q, int64_t rows, const void* packed, int64_t skv, int64_t d, float scale, AttnType,
+void forward(const void* q, int64_t rows, const void* packed, int64_t skv, int64_t d, float scale, PyextDtype,
              void* out) {
   const int64_t d2 = round_up(d, 2), dv = round_up(d, 16);
   const uint16_t* kp = static_cast<const uint16_t*>(packed);
@@ -187,7 +187,7 @@ void forward(const void* q, int64_t rows, const void* packed, int64_t skv, int64
 AttnKernel attention_kernel_avx512_bf16dot() { return AttnKernel{attn::packed_bytes, attn::pack, attn::forward}; }
 }  // namespace pyext::cpu
 #else
-#include "attention_cpu.h"
+#include "attention/attention_cpu.h"
 namespace pyext::cpu {
 AttnKernel attention_kernel_avx512_bf16dot() { return attention_kernel_scalar(); }
 }  // namespace pyext::cpu

@@ -3,7 +3,7 @@
 #pragma GCC target("avx2,fma,f16c")
 #include <immintrin.h>
 
-#include "attention_impl.h"
+#include "attention/attention_cpu_impl.h"
 
 namespace pyext::cpu {
 namespace attn {
@@ -52,7 +52,7 @@ struct VecAvx2 {
 AttnKernel attention_kernel_avx2() { return attn::Fp32Attention<attn::VecAvx2, 4, 2>::kernel(); }
 }  // namespace pyext::cpu
 #else
-#include "attention_cpu.h"
+#include "attention/attention_cpu.h"
 namespace pyext::cpu {
 AttnKernel attention_kernel_avx2() { return attention_kernel_scalar(); }
 }  // namespace pyext::cpu

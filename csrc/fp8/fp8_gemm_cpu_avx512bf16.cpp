@@ -1,4 +1,4 @@
-// AVX-512 + AVX512_BF16 unit of the fp8-weight GEMM (see fp8_gemm.h).
+// AVX-512 + AVX512_BF16 unit of the fp8-weight GEMM (see fp8_gemm_cpu.h).
 //
 // Register tile: kRows rows of x times one 64-channel panel = 6 x 4 zmm fp32
 // accumulators. Each step takes one k pair: the panel holds, for that pair, 64
@@ -15,7 +15,7 @@
 #include <memory>
 #include <new>
 
-#include "fp8_gemm.h"
+#include "fp8/fp8_gemm_cpu.h"
 
 namespace pyext::cpu {
 namespace {
@@ -231,7 +231,7 @@ bool fp8_gemm_supported() {
 
 }  // namespace pyext::cpu
 #else
-#include "fp8_gemm.h"
+#include "fp8/fp8_gemm_cpu.h"
 namespace pyext::cpu {
 int64_t fp8_gemm_units(int64_t, int64_t) { return 0; }
 void fp8_gemm_bf16_avx512(const Fp8GemmArgs&, int64_t, int64_t) {}

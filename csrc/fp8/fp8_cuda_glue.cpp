@@ -7,7 +7,8 @@
 #include <c10/core/impl/DeviceGuardImplInterface.h>
 #include <torch/library.h>
 
-#include "fp8_upcast.h"
+#include "common/dtype_codes_torch.h"
+#include "fp8/fp8_upcast_cuda.h"
 
 namespace {
 
@@ -20,13 +21,7 @@ void fp8_upcast_out_cuda(const at::Tensor& w, const at::Tensor& scale, at::Tenso
   at::assert_no_overlap(out, w);
   TORCH_CHECK(w.device() == out.device() && scale.device() == w.device(),
               "pyext fp8_upcast (CUDA): weight, scale and out must be on one device");
-  int out_type;
-  switch (out.scalar_type()) {
-    case at::kBFloat16: out_type = 0; break;
-    case at::kHalf: out_type = 1; break;
-    case at::kFloat: out_type = 2; break;
-    default: TORCH_CHECK(false, "pyext fp8_upcast (CUDA): out must be bfloat16, float16 or float32");
-  }
+  const PyextDtype out_type = pyext::dtype_code(out.scalar_type(), "pyext fp8_upcast (CUDA)");
   if (w.numel() == 0) return;
   const c10::DeviceGuard guard(w.device());
   const at::Tensor wc = w.contiguous(), sc = scale.contiguous();

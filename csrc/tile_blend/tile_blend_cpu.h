@@ -4,16 +4,15 @@
 #pragma once
 #include <cstdint>
 
-#include "cpu_features.h"
+#include "common/cpu_features.h"
+#include "common/dtype_codes.h"
 
 namespace pyext::cpu {
-
-enum class BlendDtype { kF32 = 0, kF16 = 1, kBF16 = 2 };
 
 // Every tensor holds `planes` (batch * channels) contiguous row-major planes.
 // Work items are (plane, tile row) pairs: item = plane * th + y.
 struct TileBlendArgs {
-  BlendDtype dtype;
+  PyextDtype dtype;
   const void* tile; int64_t th, tw;                 // (planes, th, tw)
   void* out; int64_t out_h, out_w, oy, ox;          // (planes, out_h, out_w); tile row 0 col 0 lands at (oy, ox)
   // diffusers mode: crop, neighbour strips in, own strips out (null/0 when absent)

@@ -3,39 +3,17 @@
 // tensor ops do) and writes it to every place that wants it: the cropped output,
 // the bottom strip and the right strip. No FMA contraction (__fmul_rn/__fadd_rn)
 // so results match the CPU kernels bit for bit.
-#include <cuda_bf16.h>
-#include <cuda_fp16.h>
-
-#include "tile_blend.h"
+#include "tile_blend/tile_blend_cuda.h"
+#include "tile_blend/tile_blend_math.h"
 
 namespace {
 
-template <typename T> struct Io;
-template <> struct Io<float> {
-  __device__ static float load(float v) { return v; }
-  __device__ static float store(float v) { return v; }
-};
-template <> struct Io<__half> {
-  __device__ static float load(__half v) { return __half2float(v); }
-  __device__ static __half store(float v) { return __float2half_rn(v); }
-};
-template <> struct Io<__nv_bfloat16> {
-  __device__ static float load(__nv_bfloat16 v) { return __bfloat162float(v); }
-  __device__ static __nv_bfloat16 store(float v) { return __float2bfloat16_rn(v); }
-};
+using pyext::tile_blend::edge_weight;
+using pyext::tile_blend::ramp;
+using pyext::tile_blend::rnd;
+template <PyextDtype D> using Io = pyext::DtypeIo<D>;
 
-template <typename T> __device__ __forceinline__ float rnd(float v) { return Io<T>::load(Io<T>::store(v)); }
-
-// (1 - k/e, k/e) in double then fp32, as `tensor * python_float` does in PyTorch.
-__device__ __forceinline__ void ramp(int64_t k, int64_t e, float& keep, float& take) {
-  const double t = static_cast<double>(k) / static_cast<double>(e);
-  keep = static_cast<float>(1.0 - t);
-  take = static_cast<float>(t);
-}
-
-
-
-template <typename T>
+template <PyextDtype D, typename T = typename Io<D>::T>
 __global__ void diffusers_kernel(const T* __restrict__ tile, int64_t n, int64_t th, int64_t tw, T* __restrict__ out,
                                  int64_t out_h, int64_t out_w, int64_t oy, int64_t ox, int64_t crop_h, int64_t crop_w,
                                  const T* __restrict__ above, int64_t above_rows, int64_t ev, const T* __restrict__ left,
@@ -44,30 +22,26 @@ __global__ void diffusers_kernel(const T* __restrict__ tile, int64_t n, int64_t 
   for (int64_t i = blockIdx.x * static_cast<int64_t>(blockDim.x) + threadIdx.x; i < n;
        i += static_cast<int64_t>(gridDim.x) * blockDim.x) {
     const int64_t x = i % tw, y = (i / tw) % th, p = i / (tw * th);
-    float v = Io<T>::load(tile[i]);
+    float v = Io<D>::load(tile[i]);
     float keep, take;
     if (y < ev) {
       ramp(y, ev, keep, take);
-      const float a = Io<T>::load(above[(p * above_rows + above_rows - ev + y) * tw + x]);
-      v = rnd<T>(rnd<T>(__fmul_rn(a, keep)) + rnd<T>(__fmul_rn(v, take)));
+      const float a = Io<D>::load(above[(p * above_rows + above_rows - ev + y) * tw + x]);
+      v = rnd<D>(rnd<D>(__fmul_rn(a, keep)) + rnd<D>(__fmul_rn(v, take)));
     }
     if (x < eh) {
       ramp(x, eh, keep, take);
-      const float l = Io<T>::load(left[(p * th + y) * left_cols + left_cols - eh + x]);
-      v = rnd<T>(rnd<T>(__fmul_rn(l, keep)) + rnd<T>(__fmul_rn(v, take)));
+      const float l = Io<D>::load(left[(p * th + y) * left_cols + left_cols - eh + x]);
+      v = rnd<D>(rnd<D>(__fmul_rn(l, keep)) + rnd<D>(__fmul_rn(v, take)));
     }
-    const T b = Io<T>::store(v);
+    const T b = Io<D>::store(v);
     if (y < crop_h && x < crop_w) out[(p * out_h + oy + y) * out_w + ox + x] = b;
     if (y >= th - bottom_rows) bottom[(p * bottom_rows + y - (th - bottom_rows)) * tw + x] = b;
     if (x >= tw - right_cols) right[(p * th + y) * right_cols + x - (tw - right_cols)] = b;
   }
 }
 
-__device__ __forceinline__ float edge_weight(int64_t k, int64_t ov) {
-  return k < ov ? __fdiv_rn(static_cast<float>(k) + 0.5f, static_cast<float>(ov)) : 1.0f;
-}
-
-template <typename T>
+template <PyextDtype D, typename T = typename Io<D>::T>
 __global__ void normalized_kernel(const T* __restrict__ tile, int64_t n, int64_t th, int64_t tw, T* __restrict__ out,
                                   int64_t out_h, int64_t out_w, int64_t oy, int64_t ox, int64_t ov_top,
                                   int64_t ov_bottom, int64_t ov_left, int64_t ov_right) {
@@ -77,7 +51,7 @@ __global__ void normalized_kernel(const T* __restrict__ tile, int64_t n, int64_t
     const float wy = __fmul_rn(edge_weight(y, ov_top), edge_weight(th - 1 - y, ov_bottom));
     const float wx = __fmul_rn(edge_weight(x, ov_left), edge_weight(tw - 1 - x, ov_right));
     T* o = out + (p * out_h + oy + y) * out_w + ox + x;
-    *o = Io<T>::store(__fadd_rn(Io<T>::load(*o), __fmul_rn(Io<T>::load(tile[i]), __fmul_rn(wy, wx))));
+    *o = Io<D>::store(__fadd_rn(Io<D>::load(*o), __fmul_rn(Io<D>::load(tile[i]), __fmul_rn(wy, wx))));
   }
 }
 
@@ -86,7 +60,7 @@ unsigned grid_for(int64_t n, int threads) {
   return static_cast<unsigned>(blocks < 65535 * 32 ? blocks : 65535 * 32);  // grid-stride beyond this
 }
 
-template <typename T>
+template <PyextDtype D, typename T = typename Io<D>::T>
 cudaError_t launch_diffusers(const void* tile, int64_t planes, int64_t th, int64_t tw, void* out, int64_t out_h,
                              int64_t out_w, int64_t oy, int64_t ox, int64_t crop_h, int64_t crop_w, const void* above,
                              int64_t above_rows, const void* left, int64_t left_cols, void* bottom,
@@ -96,56 +70,56 @@ cudaError_t launch_diffusers(const void* tile, int64_t planes, int64_t th, int64
   const int64_t ev = above ? (above_rows < th ? above_rows : th) : 0;
   const int64_t eh = left ? (left_cols < tw ? left_cols : tw) : 0;
   constexpr int kThreads = 256;
-  diffusers_kernel<T><<<grid_for(n, kThreads), kThreads, 0, stream>>>(
+  diffusers_kernel<D><<<grid_for(n, kThreads), kThreads, 0, stream>>>(
       static_cast<const T*>(tile), n, th, tw, static_cast<T*>(out), out_h, out_w, oy, ox, crop_h, crop_w,
       static_cast<const T*>(above), above_rows, ev, static_cast<const T*>(left), left_cols, eh,
       static_cast<T*>(bottom), bottom_rows, static_cast<T*>(right), right_cols);
   return cudaGetLastError();
 }
 
-template <typename T>
+template <PyextDtype D, typename T = typename Io<D>::T>
 cudaError_t launch_normalized(const void* tile, int64_t planes, int64_t th, int64_t tw, void* out, int64_t out_h,
                               int64_t out_w, int64_t oy, int64_t ox, int64_t t, int64_t b, int64_t l, int64_t r,
                               cudaStream_t stream) {
   const int64_t n = planes * th * tw;
   if (n == 0) return cudaSuccess;
   constexpr int kThreads = 256;
-  normalized_kernel<T><<<grid_for(n, kThreads), kThreads, 0, stream>>>(
+  normalized_kernel<D><<<grid_for(n, kThreads), kThreads, 0, stream>>>(
       static_cast<const T*>(tile), n, th, tw, static_cast<T*>(out), out_h, out_w, oy, ox, t, b, l, r);
   return cudaGetLastError();
 }
 
 }  // namespace
 
-extern "C" cudaError_t pyext_tile_blend_diffusers_cuda(int dtype, const void* tile, int64_t planes, int64_t th,
+extern "C" cudaError_t pyext_tile_blend_diffusers_cuda(PyextDtype dtype, const void* tile, int64_t planes, int64_t th,
                                                        int64_t tw, void* out, int64_t out_h, int64_t out_w, int64_t oy,
                                                        int64_t ox, int64_t crop_h, int64_t crop_w, const void* above,
                                                        int64_t above_rows, const void* left, int64_t left_cols,
                                                        void* bottom, int64_t bottom_rows, void* right,
                                                        int64_t right_cols, cudaStream_t stream) {
+  const auto launch = [&](auto f) {
+    return f(tile, planes, th, tw, out, out_h, out_w, oy, ox, crop_h, crop_w, above, above_rows, left, left_cols,
+             bottom, bottom_rows, right, right_cols, stream);
+  };
   switch (dtype) {
-    case 0: return launch_diffusers<float>(tile, planes, th, tw, out, out_h, out_w, oy, ox, crop_h, crop_w, above,
-                                           above_rows, left, left_cols, bottom, bottom_rows, right, right_cols, stream);
-    case 1: return launch_diffusers<__half>(tile, planes, th, tw, out, out_h, out_w, oy, ox, crop_h, crop_w, above,
-                                            above_rows, left, left_cols, bottom, bottom_rows, right, right_cols, stream);
-    case 2: return launch_diffusers<__nv_bfloat16>(tile, planes, th, tw, out, out_h, out_w, oy, ox, crop_h, crop_w,
-                                                   above, above_rows, left, left_cols, bottom, bottom_rows, right,
-                                                   right_cols, stream);
+    case PYEXT_F32: return launch(launch_diffusers<PYEXT_F32>);
+    case PYEXT_F16: return launch(launch_diffusers<PYEXT_F16>);
+    case PYEXT_BF16: return launch(launch_diffusers<PYEXT_BF16>);
     default: return cudaErrorInvalidValue;
   }
 }
 
-extern "C" cudaError_t pyext_tile_blend_normalized_cuda(int dtype, const void* tile, int64_t planes, int64_t th,
+extern "C" cudaError_t pyext_tile_blend_normalized_cuda(PyextDtype dtype, const void* tile, int64_t planes, int64_t th,
                                                         int64_t tw, void* out, int64_t out_h, int64_t out_w,
                                                         int64_t oy, int64_t ox, int64_t ov_top, int64_t ov_bottom,
                                                         int64_t ov_left, int64_t ov_right, cudaStream_t stream) {
+  const auto launch = [&](auto f) {
+    return f(tile, planes, th, tw, out, out_h, out_w, oy, ox, ov_top, ov_bottom, ov_left, ov_right, stream);
+  };
   switch (dtype) {
-    case 0: return launch_normalized<float>(tile, planes, th, tw, out, out_h, out_w, oy, ox, ov_top, ov_bottom,
-                                            ov_left, ov_right, stream);
-    case 1: return launch_normalized<__half>(tile, planes, th, tw, out, out_h, out_w, oy, ox, ov_top, ov_bottom,
-                                             ov_left, ov_right, stream);
-    case 2: return launch_normalized<__nv_bfloat16>(tile, planes, th, tw, out, out_h, out_w, oy, ox, ov_top,
-                                                    ov_bottom, ov_left, ov_right, stream);
+    case PYEXT_F32: return launch(launch_normalized<PYEXT_F32>);
+    case PYEXT_F16: return launch(launch_normalized<PYEXT_F16>);
+    case PYEXT_BF16: return launch(launch_normalized<PYEXT_BF16>);
     default: return cudaErrorInvalidValue;
   }
 }

@@ -1,59 +1,29 @@
-// Body of the CPU tile-blend kernels, included by tile_blend_scalar.cpp and
-// tile_blend_avx512.cpp, which compile it with different target flags. It lives in
+// Body of the CPU tile-blend kernels, included by tile_blend_cpu_scalar.cpp and
+// tile_blend_cpu_avx512.cpp, which compile it with different target flags. It lives in
 // an anonymous namespace so each unit keeps its own instantiation (no ODR merge
 // of an AVX-512 copy into the portable path).
 //
 // Rounding mirrors the PyTorch ops it replaces: diffusers' blend_v/blend_h compute
 // a * w_a and b * w_b as separate dtype tensors and add them (each op in fp32, rounded
 // to the dtype), so we round after each step too; fp32 is then bit-exact. No FMA
-// contraction (see tile_blend_avx512.cpp).
+// contraction (see tile_blend_cpu_avx512.cpp). The per-element arithmetic is tile_blend_math.h.
 #pragma once
 #include <algorithm>
 #include <cstdint>
-#include <cstring>
 #include <vector>
 
-#include "tile_blend.h"
+#include "tile_blend/tile_blend_cpu.h"
+#include "tile_blend/tile_blend_math.h"
 
 namespace pyext::cpu {
 namespace {
 
-inline float bf16_to_f32(uint16_t h) { uint32_t u = static_cast<uint32_t>(h) << 16; float f; std::memcpy(&f, &u, 4); return f; }
-inline uint16_t f32_to_bf16(float f) {
-  uint32_t u; std::memcpy(&u, &f, 4);
-  if ((u & 0x7fffffffu) > 0x7f800000u) return static_cast<uint16_t>((u >> 16) | 0x40u);  // quiet NaN
-  return static_cast<uint16_t>((u + 0x7fffu + ((u >> 16) & 1u)) >> 16);
-}
+using tile_blend::edge_weight;
+using tile_blend::ramp;
+using tile_blend::rnd;
+template <PyextDtype D> using Io = DtypeIo<D>;
 
-template <BlendDtype D> struct Io;
-template <> struct Io<BlendDtype::kF32> {
-  using T = float;
-  static float load(T v) { return v; }
-  static T store(float v) { return v; }
-};
-template <> struct Io<BlendDtype::kF16> {
-  using T = _Float16;
-  static float load(T v) { return static_cast<float>(v); }
-  static T store(float v) { return static_cast<_Float16>(v); }
-};
-template <> struct Io<BlendDtype::kBF16> {
-  using T = uint16_t;
-  static float load(T v) { return bf16_to_f32(v); }
-  static T store(float v) { return f32_to_bf16(v); }
-};
-
-// Rounds an fp32 intermediate to the tile dtype and back (identity for fp32).
-template <BlendDtype D> inline float rnd(float v) { return Io<D>::load(Io<D>::store(v)); }
-
-// diffusers' ramp weights for step k of an extent e: (1 - k/e, k/e) in double, then fp32,
-// as PyTorch does with a Python-float scalar.
-inline void ramp(int64_t k, int64_t e, float& w_keep, float& w_new) {
-  const double t = static_cast<double>(k) / static_cast<double>(e);
-  w_keep = static_cast<float>(1.0 - t);
-  w_new = static_cast<float>(t);
-}
-
-template <BlendDtype D>
+template <PyextDtype D>
 void diffusers_items(const TileBlendArgs& a, int64_t begin, int64_t end) {
   using T = typename Io<D>::T;
   const T* tile = static_cast<const T*>(a.tile);
@@ -99,13 +69,7 @@ void diffusers_items(const TileBlendArgs& a, int64_t begin, int64_t end) {
   }
 }
 
-// Symmetric ramp weight of index k (0-based from the tile edge) inside an overlap of
-// length ov: (k + 0.5) / ov, so two tiles' ramps over the same overlap sum to 1.
-inline float edge_weight(int64_t k, int64_t ov) {
-  return k < ov ? (static_cast<float>(k) + 0.5f) / static_cast<float>(ov) : 1.0f;
-}
-
-template <BlendDtype D>
+template <PyextDtype D>
 void normalized_items(const TileBlendArgs& a, int64_t begin, int64_t end) {
   using T = typename Io<D>::T;
   const T* tile = static_cast<const T*>(a.tile);
@@ -124,20 +88,19 @@ void normalized_items(const TileBlendArgs& a, int64_t begin, int64_t end) {
   }
 }
 
-
 inline void run_diffusers(const TileBlendArgs& a, int64_t b, int64_t e) {
   switch (a.dtype) {
-    case BlendDtype::kF32: return diffusers_items<BlendDtype::kF32>(a, b, e);
-    case BlendDtype::kF16: return diffusers_items<BlendDtype::kF16>(a, b, e);
-    case BlendDtype::kBF16: return diffusers_items<BlendDtype::kBF16>(a, b, e);
+    case PYEXT_F32: return diffusers_items<PYEXT_F32>(a, b, e);
+    case PYEXT_F16: return diffusers_items<PYEXT_F16>(a, b, e);
+    case PYEXT_BF16: return diffusers_items<PYEXT_BF16>(a, b, e);
   }
 }
 
 inline void run_normalized(const TileBlendArgs& a, int64_t b, int64_t e) {
   switch (a.dtype) {
-    case BlendDtype::kF32: return normalized_items<BlendDtype::kF32>(a, b, e);
-    case BlendDtype::kF16: return normalized_items<BlendDtype::kF16>(a, b, e);
-    case BlendDtype::kBF16: return normalized_items<BlendDtype::kBF16>(a, b, e);
+    case PYEXT_F32: return normalized_items<PYEXT_F32>(a, b, e);
+    case PYEXT_F16: return normalized_items<PYEXT_F16>(a, b, e);
+    case PYEXT_BF16: return normalized_items<PYEXT_BF16>(a, b, e);
   }
 }
 

@@ -1,12 +1,12 @@
 // AVX-512 (F, BW, VL) fp8 row kernels, 32 codes per step; same decoding trick
-// as the AVX2 unit (see fp8_convert_avx2.cpp), masked loads/stores for the tail.
+// as the AVX2 unit (see fp8_convert_cpu_avx2.cpp), masked loads/stores for the tail.
 // Long rows of 16-bit outputs on CPUs with AVX512_VBMI take table lookups instead
 // (rows_lut): fewer instructions per code, so the upcast runs at memory speed.
 #if defined(__x86_64__) && (defined(__GNUC__) || defined(__clang__))
 #pragma GCC target("avx512f,avx512bw,avx512vl,avx512dq,avx2,fma,f16c,bmi2")
 #include <immintrin.h>
 
-#include "fp8_convert.h"
+#include "fp8/fp8_convert_cpu.h"
 
 namespace pyext::cpu {
 namespace {
@@ -20,7 +20,7 @@ inline __m512i to_bf16_lanes(__m512 v) {
   return _mm512_mask_blend_epi32(is_nan, rounded, _mm512_srli_epi32(bits, 16));
 }
 
-template <OutType kOut, bool kStream = false>
+template <PyextDtype kOut, bool kStream = false>
 inline void step32(const uint8_t* src, void* dst, __m512 scale256, __mmask32 mask) {
   const __m512i x = _mm512_cvtepu8_epi16(_mm256_maskz_loadu_epi8(mask, src));
   const __m512i sign = _mm512_slli_epi16(_mm512_and_si512(x, _mm512_set1_epi16(0x80)), 8);
@@ -32,23 +32,23 @@ inline void step32(const uint8_t* src, void* dst, __m512 scale256, __mmask32 mas
   const __m512 hi = _mm512_mul_ps(_mm512_cvtph_ps(_mm512_extracti64x4_epi64(h, 1)), scale256);
   const __mmask16 mlo = static_cast<__mmask16>(mask), mhi = static_cast<__mmask16>(mask >> 16);
   if constexpr (kStream) {  // full 64-byte aligned lines only (see rows_avx512)
-    if constexpr (kOut == OutType::kF32) {
+    if constexpr (kOut == PYEXT_F32) {
       _mm512_stream_ps(static_cast<float*>(dst), lo);
       _mm512_stream_ps(static_cast<float*>(dst) + 16, hi);
     } else {
-      const __m256i a = kOut == OutType::kF16 ? _mm512_cvtps_ph(lo, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC)
+      const __m256i a = kOut == PYEXT_F16 ? _mm512_cvtps_ph(lo, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC)
                                               : _mm512_cvtepi32_epi16(to_bf16_lanes(lo));
-      const __m256i b = kOut == OutType::kF16 ? _mm512_cvtps_ph(hi, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC)
+      const __m256i b = kOut == PYEXT_F16 ? _mm512_cvtps_ph(hi, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC)
                                               : _mm512_cvtepi32_epi16(to_bf16_lanes(hi));
       _mm512_stream_si512(static_cast<__m512i*>(dst), _mm512_inserti64x4(_mm512_castsi256_si512(a), b, 1));
     }
-  } else if constexpr (kOut == OutType::kF32) {
+  } else if constexpr (kOut == PYEXT_F32) {
     float* out = static_cast<float*>(dst);
     _mm512_mask_storeu_ps(out, mlo, lo);
     _mm512_mask_storeu_ps(out + 16, mhi, hi);
   } else {
     __m256i a, b;
-    if constexpr (kOut == OutType::kF16) {
+    if constexpr (kOut == PYEXT_F16) {
       a = _mm512_cvtps_ph(lo, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
       b = _mm512_cvtps_ph(hi, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
     } else {
@@ -64,9 +64,9 @@ inline void step32(const uint8_t* src, void* dst, __m512 scale256, __mmask32 mas
 // Converts the codes before out's first 64-byte line boundary (cached stores, fewer
 // than one step) and returns their count, so the rest can be streamed in whole lines;
 // clears `stream` when out is not aligned to its element size (no line boundary to reach).
-template <OutType kOut>
+template <PyextDtype kOut>
 int64_t align_head(const uint8_t* src, char* out, int64_t n, __m512 scale256, bool* stream) {
-  constexpr int64_t kEsize = kOut == OutType::kF32 ? 4 : 2;
+  constexpr int64_t kEsize = PYEXT_DTYPE_SIZE(kOut);
   const int64_t gap = (64 - static_cast<int64_t>(reinterpret_cast<uintptr_t>(out) % 64)) % 64;
   if (gap % kEsize) {
     *stream = false;
@@ -91,8 +91,8 @@ bool cpu_has_vbmi() {
 // Shorter rows take the arithmetic kernel: building the table (~14 ns) costs more than
 // the lookups save. Measured on Zen 4, one thread, in cache: lookups 19 Gcodes/s, the
 // arithmetic kernel 8 (bf16) and 13 (fp16), so the table pays from ~200 / ~580 codes.
-template <OutType kOut>
-constexpr int64_t kLutMinRow = kOut == OutType::kBF16 ? 256 : 640;
+template <PyextDtype kOut>
+constexpr int64_t kLutMinRow = kOut == PYEXT_BF16 ? 256 : 640;
 
 struct Iota128 {
   alignas(64) uint8_t v[128];
@@ -121,7 +121,7 @@ PYEXT_VBMI_TARGET inline void lookup64(const __m512i* planes, __m512i codes, __m
   *second = _mm512_unpackhi_epi8(lo, hi);
 }
 
-template <OutType kOut>
+template <PyextDtype kOut>
 PYEXT_VBMI_TARGET void rows_lut(const uint8_t* src, char* out, int64_t n, __m512 scale256, bool stream) {
   alignas(64) uint16_t table[128];
   for (int j = 0; j < 128; j += 32) step32<kOut>(kCodes.v + j, table + j, scale256, ~__mmask32(0));
@@ -155,14 +155,14 @@ PYEXT_VBMI_TARGET void rows_lut(const uint8_t* src, char* out, int64_t n, __m512
   }
 }
 
-template <OutType kOut>
+template <PyextDtype kOut>
 void rows_avx512(const uint8_t* src, void* dst, int64_t n, float scale, bool stream) {
   if (!scale_is_simd_safe(scale)) return fp8_row_kernel_scalar(kOut)(src, dst, n, scale, false);
   const __m512 scale256 = _mm512_set1_ps(scale * 256.0f);
-  constexpr int64_t kEsize = kOut == OutType::kF32 ? 4 : 2;
+  constexpr int64_t kEsize = PYEXT_DTYPE_SIZE(kOut);
   char* out = static_cast<char*>(dst);
   int64_t i = 0;
-  if constexpr (kOut != OutType::kF32) {
+  if constexpr (kOut != PYEXT_F32) {
     if (n >= kLutMinRow<kOut> && cpu_has_vbmi()) {
       if (stream) i = align_head<kOut>(src, out, n, scale256, &stream);
       rows_lut<kOut>(src + i, out + i * kEsize, n - i, scale256, stream);
@@ -182,18 +182,18 @@ void rows_avx512(const uint8_t* src, void* dst, int64_t n, float scale, bool str
 
 }  // namespace
 
-Fp8RowFn fp8_row_kernel_avx512(OutType out) {
+Fp8RowFn fp8_row_kernel_avx512(PyextDtype out) {
   switch (out) {
-    case OutType::kBF16: return rows_avx512<OutType::kBF16>;
-    case OutType::kF16: return rows_avx512<OutType::kF16>;
-    default: return rows_avx512<OutType::kF32>;
+    case PYEXT_BF16: return rows_avx512<PYEXT_BF16>;
+    case PYEXT_F16: return rows_avx512<PYEXT_F16>;
+    default: return rows_avx512<PYEXT_F32>;
   }
 }
 
 }  // namespace pyext::cpu
 #else
-#include "fp8_convert.h"
+#include "fp8/fp8_convert_cpu.h"
 namespace pyext::cpu {
-Fp8RowFn fp8_row_kernel_avx512(OutType out) { return fp8_row_kernel_scalar(out); }
+Fp8RowFn fp8_row_kernel_avx512(PyextDtype out) { return fp8_row_kernel_scalar(out); }
 }  // namespace pyext::cpu
 #endif

@@ -1,11 +1,11 @@
-// AVX-512 fp32 vector traits for attention_impl.h. Include only from a unit
+// AVX-512 fp32 vector traits for attention_cpu_impl.h. Include only from a unit
 // compiled with `#pragma GCC target("avx512f,...")`.
 #pragma once
 // GCC 12 flags its own AVX-512 intrinsics' deliberately undefined pass-through operands.
 #pragma GCC diagnostic ignored "-Wmaybe-uninitialized"
 #include <immintrin.h>
 
-#include "attention_impl.h"
+#include "attention/attention_cpu_impl.h"
 
 namespace pyext::cpu::attn {
 namespace {

@@ -1,0 +1,95 @@
+// Scalar fp32 <-> bf16 / fp16 conversions, the one set every CPU unit and .cu kernel uses,
+// so all paths round alike: IEEE round-to-nearest-even from fp32; a NaN stays NaN, quiet,
+// with its sign and the top bits of its payload (what F16C's vcvtps2ph does). The SIMD
+// units' vector conversions are tested bit-exact against these through the ops
+// (tests/test_fp8_ops.py, tests/test_tile_blend.py).
+#pragma once
+#include <cstdint>
+#include <cstring>
+
+#include "common/dtype_codes.h"
+
+#ifdef __CUDACC__
+#define PYEXT_HOST_DEVICE __host__ __device__
+#else
+#define PYEXT_HOST_DEVICE
+#endif
+
+namespace pyext {
+// Internal linkage: SIMD units include this under their own `#pragma GCC target`, and an
+// out-of-line AVX-512 copy must never be merged into the portable units by the linker.
+namespace {
+
+PYEXT_HOST_DEVICE inline uint32_t float_bits(float f) {
+#ifdef __CUDA_ARCH__
+  return __float_as_uint(f);
+#else
+  uint32_t u;
+  std::memcpy(&u, &f, 4);
+  return u;
+#endif
+}
+
+PYEXT_HOST_DEVICE inline float bits_float(uint32_t u) {
+#ifdef __CUDA_ARCH__
+  return __uint_as_float(u);
+#else
+  float f;
+  std::memcpy(&f, &u, 4);
+  return f;
+#endif
+}
+
+// Branch-free (every case computed, one selected) so that loops over them vectorise; the
+// float arithmetic runs unconditionally, as GCC will not if-convert it (-ftrapping-math).
+PYEXT_HOST_DEVICE inline float bf16_to_float(uint16_t h) { return bits_float(static_cast<uint32_t>(h) << 16); }
+
+PYEXT_HOST_DEVICE inline uint16_t float_to_bf16(float f) {
+  const uint32_t u = float_bits(f);
+  const uint32_t rounded = (u + 0x7fffu + ((u >> 16) & 1u)) >> 16;
+  const uint32_t nan = (u >> 16) | 0x40u;  // quiet
+  return static_cast<uint16_t>((u & 0x7fffffffu) > 0x7f800000u ? nan : rounded);
+}
+
+PYEXT_HOST_DEVICE inline float fp16_to_float(uint16_t h) {
+  const uint32_t sign = static_cast<uint32_t>(h & 0x8000u) << 16;
+  const uint32_t exp = (h >> 10) & 0x1fu, mant = h & 0x3ffu;
+  const uint32_t normal = ((exp + (exp == 0x1f ? 224u : 112u)) << 23) | (mant << 13);  // inf/NaN: exponent 255
+  // Subnormal (or zero): 2^-14 * (1 + mant / 1024) - 2^-14 = mant * 2^-24, exact.
+  const float subnormal = bits_float((113u << 23) | (mant << 13)) - bits_float(113u << 23);
+  return bits_float(sign | (exp == 0 ? float_bits(subnormal) : normal));
+}
+
+PYEXT_HOST_DEVICE inline uint16_t float_to_fp16(float f) {
+  const uint32_t u = float_bits(f) & 0x7fffffffu, sign = (float_bits(f) >> 16) & 0x8000u;
+  // Normal results: rebias the exponent (-112 << 23) and round to nearest even; a carry
+  // out of the mantissa rounds up into the next binade, or to inf from 65520 up.
+  const uint32_t normal = (u + 0xc8000fffu + ((u >> 13) & 1u)) >> 13;
+  // Subnormal results (and zero): adding 0.5 aligns the value so that the FPU's own
+  // round-to-nearest-even rounds it at the fp16 subnormal ulp, 2^-24.
+  const uint32_t subnormal = float_bits(bits_float(u) + 0.5f) - float_bits(0.5f);
+  const uint32_t nan = 0x7e00u | ((u >> 13) & 0x3ffu);  // quiet, top payload bits
+  const uint32_t magnitude = u > 0x7f800000u ? nan : u >= 0x47800000u ? 0x7c00u : u < 0x38800000u ? subnormal : normal;
+  return static_cast<uint16_t>(sign | magnitude);
+}
+
+// Elements of a dtype code: storage type T, load to fp32, store rounded from fp32.
+template <PyextDtype D> struct DtypeIo;
+template <> struct DtypeIo<PYEXT_F32> {
+  using T = float;
+  PYEXT_HOST_DEVICE static float load(T v) { return v; }
+  PYEXT_HOST_DEVICE static T store(float v) { return v; }
+};
+template <> struct DtypeIo<PYEXT_F16> {
+  using T = uint16_t;
+  PYEXT_HOST_DEVICE static float load(T v) { return fp16_to_float(v); }
+  PYEXT_HOST_DEVICE static T store(float v) { return float_to_fp16(v); }
+};
+template <> struct DtypeIo<PYEXT_BF16> {
+  using T = uint16_t;
+  PYEXT_HOST_DEVICE static float load(T v) { return bf16_to_float(v); }
+  PYEXT_HOST_DEVICE static T store(float v) { return float_to_bf16(v); }
+};
+
+}  // namespace
+}  // namespace pyext
