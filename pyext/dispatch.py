@@ -1,11 +1,14 @@
 """Backend selection for pyext ops, in the manner of xformers' fmha dispatch: measured and self-checked.
 
 Each op has an ordered list of backends. A backend declares whether it can run in this
-process at all (`unavailable()` returns a reason or None), whether it can take an input
-(`reasons(*args)`: a list of reasons, empty when it can), why automatic choice never picks
+process at all (`unavailable()` returns a reason or None); what it supports, as data, in the
+manner of xformers' fmha ops (`devices`, `dtypes`, `limits` on named sizes such as the head
+dim, and the `test_shapes` the tests run it on); whether it can take an input beyond that data
+(`reasons(*args)`: a list of reasons, empty when it can); why automatic choice never picks
 it although it could run (`advisory(*args)`: "the interpreter is for tests"), and a speed
-rule measured elsewhere that only the static order follows (`slower(*args)`). Forcing a
-backend by name overrides advisory, slower and the self-check.
+rule measured elsewhere that only the static order follows (`slower(*args)`). Dispatch checks
+the data itself (`input_reasons`), so what a backend declares and what it accepts cannot drift
+apart. Forcing a backend by name overrides advisory, slower and the self-check.
 
 Automatic choice has two modes (`PYEXT_DISPATCH=measured|static`):
 - static, the default on CPU: the first backend in registration order that can take the
@@ -52,6 +55,12 @@ def _no_reasons(*args) -> list[str]:
 
 @dataclass
 class Backend:
+    """One implementation of an op. What it supports is data, checked by dispatch:
+    devices; dtypes, the compute dtypes it takes (None: not declared, any); limits, the values
+    it takes of the op's named sizes (`Op.sizes`, e.g. {"head_dim": range(1, 257)}); notes,
+    why, keyed by a refused dtype or a limit's name, appended to the reason dispatch gives;
+    test_shapes, argument-shape specs (`Op.example`) the tests run it on in each of its dtypes."""
+
     name: str
     run: Callable
     reasons: Callable[..., list[str]] = _no_reasons
@@ -61,6 +70,10 @@ class Backend:
     doc: str = ""
     slower: Callable[..., list[str]] = _no_reasons
     timed: bool = True  # measured mode may time it (False: the naive reference, O(seq^2) memory)
+    dtypes: tuple[torch.dtype, ...] | None = None
+    limits: dict[str, range | tuple[int, ...]] = field(default_factory=dict)
+    notes: dict[Any, str] = field(default_factory=dict)
+    test_shapes: tuple = ()
 
 
 def _first_tensor(args) -> torch.Tensor | None:
@@ -93,7 +106,10 @@ class Op:
     close(out, ref, args) -> None when `out` matches the reference's `ref`, else the reason;
     output(args, returned) -> the result to compare (an out= op returns None and writes args);
     pure: the op reads its inputs only, so measurement may run it repeatedly on them and a
-        failed run may be retried on another backend.
+        failed run may be retried on another backend;
+    dtype(args) -> the compute dtype that backends' `dtypes` are checked against;
+    sizes(args) -> {name: int}, the sizes that backends' `limits` are checked against;
+    example(spec, dtype, device) -> args of a backend's test shape `spec` (the op tests).
     """
 
     name: str
@@ -105,6 +121,9 @@ class Op:
     variant: Callable = default_variant
     bucket: Callable = default_bucket
     pure: bool = True
+    dtype: Callable = lambda args: _first_tensor(args).dtype
+    sizes: Callable = lambda args: {}
+    example: Callable | None = None
 
 
 _OPS: dict[str, Op] = {}
@@ -143,14 +162,36 @@ def _device(args) -> torch.device:
     return t.device if t is not None else torch.device("cpu")
 
 
-def why_not(backend: Backend, args: tuple) -> list[str]:
-    missing = backend.unavailable()
-    if missing:
-        return [missing]
+def _names(values) -> str:
+    return "/".join(str(v).removeprefix("torch.") for v in values)
+
+
+def _refused(backend: Backend, what, message: str) -> str:
+    note = backend.notes.get(what)
+    return f"{message}: {note}" if note else message
+
+
+def input_reasons(op: Op, backend: Backend, args: tuple) -> list[str]:
+    """Why `backend` cannot take `args`, whether or not it can run in this process (empty: it can):
+    its declared devices, dtypes and limits, then its own reasons()."""
     device = _device(args).type
     if device not in backend.devices:
-        return [f"runs on {'/'.join(backend.devices)}, not {device}"]
-    return backend.reasons(*args)
+        return [f"runs on {_names(backend.devices)}, not {device}"]
+    reasons = []
+    dtype = op.dtype(args)
+    if backend.dtypes is not None and dtype not in backend.dtypes:
+        reasons.append(_refused(backend, dtype, f"computes in {_names(backend.dtypes)} only, got {_names([dtype])}"))
+    sizes = op.sizes(args)
+    for name, allowed in backend.limits.items():
+        if sizes[name] not in allowed:
+            shown = f"{allowed.start}..{allowed.stop - 1}" if isinstance(allowed, range) else _names(allowed)
+            reasons.append(_refused(backend, name, f"{name} {sizes[name]} is not in {shown}"))
+    return reasons + backend.reasons(*args)
+
+
+def why_not(op: Op, backend: Backend, args: tuple) -> list[str]:
+    missing = backend.unavailable()
+    return [missing] if missing else input_reasons(op, backend, args)
 
 
 # ----------------------------------------------------------------------------- modes and devices
@@ -301,19 +342,26 @@ def _load_all() -> None:
 
 # ----------------------------------------------------------------------------- self-check and timing
 
+def run_on_copy(op: Op, backend: Backend, args: tuple):
+    """The op's result (`Op.output`) of `backend` on a copy of args: out= ops write into their arguments."""
+    copy = tuple(a.clone() if isinstance(a, torch.Tensor) else a for a in args)
+    return op.output(copy, backend.run(*copy))
+
+
+def reference(op: Op) -> Backend:
+    return next(b for b in op.backends if b.name == op.reference)
+
+
 def _self_check(op: Op, backend: Backend, args: tuple) -> str | None:
     """None when `backend` matches the reference on a small input of args' variant, else why not."""
-    reference = next(b for b in op.backends if b.name == op.reference)
     small = op.sample(args)
-    mine, theirs = (tuple(a.clone() if isinstance(a, torch.Tensor) else a for a in small) for _ in range(2))
-    try:  # each on its own copy: out= ops write into their arguments
-        out = op.output(mine, backend.run(*mine))
+    try:
+        out = run_on_copy(op, backend, small)
     except PyextError:
         raise
     except Exception as err:  # a kernel that cannot compile or launch here
         return f"self-check raised {type(err).__name__}: {str(err)[:200]}"
-    ref = op.output(theirs, reference.run(*theirs))
-    problem = op.close(out, ref, small)
+    problem = op.close(out, run_on_copy(op, reference(op), small), small)
     return None if problem is None else f"self-check against {op.reference}: {problem}"
 
 
@@ -411,7 +459,7 @@ def _forced(op: Op, forced: str, args: tuple) -> Backend:
     if not match:
         names = ", ".join(b.name for b in op.backends)
         raise PyextError(f"pyext.{op.name}: unknown backend {forced!r}; backends are: {names}")
-    reasons = why_not(match[0], args)
+    reasons = why_not(op, match[0], args)
     if reasons:
         raise PyextError(
             f"pyext.{op.name}: backend {forced!r} cannot run this input: {'; '.join(reasons)}"
@@ -426,7 +474,7 @@ def _automatic(op: Op, args: tuple) -> Backend:
     measuring = can_measure(device)
     report, able = [], []
     for backend in op.backends:
-        reasons = why_not(backend, args) or backend.advisory(*args)
+        reasons = why_not(op, backend, args) or backend.advisory(*args)
         unusable_mark = cache.unusable.get(f"{op.name}|{backend.name}")
         if unusable_mark:
             reasons = [f"unusable on this device: {unusable_mark['reason']}"]

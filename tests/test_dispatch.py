@@ -1,7 +1,8 @@
-"""pyext.dispatch: self-check, measured choice, its cache, and run-time fallback, on a made-up op.
+"""pyext.dispatch: self-check, measured choice, its cache, and run-time fallback, on a made-up op;
+then every real op's backends on the cases they declare.
 
-The op doubles its input; its backends are deliberately broken in the ways a GPU kernel can
-be (raises, wrong numbers, raises only on large inputs) or merely slow, so every path of the
+The made-up op doubles its input; its backends are deliberately broken in the ways a GPU kernel
+can be (raises, wrong numbers, raises only on large inputs) or merely slow, so every path of the
 dispatcher runs on a CPU.
 """
 import json
@@ -13,6 +14,8 @@ import torch
 
 from pyext import dispatch
 from pyext.dispatch import Backend, PyextError
+from pyext.kernels import interpreter_advisory
+from tests.conftest import run_in_triton_interpreter
 
 OP = "_test_double"
 
@@ -148,11 +151,102 @@ def test_bad_mode_and_forced_backends():
     assert dispatch.unusable() == []
 
 
-def test_every_real_op_declares_a_self_check():
-    import pyext  # noqa: F401  (registers the ops)
+def real_ops() -> dict[str, dispatch.Op]:
+    return {name: op for name, op in dispatch.ops().items() if not name.startswith("_test")}
 
-    for name, op in dispatch.ops().items():
-        if name.startswith("_test"):
-            continue
-        assert op.sample is not None and op.close is not None, name
+
+def test_every_real_op_declares_a_self_check_and_its_backends_data():
+    for name, op in real_ops().items():
+        assert op.sample is not None and op.close is not None and op.example is not None, name
         assert any(b.name == op.reference for b in op.backends), name
+        for b in op.backends:
+            assert b.dtypes and b.test_shapes, (name, b.name)
+            assert set(b.dtypes) <= set(dispatch.reference(op).dtypes), (name, b.name)
+
+
+# ----------------------------------------------------------------------------- the real ops' declared cases
+# Every backend runs on each test shape it declares in each dtype it declares, against its op's
+# reference within the op's tolerance (Op.close, the self-check's), on a GPU where there is one.
+
+def device_for(backend: Backend) -> str | None:
+    """Where this process runs `backend`'s tests: a GPU if it has one and the backend runs there."""
+    return next((d for d in ("cuda", "cpu") if d in backend.devices and (d == "cpu" or torch.cuda.is_available())),
+                None)
+
+
+def case_problem(op: dispatch.Op, backend: Backend, dtype: torch.dtype, spec, device: str) -> str | None:
+    """Why `backend` fails a declared case (it refuses it, or misses the reference), or None."""
+    args = op.example(spec, dtype, device)
+    refused = dispatch.input_reasons(op, backend, args)
+    if refused:
+        return f"refuses a declared case: {refused}"
+    return op.close(dispatch.run_on_copy(op, backend, args), dispatch.run_on_copy(op, dispatch.reference(op), args),
+                    args)
+
+
+def agreement_problems(op: dispatch.Op, backend: Backend, device: str) -> list[str]:
+    """On each test shape, every dtype the op takes: refused exactly when the backend does not declare it."""
+    problems = []
+    for spec in backend.test_shapes:
+        for dtype in dispatch.reference(op).dtypes:
+            refused = dispatch.input_reasons(op, backend, op.example(spec, dtype, device))
+            if bool(refused) == (dtype in backend.dtypes):
+                problems.append(f"{op.name} {backend.name} {spec} {dtype}: declared {dtype in backend.dtypes}, "
+                                f"refused {refused}")
+    return problems
+
+
+def declared_cases():
+    for name, op in real_ops().items():
+        for b in op.backends:
+            if b.name != op.reference:
+                for dtype in b.dtypes:
+                    for i, spec in enumerate(b.test_shapes):
+                        yield pytest.param(name, b.name, dtype, spec, id=f"{name}-{b.name}-{str(dtype)[6:]}-{i}")
+
+
+def lookup(op_name: str, backend_name: str) -> tuple[dispatch.Op, Backend]:
+    op = dispatch.ops()[op_name]
+    return op, next(b for b in op.backends if b.name == backend_name)
+
+
+@pytest.mark.parametrize("op_name,backend_name,dtype,spec", list(declared_cases()))
+def test_declared_cases_match_the_reference(op_name, backend_name, dtype, spec):
+    op, backend = lookup(op_name, backend_name)
+    missing, device = backend.unavailable(), device_for(backend)
+    if missing or device is None:
+        pytest.skip(missing or f"runs on {'/'.join(backend.devices)}, which this process lacks")
+    assert case_problem(op, backend, dtype, spec, device) is None
+
+
+@pytest.mark.parametrize("op_name,backend_name", [(n, b.name) for n, op in real_ops().items() for b in op.backends])
+def test_declared_dtypes_are_what_the_backend_takes(op_name, backend_name):
+    op, backend = lookup(op_name, backend_name)
+    device = device_for(backend)
+    if device is None:
+        pytest.skip(f"runs on {'/'.join(backend.devices)}, which this process lacks")
+    assert agreement_problems(op, backend, device) == []
+
+
+def test_interpreter_backends_on_their_declared_cases():
+    """The Triton backends run on CPU only in Triton's interpreter (a subprocess: TRITON_INTERPRET
+    must be set before triton is imported), where they declare float16/float32 only."""
+    problems = run_in_triton_interpreter("""
+import json, torch
+from pyext.kernels import interpreter_advisory
+from tests.test_dispatch import agreement_problems, case_problem, real_ops
+torch.manual_seed(0)
+problems, cases = [], 0
+for op in real_ops().values():
+    for b in op.backends:
+        if b.advisory is interpreter_advisory:
+            problems += agreement_problems(op, b, "cpu")
+            for dtype in b.dtypes:
+                for spec in b.test_shapes:
+                    cases += 1
+                    problem = case_problem(op, b, dtype, spec, "cpu")
+                    problems += [f"{op.name} {b.name} {dtype} {spec}: {problem}"] if problem else []
+print(json.dumps(dict(cases=cases, problems=problems)))
+""")
+    triton = [b for op in real_ops().values() for b in op.backends if b.advisory is interpreter_advisory]
+    assert problems["problems"] == [] and problems["cases"] >= len(triton)

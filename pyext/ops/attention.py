@@ -18,8 +18,12 @@ from pyext import dispatch
 from pyext._ext import kernel_missing
 from pyext.dispatch import Backend, PyextError
 from pyext.kernels import interpreter_advisory, triton_devices, triton_unavailable
+from pyext.ops._triton import TRITON_NOTES, triton_dtypes
 
 DTYPES = (torch.bfloat16, torch.float16, torch.float32)
+# (batch, heads, q length, kv length, head_dim) the op tests run every backend on: self- and
+# cross-attention, a single query or key, head dims of SD (40, 80, 160) and odd ones.
+TEST_SHAPES = ((1, 2, 9, 77, 40), (2, 1, 37, 45, 64), (1, 2, 16, 1, 33), (1, 1, 1, 33, 160), (1, 1, 5, 7, 1))
 
 
 def _fail(msg: str) -> None:
@@ -81,17 +85,6 @@ def _cpp(q, k, v, scale):
 
 # ----------------------------------------------------------------------------- triton (CUDA)
 
-def _triton_reasons(q, k, v, scale):
-    reasons = []
-    if q.shape[-1] > 256:
-        reasons.append(f"head_dim {q.shape[-1]} > 256 (the kernel keeps a head's accumulator in registers)")
-    if q.device.type == "cpu":  # only reachable under TRITON_INTERPRET=1
-        if q.dtype == torch.bfloat16:
-            reasons.append("Triton's interpreter computes bf16 tl.dot wrongly; use float16/float32 on CPU")
-    return reasons
-
-
-
 def _triton(q, k, v, scale):
     from pyext.kernels.attention import attention_triton
 
@@ -131,18 +124,23 @@ def _xformers(q, k, v, scale):
 
 dispatch.register("attention", Backend(
     "cpp", _cpp, unavailable=partial(kernel_missing, "attention"), slower=_cpp_slower, devices=("cpu",),
+    dtypes=DTYPES, test_shapes=TEST_SHAPES,
     doc="C++ flash attention (AVX-512 BF16 / AVX-512 / AVX2 / scalar), O(seq) memory"))
 dispatch.register("attention", Backend(
-    "triton", _triton, _triton_reasons, triton_unavailable, interpreter_advisory, devices=triton_devices(),
+    "triton", _triton, unavailable=triton_unavailable, advisory=interpreter_advisory, devices=triton_devices(),
+    dtypes=triton_dtypes(DTYPES), limits={"head_dim": range(1, 257)}, test_shapes=TEST_SHAPES,
+    notes={**TRITON_NOTES, "head_dim": "the kernel keeps a head's accumulator in registers"},
     doc="Triton flash attention, head dim split into power-of-two parts; cpu only under TRITON_INTERPRET=1"))
 
 dispatch.register("attention", Backend(
-    "sdpa", _sdpa, _sdpa_reasons, doc="torch.nn.functional.scaled_dot_product_attention"))
+    "sdpa", _sdpa, _sdpa_reasons, dtypes=DTYPES, test_shapes=TEST_SHAPES,
+    doc="torch.nn.functional.scaled_dot_product_attention"))
 dispatch.register("attention", Backend(
-    "xformers", _xformers, unavailable=_xformers_unavailable, devices=("cuda",),
-    doc="xformers.ops.memory_efficient_attention"))
+    "xformers", _xformers, unavailable=_xformers_unavailable, devices=("cuda",), dtypes=DTYPES,
+    test_shapes=TEST_SHAPES, doc="xformers.ops.memory_efficient_attention"))
 dispatch.register("attention", Backend(
-    "reference", attention_reference, timed=False, doc="naive fp32 math; O(seq^2) memory; the test oracle"))
+    "reference", attention_reference, timed=False, dtypes=DTYPES, test_shapes=TEST_SHAPES,
+    doc="naive fp32 math; O(seq^2) memory; the test oracle"))
 
 # Self-check (pyext.dispatch): a small input of the variant against the reference, within twice
 # the error SDPA itself makes in that dtype at this size (fp32 accumulation, rounded outputs).
@@ -163,8 +161,15 @@ def _close(out, ref, args):
     return None if err <= _CHECK_TOLERANCE[ref.dtype] else f"max error {err:.3g} (tolerance {_CHECK_TOLERANCE[ref.dtype]:g})"
 
 
+def _example(spec, dtype, device):
+    batch, heads, seq_q, seq_kv, head_dim = spec
+    q, k, v = (torch.randn(batch, heads, n, head_dim, device=device).to(dtype) for n in (seq_q, seq_kv, seq_kv))
+    return q, k, v, None
+
+
 dispatch.define("attention", sample=lambda args: _sample(*args), close=_close,
-                variant=lambda args: (str(args[0].dtype), args[0].shape[-1]))
+                variant=lambda args: (str(args[0].dtype), args[0].shape[-1]),
+                sizes=lambda args: {"head_dim": args[0].shape[-1]}, example=_example)
 
 
 @torch.library.custom_op("pyext::attention", mutates_args=())

@@ -18,6 +18,7 @@ from pyext._ext import cuda_kernel_missing, kernel_missing
 from pyext.dispatch import Backend, PyextError
 from pyext.ops._alias import apart_from
 from pyext.kernels import interpreter_advisory, triton_devices, triton_unavailable
+from pyext.ops._triton import TRITON_NOTES, triton_dtypes
 
 FP8 = torch.float8_e4m3fn
 FP8_MAX = 448.0
@@ -155,20 +156,20 @@ def _upcast_ref(w, scale, out):
     out.copy_(fp8_upcast_reference(w, scale, out.dtype))
 
 
+# (rows, cols, per-channel scale) the op tests run every backend on: odd rows that end in SIMD
+# tails, and rows long enough for the AVX-512 lookup-table path.
+UPCAST_TEST_SHAPES = ((5, 33, True), (3, 700, False), (1, 1, True))
+
 dispatch.register("fp8_upcast", Backend(
     "cuda", _upcast_ext, unavailable=partial(cuda_kernel_missing, "fp8_upcast_out"), devices=("cuda",),
-    doc="CUDA C++ kernel, 16-byte vector loads"))
+    dtypes=COMPUTE_DTYPES, test_shapes=UPCAST_TEST_SHAPES, doc="CUDA C++ kernel, 16-byte vector loads"))
 dispatch.register("fp8_upcast", Backend(
     "cpp", _upcast_ext, unavailable=partial(kernel_missing, "fp8_upcast_out"), devices=("cpu",),
+    dtypes=COMPUTE_DTYPES, test_shapes=UPCAST_TEST_SHAPES,
     doc="C++ AVX-512/AVX2/scalar kernel chosen at run time, at::parallel_for"))
 dispatch.register("fp8_upcast", Backend(
-    "reference", _upcast_ref, doc="PyTorch ops; the semantics and test oracle"))
-
-
-def _linear_triton_reasons(x, w, scale, bias):
-    if x.dtype == torch.float32:
-        return ["float32 activations are not supported by the Triton kernel (bf16/fp16 only)"]
-    return []
+    "reference", _upcast_ref, dtypes=COMPUTE_DTYPES, test_shapes=UPCAST_TEST_SHAPES,
+    doc="PyTorch ops; the semantics and test oracle"))
 
 
 def _linear_triton(x, w, scale, bias):
@@ -182,16 +183,22 @@ def _linear_cpp(x, w, scale, bias):
     return torch.ops.pyext_C.fp8_linear(x, w, scale, bias)
 
 
+# (rows of x, in features, out features, per-channel scale, bias) the op tests run every backend on.
+LINEAR_TEST_SHAPES = ((5, 40, 7, True, True), (1, 33, 70, False, False), (70, 96, 48, True, False))
+
 dispatch.register("fp8_linear", Backend(
     "cpp", _linear_cpp, unavailable=partial(kernel_missing, "fp8_linear"), devices=("cpu",),
+    dtypes=COMPUTE_DTYPES, test_shapes=LINEAR_TEST_SHAPES,
     doc="C++: bf16 on AVX512_BF16 CPUs: a GEMM that decodes fp8 in its packing step; "
         "otherwise weight tiles upcast into a cache-sized buffer, torch GEMM per tile"))
 dispatch.register("fp8_linear", Backend(
-    "triton", _linear_triton, _linear_triton_reasons, triton_unavailable, interpreter_advisory,
-    devices=triton_devices(),
+    "triton", _linear_triton, unavailable=triton_unavailable, advisory=interpreter_advisory,
+    devices=triton_devices(), dtypes=triton_dtypes((torch.bfloat16, torch.float16)), test_shapes=LINEAR_TEST_SHAPES,
+    notes={**TRITON_NOTES, torch.float32: "float32 activations are not supported by the Triton kernel"},
     doc="Triton GEMM that dequantises fp8 weight tiles in its main loop"))
 dispatch.register("fp8_linear", Backend(
-    "reference", fp8_linear_reference, doc="F.linear on the upcast weight"))
+    "reference", fp8_linear_reference, dtypes=COMPUTE_DTYPES, test_shapes=LINEAR_TEST_SHAPES,
+    doc="F.linear on the upcast weight"))
 
 
 # ----------------------------------------------------------------------------- self-check samples
@@ -243,10 +250,32 @@ def _sample_linear(x, w, scale, bias):
     return sample_x, sample_codes((7, k), x.device, g), sample_scale(scale, 7, g), sample_bias
 
 
+def example_weight(shape, per_channel: bool, device, g: torch.Generator) -> tuple[torch.Tensor, torch.Tensor]:
+    """(codes, scale) of an op test's weight: random finite codes, scales per channel or per tensor."""
+    like = torch.empty(shape[0] if per_channel else 1, device=device)
+    return sample_codes(shape, device, g), sample_scale(like, shape[0], g)
+
+
+def _example_upcast(spec, dtype, device):
+    rows, cols, per_channel = spec
+    g = torch.Generator(device=device).manual_seed(0)
+    return *example_weight((rows, cols), per_channel, device, g), torch.empty(rows, cols, dtype=dtype, device=device)
+
+
+def _example_linear(spec, dtype, device):
+    m, k, n, per_channel, bias = spec
+    g = torch.Generator(device=device).manual_seed(0)
+    x = torch.randn(m, k, generator=g, device=device).to(dtype)
+    b = torch.randn(n, generator=g, device=device).to(dtype) if bias else None
+    return x, *example_weight((n, k), per_channel, device, g), b
+
+
 dispatch.define("fp8_upcast", sample=lambda args: _sample_upcast(*args), close=_exact, pure=False,
-                output=lambda args, returned: args[2], variant=lambda args: (str(args[2].dtype),))
+                output=lambda args, returned: args[2], variant=lambda args: (str(args[2].dtype),),
+                dtype=lambda args: args[2].dtype, example=_example_upcast)
 dispatch.define("fp8_linear", sample=lambda args: _sample_linear(*args), close=relative_close(LINEAR_TOLERANCE),
-                variant=lambda args: (str(args[0].dtype), args[2].numel() == 1, args[3] is None))
+                variant=lambda args: (str(args[0].dtype), args[2].numel() == 1, args[3] is None),
+                example=_example_linear)
 
 
 # ----------------------------------------------------------------------------- custom ops

@@ -16,8 +16,8 @@ import torch.nn.functional as F
 from pyext import dispatch
 from pyext._ext import cpu_capabilities, kernel_missing
 from pyext.dispatch import Backend
-from pyext.ops.fp8 import (LINEAR_TOLERANCE, _check_dtype, _check_weight, _fail, fp8_upcast_reference,
-                           relative_close, sample_codes, sample_scale, scales_fuse_exactly)
+from pyext.ops.fp8 import (COMPUTE_DTYPES, LINEAR_TOLERANCE, _check_dtype, _check_weight, _fail, example_weight,
+                           fp8_upcast_reference, relative_close, sample_codes, sample_scale, scales_fuse_exactly)
 
 
 def _pair(v) -> list[int]:
@@ -58,19 +58,16 @@ def _cpp_unavailable() -> Optional[str]:
     return None
 
 
-def _cpp_reasons(x, w, scale, bias, stride, padding, dilation, groups) -> list[str]:
+def _cpp_argument_reasons(x, w, scale, bias, stride, padding, dilation, groups) -> list[str]:
+    """What the C++ backend's declared data (cpu, bfloat16) does not say it refuses."""
     reasons = []
-    if x.device.type != "cpu":
-        reasons.append(f"runs on cpu only, got {x.device}")
-    if x.dtype != torch.bfloat16:
-        reasons.append(f"computes in bfloat16 only, got {x.dtype}")
     if groups != 1:
         reasons.append(f"groups must be 1, got {groups}")
     if _pair(dilation) != [1, 1]:
         reasons.append(f"dilation must be 1, got {dilation}")
     if x.dim() == 4 and x.shape[1] % 2:
         reasons.append(f"input channels must be even (bf16 pairs), got {x.shape[1]}")
-    if x.device.type == "cpu" and not scales_fuse_exactly(scale, torch.bfloat16):
+    if not scales_fuse_exactly(scale, torch.bfloat16):
         reasons.append("scales must be finite with |scale| * 448 within bfloat16's range "
                        "(the kernel applies them after the dot product)")
     return reasons
@@ -80,11 +77,24 @@ def _conv_cpp(x, w, scale, bias, stride, padding, dilation, groups):
     return torch.ops.pyext_C.fp8_conv2d(x, w.permute(0, 2, 3, 1), scale, bias, _pair(stride), _pair(padding))
 
 
+# (batch, in channels, height, width, out channels, kernel, stride, padding, groups, channels-last x)
+# the op tests run every backend on; the reference also on what the C++ kernel refuses.
+CPP_TEST_SHAPES = ((1, 2, 5, 7, 3, 3, 1, 1, 1, True), (2, 6, 9, 8, 70, 3, 2, 1, 1, False),
+                   (1, 8, 6, 6, 64, 1, 1, 0, 1, True))
+_CPP = Backend(
+    "cpp", _conv_cpp, _cpp_argument_reasons, _cpp_unavailable, devices=("cpu",), dtypes=(torch.bfloat16,),
+    test_shapes=CPP_TEST_SHAPES,
+    doc="C++ implicit GEMM over channels-last bf16 activations, fp8 decoded in the GEMM's packing step")
+dispatch.register("fp8_conv2d", _CPP)
 dispatch.register("fp8_conv2d", Backend(
-    "cpp", _conv_cpp, _cpp_reasons, _cpp_unavailable, devices=("cpu",),
-    doc="C++ implicit GEMM over channels-last bf16 activations, fp8 decoded in the GEMM's packing step"))
-dispatch.register("fp8_conv2d", Backend(
-    "reference", fp8_conv2d_reference, doc="F.conv2d on the upcast weight"))
+    "reference", fp8_conv2d_reference, dtypes=COMPUTE_DTYPES,
+    test_shapes=CPP_TEST_SHAPES + ((1, 3, 6, 5, 4, 3, 1, 1, 1, False), (1, 4, 7, 7, 6, 3, 2, 0, 2, True)),
+    doc="F.conv2d on the upcast weight"))
+
+
+def _cpp_reasons(*args) -> list[str]:
+    """Why the C++ backend cannot take args (FP8Conv2d asks before it forces it), declared data included."""
+    return dispatch.input_reasons(dispatch.ops()["fp8_conv2d"], _CPP, args)
 
 
 def _sample(x, w, scale, bias, stride, padding, dilation, groups):
@@ -98,9 +108,20 @@ def _sample(x, w, scale, bias, stride, padding, dilation, groups):
     return (sample_x, codes, sample_scale(scale, out_channels, g), sample_bias, stride, padding, dilation, groups)
 
 
+def _example(spec, dtype, device):
+    batch, channels, h, w, out_channels, kernel, stride, padding, groups, channels_last = spec
+    g = torch.Generator(device=device).manual_seed(0)
+    x = torch.randn(batch, channels, h, w, generator=g, device=device).to(dtype)
+    x = x.contiguous(memory_format=torch.channels_last if channels_last else torch.contiguous_format)
+    codes, scale = example_weight((out_channels, channels // groups, kernel, kernel), True, device, g)
+    bias = torch.randn(out_channels, generator=g, device=device).to(dtype)
+    return x, codes, scale, bias, [stride] * 2, [padding] * 2, [1, 1], groups
+
+
 dispatch.define("fp8_conv2d", sample=lambda args: _sample(*args), close=relative_close(LINEAR_TOLERANCE),
                 variant=lambda args: (str(args[0].dtype), _is_channels_last(args[0]), tuple(args[1].shape[1:]),
-                                      args[2].numel() == 1, args[3] is None, *map(tuple, args[4:7]), args[7]))
+                                      args[2].numel() == 1, args[3] is None, *map(tuple, args[4:7]), args[7]),
+                example=_example)
 
 
 @torch.library.custom_op("pyext::fp8_conv2d", mutates_args=())

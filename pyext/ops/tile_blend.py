@@ -116,14 +116,23 @@ def _run_ext(tile, out, oy, ox, mode, sizes, above, left, bottom, right) -> None
     torch.ops.pyext_C.tile_blend(tile, out, oy, ox, mode, sizes, above, left, bottom, right)
 
 
+# (mode, tile (h, w), out (H, W), position (y, x), sizes) the op tests run every backend on:
+# normalized sizes are the (top, bottom, left, right) overlaps, diffusers sizes are
+# (crop h, crop w, above rows, left columns, bottom rows kept, right columns kept).
+TEST_SHAPES = ((MODE_NORMALIZED, (17, 23), (40, 50), (23, 27), (5, 0, 7, 0)),
+               (MODE_NORMALIZED, (8, 8), (8, 8), (0, 0), (8, 8, 8, 8)),
+               (MODE_DIFFUSERS, (24, 24), (40, 40), (18, 18), (18, 18, 6, 6, 6, 6)),
+               (MODE_DIFFUSERS, (13, 7), (40, 40), (20, 33), (13, 7, 0, 9, 6, 0)))
+
 dispatch.register("tile_blend", Backend(
-    "cuda", _run_ext, unavailable=partial(cuda_kernel_missing, "tile_blend"), devices=("cuda",),
-    doc="CUDA C++ kernel, one thread per output element, one launch per tile"))
+    "cuda", _run_ext, unavailable=partial(cuda_kernel_missing, "tile_blend"), devices=("cuda",), dtypes=DTYPES,
+    test_shapes=TEST_SHAPES, doc="CUDA C++ kernel, one thread per output element, one launch per tile"))
 dispatch.register("tile_blend", Backend(
-    "cpp", _run_ext, unavailable=partial(kernel_missing, "tile_blend"), devices=("cpu",),
-    doc="C++ AVX-512/scalar row kernel, at::parallel_for over (channel, row)"))
+    "cpp", _run_ext, unavailable=partial(kernel_missing, "tile_blend"), devices=("cpu",), dtypes=DTYPES,
+    test_shapes=TEST_SHAPES, doc="C++ AVX-512/scalar row kernel, at::parallel_for over (channel, row)"))
 dispatch.register("tile_blend", Backend(
-    "reference", tile_blend_reference, doc="PyTorch ops; the semantics and test oracle"))
+    "reference", tile_blend_reference, dtypes=DTYPES, test_shapes=TEST_SHAPES,
+    doc="PyTorch ops; the semantics and test oracle"))
 
 
 def _blend_close(out, ref, args):
@@ -133,10 +142,26 @@ def _blend_close(out, ref, args):
     return None if worst <= tolerance * 4 else f"max error {worst:.3g}"
 
 
+def _example(spec, dtype, device):
+    mode, (th, tw), (out_h, out_w), (y, x), sizes = spec
+    g = torch.Generator(device=device).manual_seed(0)
+
+    def planes(h, w):
+        return torch.randn(1, 3, h, w, generator=g, device=device).to(dtype)
+
+    tile, out = planes(th, tw), planes(out_h, out_w)
+    if mode == MODE_NORMALIZED:
+        empty = planes(0, 0)
+        return tile, out, y, x, mode, list(sizes), None, None, empty, empty.clone()
+    crop_h, crop_w, above_rows, left_cols, keep_bottom, keep_right = sizes
+    return (tile, out, y, x, mode, [crop_h, crop_w], planes(above_rows, tw), planes(th, left_cols),
+            planes(keep_bottom, tw), planes(th, keep_right))
+
+
 # The self-check runs the caller's own blend (one tile: cheap) on copies of its arguments.
 dispatch.define("tile_blend", sample=lambda args: args, close=_blend_close, pure=False,
                 output=lambda args, returned: (args[1], args[8], args[9]),
-                variant=lambda args: (str(args[0].dtype), args[4]))
+                variant=lambda args: (str(args[0].dtype), args[4]), example=_example)
 
 
 # ----------------------------------------------------------------------------- custom op
