@@ -227,8 +227,7 @@ def summarize(spec: dict, results: dict) -> dict:
         for c in spec["components"]:
             times = res["times"][c]
             row[c] = {"median_s": statistics.median(times), "times_s": times,
-                      "vs_openvino": _ratios(times, results.get("openvino", {}).get("times", {}).get(c, [])),
-                      "vs_eager": _ratios(times, results.get("eager", {}).get("times", {}).get(c, [])),
+                      "vs": {other: _ratios(times, o["times"][c]) for other, o in results.items() if "times" in o},
                       "max_rel_err_vs_eager": _err(res["outputs"][c], ref[c]) if ref else None}
         table[runtime] = row
     return {"spec": spec, "rows": table}
@@ -236,19 +235,24 @@ def summarize(spec: dict, results: dict) -> dict:
 
 def markdown(report: dict) -> str:
     comps = report["spec"]["components"]
-    head = "| runtime | dtype | " + " | ".join(f"{c} | {c} vs openvino | {c} vs eager | {c} err"
+    timed = [rt for rt, row in report["rows"].items() if "reason" not in row]
+    head = "| runtime | dtype | " + " | ".join(f"{c} | " + "".join(f"{c} vs {o} | " for o in timed) + f"{c} err vs eager"
                                               for c in comps) + " | set-up | peak RSS |"
-    lines = [head, "|" + "---|" * (head.count("|") - 1)]
+    columns = head.count("|") - 1
+    lines = [head, "|" + "---|" * columns]
 
     def ratio(r):
-        return "-" if not r else f"{r['median']:.2f}x ({r['min']:.2f}-{r['max']:.2f})"
+        return f"{r['median']:.2f}x ({r['min']:.2f}-{r['max']:.2f})"
+
+    def err(e):
+        return "-" if e is None else f"{e:.1e}"
 
     for runtime, row in report["rows"].items():
         if "reason" in row:
-            lines.append(f"| {runtime} | n/a: {row['reason']} |" + " |" * (head.count("|") - 3))
+            lines.append(f"| {runtime} | n/a: {row['reason']} |" + " |" * (columns - 2))
             continue
-        cells = [f"{row[c]['median_s']:.3f} s | {ratio(row[c]['vs_openvino'])} | {ratio(row[c]['vs_eager'])} | "
-                 f"{row[c]['max_rel_err_vs_eager']:.1e}" for c in comps]
+        cells = [f"{row[c]['median_s']:.3f} s | " + "".join(f"{ratio(row[c]['vs'][o])} | " for o in timed)
+                 + err(row[c]["max_rel_err_vs_eager"]) for c in comps]
         lines.append(f"| {runtime} | {row['dtype']} | " + " | ".join(cells) +
                      f" | {row['setup_s']:.0f} s | {row['peak_rss_gib']:.2f} GiB |")
     return "\n".join(lines)

@@ -154,3 +154,27 @@ def test_fp8_layer_benches_run_on_small_shapes():
     for row in conv + lin:
         times = [v for k, v in row.items() if k.endswith("_ms")]
         assert times and all(math.isfinite(t) and t > 0 for t in times), row
+
+
+def test_cpu_runtimes_pairs_rounds_and_checks_outputs(tmp_path):
+    """bench.cpu_runtimes on the tiny sd15: each runtime in its own process, paired ratios per
+    round, every output checked against eager's, and a missing runtime reported with its reason."""
+    from bench import cpu_runtimes
+
+    report = cpu_runtimes.main(["--size", "tiny", "--height", "64", "--width", "64", "--rounds", "2",
+                                "--threads", "1", "--runtimes", "eager,pyext", "--out", str(tmp_path)])
+    from pyext.decision import auto_dtype
+
+    rows = report["rows"]
+    dtype = str(auto_dtype(torch.device("cpu"))).removeprefix("torch.")
+    tolerance = 1e-4 if dtype == "float32" else 5e-2  # bf16 where the CPU has it natively
+    assert set(rows) == {"eager", "pyext"}
+    for row in rows.values():
+        for c in ("unet", "vae"):
+            assert len(row[c]["times_s"]) == 2 and all(t > 0 for t in row[c]["times_s"])
+            assert row[c]["vs"]["eager"]["min"] <= row[c]["vs"]["eager"]["median"] <= row[c]["vs"]["eager"]["max"]
+            assert row[c]["max_rel_err_vs_eager"] < tolerance  # pyext computes what eager does
+    assert rows["eager"]["unet"]["vs"]["eager"]["median"] == 1.0
+    assert f"| pyext | {dtype} |" in (tmp_path / "cpu_runtimes.md").read_text()
+    fake = {"spec": {"components": ["unet"]}, "rows": {"openvino": {"reason": "openvino not installed"}}}
+    assert "| openvino | n/a: openvino not installed |" in cpu_runtimes.markdown(fake)
