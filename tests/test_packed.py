@@ -198,6 +198,10 @@ def test_lora_on_packed_layers(tmp_path):
     with_lora = generate(pipe)
     assert np.abs(with_lora - plain).max() > 0.01  # the LoRA really acts
     assert np.abs(with_lora - generate(twin)).max() <= 1e-4
+    pipe.fuse_lora()  # PEFT writes the merged weight in place: it must reach the packed copy
+    assert np.abs(generate(pipe) - with_lora).max() <= 1e-4
+    pipe.unfuse_lora()
+    assert np.abs(generate(pipe) - with_lora).max() <= 1e-4
     pipe.unload_lora_weights()
     assert np.abs(generate(pipe) - plain).max() <= 1e-5
     assert any(isinstance(p, PackedWeight) for p in pipe.unet.parameters())
