@@ -90,7 +90,8 @@ def plans(archs, budgets, device: str, capability) -> list[dict]:
         row = {"arch": arch, "device": device, "capability": capability, "dtype": str(dtype).removeprefix("torch."),
                "resolution": f"{res}x{res}", "weight_bytes": weights, "plans": {}}
         for budget in budgets:
-            p = planner.plan(components, geo, parse_bytes(budget), elem, allow_offload=device != "cpu")
+            p = planner.plan(components, geo, parse_bytes(budget), elem, allow_offload=device != "cpu",
+                             host=device == "cpu")
             row["plans"][budget] = {"plan": p.name, "peak_bytes": p.peak_bytes, "fits": p.fits}
         rows.append(row)
     return rows

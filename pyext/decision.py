@@ -116,7 +116,8 @@ def decide(pipe, opts: OptimizeOptions) -> Decision:
         budget = torch.cuda.get_device_properties(device).total_memory
     elem = min(torch.tensor([], dtype=dtype or first.dtype).element_size(), 4)
     can_offload = device.type != "cpu" and not multi_device
-    plan = planner.plan(comps, geo, budget, elem, allow_offload=can_offload, fp8_skip=opts.fp8_skip)
+    plan = planner.plan(comps, geo, budget, elem, allow_offload=can_offload, fp8_skip=opts.fp8_skip,
+                        host=device.type == "cpu")
 
     if opts.offload != "auto":
         offload_mode, offload_reason = opts.offload, f"offload={opts.offload!r}"

@@ -349,9 +349,15 @@ def test_vae_tiling_auto_only_when_the_budget_needs_it(arch, kind):
     assert not pipe.vae.use_tiling  # images stay exactly the untiled decode
     pyext.restore(pipe)
     d = decide(pipe, OptimizeOptions(height=1024, width=1024))
-    sizes = planner.component_sizes(d.components, d.geometry, 4)
+    sizes = planner.component_sizes(d.components, d.geometry, 4, host=True)
     untiled, tiled = (planner.peak_bytes(sizes, d.geometry, "off", "off", t) for t in (False, True))
     assert tiled < untiled
+    vae_size = next(c for c in sizes if c.role == "vae")
+    on_gpu = next(c for c in planner.component_sizes(d.components, d.geometry, 4) if c.role == "vae")
+    one_tile = on_gpu.activation_bytes * planner.TILE_PX**2 // (1024 * 1024)
+    assert on_gpu.tiled_activation_bytes == one_tile  # on a GPU the exact method holds one tile
+    if arch == "sd15":  # on a CPU it keeps each stage's whole-image activation in RAM
+        assert vae_size.tiled_activation_bytes > 0.8 * vae_size.activation_bytes
     pyext.optimize(pipe, dtype="keep", attention="off", fp8="off", height=1024, width=1024,
                    memory_budget=(tiled + untiled) // 2)
     entry = next(e for e in pyext.report(pipe).entries if e.technique == "vae_tiling")
