@@ -146,6 +146,21 @@ def test_reads_and_casts_see_the_plain_weight():
     assert type(model[0]) is nn.Conv2d and type(model[4]) is nn.Linear and torch.equal(model[0].weight, weight)
 
 
+def test_deepcopy_copies_the_packed_weight():
+    import copy
+
+    model = small_model()
+    pack(model)
+    twin = copy.deepcopy(model)
+    assert isinstance(twin[0].weight, PackedWeight) and isinstance(twin[0].weight, nn.Parameter)
+    assert twin[0].weight.packed is not model[0].weight.packed
+    x = torch.randn(2, 4, 6, 6)
+    assert torch.equal(twin(x), model(x))
+    with torch.no_grad():
+        twin[0].weight.mul_(2)  # the copy is its own: the original does not change
+    assert not torch.equal(twin[0].weight * 1, model[0].weight * 1)
+
+
 def test_skip_reasons():
     conv = nn.Conv2d(4, 4, 3, padding="same")
     assert "padding" in packed.skip_reason(conv)

@@ -85,6 +85,15 @@ class PackedWeight(torch.Tensor):
         packed.pack(weight.detach())
         return cls(packed, weight.detach())  # keeps the plain weight's strides (channels-last or not)
 
+    def __deepcopy__(self, memo):
+        packed = _Packed(None, self.packed.conv)
+        packed.pack(self.packed.dense(), self.packed.input_shape)
+        copy = PackedWeight(packed, self)
+        if getattr(self, "_is_param", False):  # a Parameter: stays one in the copied module
+            copy._is_param = True
+        memo[id(self)] = copy
+        return copy
+
     def __repr__(self) -> str:
         kind = "Linear" if self.packed.conv is None else f"Conv2d, input {self.packed.input_shape}"
         return f"PackedWeight({tuple(self.shape)}, {self.dtype}, oneDNN layout for {kind})"
