@@ -156,14 +156,13 @@ class TracedUNet(torch.nn.Module):
 
 
 def _trace_unet(pipe, preset):
+    from bench.cpu_runtimes import example_inputs
+
     unet = pipe.unet
     dev, dtype = unet.device, unet.dtype
-    g = torch.Generator().manual_seed(1)
-    h, w = preset.height // pipe.vae_scale_factor, preset.width // pipe.vae_scale_factor
     # As the pipeline calls it: CFG batch 2, a 0-d integer timestep, 77 text tokens.
-    inputs = (torch.randn(2, unet.config.in_channels, h, w, generator=g).to(dev, dtype),
-              torch.tensor(981, device=dev),
-              torch.randn(2, 77, unet.config.cross_attention_dim, generator=g).to(dev, dtype))
+    inputs = tuple(a.to(dev, dtype) if a.is_floating_point() else a.to(dev)
+                   for a in example_inputs(pipe, preset.height, preset.width)[0])
     unet.forward = functools.partial(unet.forward, return_dict=False)  # as the seed: tuples trace
     with torch.no_grad():
         traced = torch.jit.trace(unet, inputs, check_trace=False)
@@ -260,11 +259,8 @@ class StageClock:
 
 def _tensor_key(t: torch.Tensor):
     """What identifies a tensor's memory: its storage address, or the tensor itself for one that
-    holds its data elsewhere (pyext's oneDNN-packed weights)."""
-    try:
-        return t.data_ptr() or id(t)  # 0: no storage of its own
-    except RuntimeError:
-        return id(t)
+    holds its data elsewhere (pyext's oneDNN-packed weights report address 0)."""
+    return t.data_ptr() or id(t)
 
 
 def component_weight_bytes(pipe, names=None) -> dict[str, int]:

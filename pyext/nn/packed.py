@@ -144,21 +144,23 @@ def _fast_path(func, args, kwargs):
     return _compat.mkldnn_conv(x, weight.packed.for_input(tuple(x.shape)), bias, padding, stride, dilation, groups)
 
 
-def skip_reason(module: nn.Module, packable_types: tuple[type, ...] = (nn.Conv2d, nn.Linear)) -> str | None:
+def weight_reason(w: torch.Tensor) -> str | None:
+    """Why a weight is not packable where it sits (device, dtype); None when it is."""
+    if w.device.type != "cpu":
+        return f"on {w.device.type}: oneDNN packing is for the CPU"
+    return dtype_reason(w.dtype)
+
+
+def skip_reason(module: nn.Module) -> str | None:
     """Why a layer is not packed; None when it is packable."""
     w = getattr(module, "weight", None)
     if isinstance(w, PackedWeight):
         return "already packed"
-    if type(module) not in packable_types:
+    if type(module) not in _PACKED_CLASS:
         return "not a plain Conv2d/Linear"
-    if w.device.type != "cpu":
-        return f"on {w.device.type}: oneDNN packing is for the CPU"
-    reason = dtype_reason(w.dtype)
-    if reason:
-        return reason
     if isinstance(module, nn.Conv2d) and (isinstance(module.padding, str) or module.padding_mode != "zeros"):
         return f"padding {module.padding!r}, mode {module.padding_mode!r}: only numeric zero padding"
-    return None
+    return weight_reason(w)
 
 
 def _conv_args(module: nn.Module) -> tuple | None:
@@ -194,7 +196,7 @@ class _Packable:
                 self._parameters["weight"] = w
         self._unpack_weight()
         out = super()._apply(fn, recurse)
-        if skip_reason(self, packable_types=(type(self),)) is None:
+        if weight_reason(self.weight) is None:  # the layer itself was packable when packed
             self._pack_weight()
         return out
 
