@@ -14,7 +14,7 @@ import json
 import time
 import traceback
 
-SUITES = ("attention", "vae", "fp8")
+SUITES = ("attention", "vae", "fp8", "winograd")
 
 
 def run_suite(name: str) -> dict:

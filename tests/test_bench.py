@@ -156,6 +156,19 @@ def test_fp8_layer_benches_run_on_small_shapes():
         assert times and all(math.isfinite(t) and t > 0 for t in times), row
 
 
+def test_winograd_bench_pairs_rounds_and_reports_the_rule():
+    from bench import winograd
+    from pyext._ext import has_kernel
+
+    if not has_kernel("winograd_conv3x3"):
+        assert "rule" in winograd.run(1)[0]
+        return
+    row = winograd.measure((1, 8, 40, 9), rounds=3)
+    assert row["onednn_ms"] > 0 and row["winograd_ms"] > 0
+    assert row["ratio_min"] <= row["ratio"] <= row["ratio_max"]
+    assert "under 32" in row["rule"]
+
+
 def test_cpu_runtimes_pairs_rounds_and_checks_outputs(tmp_path):
     """bench.cpu_runtimes on the tiny sd15: each runtime in its own process, paired ratios per
     round, every output checked against eager's, and a missing runtime reported with its reason."""

@@ -9,6 +9,8 @@ A PackedWeight is the layer's `weight` Parameter itself, so the layer stays an n
 nn.Linear and holds one copy of its weights, in the packed layout only:
 - F.conv2d / F.linear with it run oneDNN's kernels on the packed weight (`__torch_function__`);
   a convolution is packed for the input shape it sees, repacked when the shape changes;
+- a 3x3 convolution (stride 1, padding 1) whose input shape suits Winograd (pyext.ops.winograd's
+  rule) keeps its weight plain, stored (3, 3, in, out) as the Winograd op reads it, and runs that op;
 - any other use (a read, a copy, `.to(...)`, state_dict's values) sees the plain weight,
   unpacked on demand (`__torch_dispatch__`); an in-place write (load_state_dict) repacks.
 `pack(module)` / `unpack(module)` convert a model's layers; unpacking is exact. A cast or move
@@ -25,6 +27,8 @@ import torch.nn.functional as F
 from torch.utils._pytree import tree_map
 
 from pyext import _compat
+from pyext._ext import kernel_missing
+from pyext.ops import winograd
 
 # oneDNN packs fp32 anywhere; bf16 only where the CPU computes it natively (the reorder refuses
 # otherwise). fp16 convolutions have no oneDNN CPU path worth packing for.
@@ -43,31 +47,44 @@ def dtype_reason(dtype: torch.dtype) -> str | None:
 class _Packed:
     """What every alias of one PackedWeight shares (Parameter creation and `.data` make aliases)."""
 
-    tensor: torch.Tensor               # the mkldnn-layout weight
+    tensor: torch.Tensor               # the mkldnn-layout weight, or the plain one for Winograd
     conv: tuple | None                 # (stride, padding, dilation, groups) of a Conv2d, None for a Linear
     input_shape: tuple | None = None   # the input shape a convolution weight is packed for
+    winograd: bool = False             # tensor is plain, (3, 3, in, out) in memory, for winograd_conv3x3
     lock: threading.Lock = field(default_factory=threading.Lock)
 
     def dense(self) -> torch.Tensor:
-        return self.tensor.to_dense()
+        return self.tensor.clone() if self.winograd else self.tensor.to_dense()
 
     def pack(self, dense: torch.Tensor, input_shape: tuple | None = None) -> None:
+        self.winograd = input_shape is not None and _winograd_suits(self.conv, dense, input_shape)
         if self.conv is None:
             self.tensor = _compat.mkldnn_reorder_linear_weight(dense.contiguous())
+        elif self.winograd:
+            self.tensor = dense.permute(2, 3, 1, 0).contiguous().permute(3, 2, 0, 1)
         else:
             stride, padding, dilation, groups = self.conv
             self.tensor = _compat.mkldnn_reorder_conv_weight(dense.contiguous(), padding, stride, dilation, groups,
                                                              list(input_shape) if input_shape else None)
         self.input_shape = input_shape
 
-    def for_input(self, shape: tuple) -> torch.Tensor:
+    def for_input(self, shape: tuple) -> tuple[torch.Tensor, bool]:
+        """(the weight to run, whether by Winograd) for a convolution's input shape."""
         # A convolution's blocked layout depends on the input shape; one packed for another
         # shape runs, but up to 10x slower (measured at SD1.5 UNet shapes), so repack.
-        if self.conv is not None and shape != self.input_shape:
-            with self.lock:
-                if shape != self.input_shape:
-                    self.pack(self.dense(), shape)
-        return self.tensor
+        with self.lock:
+            if shape != self.input_shape:
+                self.pack(self.dense(), shape)
+            return self.tensor, self.winograd
+
+
+def _winograd_suits(conv: tuple | None, weight: torch.Tensor, input_shape: tuple) -> bool:
+    if conv != ((1, 1), (1, 1), (1, 1), 1) or tuple(weight.shape[2:]) != (3, 3) or weight.dtype not in winograd.DTYPES:
+        return False
+    if kernel_missing("winograd_conv3x3") or len(input_shape) != 4:
+        return False
+    n, _, h, w = input_shape
+    return winograd.winograd_reason(n, weight.shape[1], weight.shape[0], h, w) is None
 
 
 class PackedWeight(torch.Tensor):
@@ -141,7 +158,11 @@ def _fast_path(func, args, kwargs):
     if (call.get("stride", 1), call.get("padding", 0), call.get("dilation", 1), call.get("groups", 1)) != \
             weight.packed.conv or x.dim() != 4:
         return None  # called with other arguments than the layer's (F.pad + padding 0, say): plain path
-    return _compat.mkldnn_conv(x, weight.packed.for_input(tuple(x.shape)), bias, padding, stride, dilation, groups)
+    tensor, by_winograd = weight.packed.for_input(tuple(x.shape))
+    if by_winograd:
+        y = torch.ops.pyext.winograd_conv3x3(x, tensor, bias, None)  # channels-last, as oneDNN gives it here
+        return y if x.is_contiguous(memory_format=torch.channels_last) else y.contiguous()
+    return _compat.mkldnn_conv(x, tensor, bias, padding, stride, dilation, groups)
 
 
 def weight_reason(w: torch.Tensor) -> str | None:

@@ -1,0 +1,15 @@
+// AVX512 build of the Winograd transforms: the same source, auto-vectorised over channels
+// (16 fp32 lanes).
+#if defined(__x86_64__) && (defined(__GNUC__) || defined(__clang__))
+#pragma GCC target("avx512f,avx512bw,avx512vl,avx2,fma")
+#include "winograd/winograd_cpu_impl.h"
+
+namespace pyext::cpu {
+WinogradKernels winograd_avx512() { return kKernels; }
+}  // namespace pyext::cpu
+#else
+#include "winograd/winograd_cpu.h"
+namespace pyext::cpu {
+WinogradKernels winograd_avx512() { return {nullptr, nullptr, nullptr}; }
+}  // namespace pyext::cpu
+#endif

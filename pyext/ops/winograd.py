@@ -1,0 +1,131 @@
+"""winograd_conv3x3: a 3x3 convolution (stride 1, padding 1) by Winograd's F(4x4, 3x3) on the CPU.
+
+Each 4x4 block of output pixels takes 36 multiplies per (input, output) channel pair instead
+of 144: the input's 6x6 windows and the weight go to the Winograd domain, the 36 points are 36
+independent GEMMs (torch's BLAS), and the output transform brings each tile back
+(csrc/winograd/). The weight is transformed on every call into a reused workspace, so no
+second copy of the weights is held. In fp32 the result differs from a direct convolution by a
+few times its rounding error (the transforms' constants are up to 8; tests bound it).
+
+It pays where the GEMMs dominate: many output pixels per weight element. Where they do not
+(the UNet's 8x8 levels, 3- or 4-channel layers) oneDNN's direct convolution is faster;
+`winograd_reason` is that rule, from measurements (README, "CPU runtimes"), and the prepacked
+layers of pyext.nn.packed follow it per input shape.
+"""
+from __future__ import annotations
+
+from functools import partial
+from typing import Optional
+
+import torch
+import torch.nn.functional as F
+
+from pyext import dispatch
+from pyext._ext import kernel_missing
+from pyext.dispatch import Backend, PyextError
+
+DTYPES = (torch.float32,)
+# The rule, measured on SD1.5 UNet and VAE layer shapes (2-core AVX2, fp32, channels-last):
+# Winograd takes 0.43-0.91x of oneDNN's time with at least this many output pixels per call,
+# at least MIN_CHANNELS in and out, and pixels >= PIXELS_PER_CHANNEL x the larger channel count
+# (the per-call weight transform is then small); below, up to 2.4x slower.
+MIN_PIXELS, MIN_CHANNELS, PIXELS_PER_CHANNEL = 512, 32, 0.4
+
+
+def winograd_reason(batch: int, in_channels: int, out_channels: int, height: int, width: int) -> Optional[str]:
+    """Why Winograd would be slower than oneDNN's direct convolution for this shape; None when faster."""
+    pixels = batch * height * width
+    if min(in_channels, out_channels) < MIN_CHANNELS:
+        return f"{in_channels}->{out_channels} channels: under {MIN_CHANNELS}, the transforms outweigh the GEMM"
+    if pixels < max(MIN_PIXELS, PIXELS_PER_CHANNEL * max(in_channels, out_channels)):
+        return (f"{pixels} output pixels for {in_channels}->{out_channels} channels: too few to amortise "
+                "the weight's transform")
+    return None
+
+
+def _fail(msg: str) -> None:
+    raise PyextError(f"pyext.winograd_conv3x3: {msg}")
+
+
+def winograd_conv3x3_reference(x, weight, bias):
+    return F.conv2d(x, weight, bias, padding=1)
+
+
+def _cpp(x, weight, bias):
+    return torch.ops.pyext_C.winograd_conv3x3(x, weight, bias)
+
+
+def _cpp_slower(x, weight, bias):
+    reason = winograd_reason(x.shape[0], x.shape[1], weight.shape[0], x.shape[2], x.shape[3])
+    return [reason] if reason else []
+
+
+# (batch, in channels, out channels, height, width, channels-last x, bias): odd sizes, tiles cut
+# at the edges, channel counts off the 64-channel blocks.
+TEST_SHAPES = ((1, 3, 5, 7, 9, True, True), (2, 64, 70, 13, 6, True, False), (1, 130, 33, 5, 17, False, True),
+               (1, 1, 1, 1, 1, True, True), (2, 16, 16, 8, 8, False, False))
+dispatch.register("winograd_conv3x3", Backend(
+    "cpp", _cpp, unavailable=partial(kernel_missing, "winograd_conv3x3"), slower=_cpp_slower, devices=("cpu",),
+    dtypes=DTYPES, test_shapes=TEST_SHAPES,
+    doc="C++ F(4x4, 3x3) transforms (scalar/AVX2/AVX-512) around torch's batched GEMM, channels-last"))
+dispatch.register("winograd_conv3x3", Backend(
+    "reference", winograd_conv3x3_reference, dtypes=(torch.float32, torch.float16, torch.bfloat16),
+    test_shapes=TEST_SHAPES, doc="F.conv2d(x, weight, bias, padding=1)"))
+
+# The transforms' constants (up to 8, and 1/24) amplify fp32 rounding a few times over a direct
+# convolution's: within this fraction of the output's largest magnitude (at least 1).
+TOLERANCE = 1e-4
+
+
+def _close(out, ref, args):
+    err = (out.float() - ref.float()).abs().max().item() if out.numel() else 0.0
+    bound = TOLERANCE * max(1.0, ref.float().abs().max().item() if ref.numel() else 0.0)
+    return None if err <= bound else f"max error {err:.3g} (tolerance {bound:.3g})"
+
+
+def _example(spec, dtype, device):
+    batch, cin, cout, h, w, channels_last, with_bias = spec
+    g = torch.Generator(device=device).manual_seed(0)
+    x = torch.randn(batch, cin, h, w, generator=g, device=device).to(dtype)
+    x = x.contiguous(memory_format=torch.channels_last if channels_last else torch.contiguous_format)
+    weight = (torch.randn(cout, cin, 3, 3, generator=g, device=device) / (3 * cin ** 0.5)).to(dtype)
+    bias = torch.randn(cout, generator=g, device=device).to(dtype) if with_bias else None
+    return x, weight, bias
+
+
+def _sample(x, weight, bias):
+    return _example((1, x.shape[1], weight.shape[0], 9, 7, True, bias is not None), x.dtype, x.device)
+
+
+dispatch.define("winograd_conv3x3", sample=lambda args: _sample(*args), close=_close, example=_example,
+                variant=lambda args: (str(args[0].dtype), args[2] is None))
+
+
+@torch.library.custom_op("pyext::winograd_conv3x3", mutates_args=())
+def _winograd_op(x: torch.Tensor, weight: torch.Tensor, bias: Optional[torch.Tensor],
+                 backend: Optional[str] = None) -> torch.Tensor:
+    out = dispatch.select("winograd_conv3x3", (x, weight, bias), backend).run(x, weight, bias)
+    return out.contiguous(memory_format=torch.channels_last)
+
+
+@_winograd_op.register_fake
+def _(x, weight, bias, backend=None):
+    return x.new_empty((x.shape[0], weight.shape[0], *x.shape[2:])).contiguous(memory_format=torch.channels_last)
+
+
+def winograd_conv3x3(x: torch.Tensor, weight: torch.Tensor, bias: Optional[torch.Tensor] = None,
+                     backend: Optional[str] = None) -> torch.Tensor:
+    """F.conv2d(x, weight, bias, stride=1, padding=1) for a 3x3 weight; the output is channels-last.
+
+    The C++ backend reads the weight fastest stored as (3, 3, in, out), i.e. a (out, in, 3, 3) view of
+    `w.permute(2, 3, 1, 0).contiguous()`; any other layout is copied into it on each call."""
+    if not isinstance(x, torch.Tensor) or x.dim() != 4 or not x.is_floating_point():
+        _fail(f"x must be a floating (batch, channels, height, width) tensor, got {dispatch.describe(x)}")
+    if (not isinstance(weight, torch.Tensor) or weight.dim() != 4 or tuple(weight.shape[1:]) != (x.shape[1], 3, 3)
+            or weight.dtype != x.dtype or weight.device != x.device):
+        _fail(f"weight must be a {x.dtype} tensor (out, {x.shape[1]}, 3, 3) on {x.device}, "
+              f"got {dispatch.describe(weight)}; only 3x3 kernels, stride 1, padding 1, groups 1")
+    if bias is not None and (not isinstance(bias, torch.Tensor) or tuple(bias.shape) != (weight.shape[0],)
+                             or bias.dtype != x.dtype or bias.device != x.device):
+        _fail(f"bias must be a {x.dtype} tensor ({weight.shape[0]},) on {x.device}, got {dispatch.describe(bias)}")
+    return torch.ops.pyext.winograd_conv3x3(x, weight, bias, backend)
