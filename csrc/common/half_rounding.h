@@ -42,6 +42,10 @@ PYEXT_HOST_DEVICE inline float bits_float(uint32_t u) {
 
 // Branch-free (every case computed, one selected) so that loops over them vectorise; the
 // float arithmetic runs unconditionally, as GCC will not if-convert it (-ftrapping-math).
+// Multi-way selects are bit masks: GCC 12 keeps nested ternaries as branches for AVX2 and SSE.
+PYEXT_HOST_DEVICE inline uint32_t mask_if(bool c) { return 0u - static_cast<uint32_t>(c); }
+PYEXT_HOST_DEVICE inline uint32_t select_bits(uint32_t mask, uint32_t a, uint32_t b) { return (a & mask) | (b & ~mask); }
+
 PYEXT_HOST_DEVICE inline float bf16_to_float(uint16_t h) { return bits_float(static_cast<uint32_t>(h) << 16); }
 
 PYEXT_HOST_DEVICE inline uint16_t float_to_bf16(float f) {
@@ -54,10 +58,10 @@ PYEXT_HOST_DEVICE inline uint16_t float_to_bf16(float f) {
 PYEXT_HOST_DEVICE inline float fp16_to_float(uint16_t h) {
   const uint32_t sign = static_cast<uint32_t>(h & 0x8000u) << 16;
   const uint32_t exp = (h >> 10) & 0x1fu, mant = h & 0x3ffu;
-  const uint32_t normal = ((exp + (exp == 0x1f ? 224u : 112u)) << 23) | (mant << 13);  // inf/NaN: exponent 255
+  const uint32_t normal = ((exp + 112u + (112u & mask_if(exp == 0x1f))) << 23) | (mant << 13);  // inf/NaN: exponent 255
   // Subnormal (or zero): 2^-14 * (1 + mant / 1024) - 2^-14 = mant * 2^-24, exact.
   const float subnormal = bits_float((113u << 23) | (mant << 13)) - bits_float(113u << 23);
-  return bits_float(sign | (exp == 0 ? float_bits(subnormal) : normal));
+  return bits_float(sign | select_bits(mask_if(exp == 0), float_bits(subnormal), normal));
 }
 
 PYEXT_HOST_DEVICE inline uint16_t float_to_fp16(float f) {
@@ -69,7 +73,9 @@ PYEXT_HOST_DEVICE inline uint16_t float_to_fp16(float f) {
   // round-to-nearest-even rounds it at the fp16 subnormal ulp, 2^-24.
   const uint32_t subnormal = float_bits(bits_float(u) + 0.5f) - float_bits(0.5f);
   const uint32_t nan = 0x7e00u | ((u >> 13) & 0x3ffu);  // quiet, top payload bits
-  const uint32_t magnitude = u > 0x7f800000u ? nan : u >= 0x47800000u ? 0x7c00u : u < 0x38800000u ? subnormal : normal;
+  const uint32_t magnitude = select_bits(mask_if(u > 0x7f800000u), nan,
+                                         select_bits(mask_if(u >= 0x47800000u), 0x7c00u,
+                                                     select_bits(mask_if(u < 0x38800000u), subnormal, normal)));
   return static_cast<uint16_t>(sign | magnitude);
 }
 

@@ -1,6 +1,7 @@
 """Triton kernels. Importing this package never imports triton; each kernel module does."""
 from __future__ import annotations
 
+import functools
 import importlib.util
 import os
 from dataclasses import dataclass
@@ -11,6 +12,7 @@ def interpreting() -> bool:
     return os.environ.get("TRITON_INTERPRET", "0") == "1"
 
 
+@functools.lru_cache(maxsize=None)  # asked on every op call: no import-path search each time
 def triton_unavailable() -> str | None:
     """None if Triton kernels can run here, else why not. Never initialises CUDA."""
     if importlib.util.find_spec("triton") is None:

@@ -53,8 +53,10 @@ def triton_specs(everything: bool = False) -> list[Spec]:
     """Candidate configs of the Triton kernels. everything=True: every config of every head dim
     and dtype the op takes. Otherwise (the CI test, under half the compiles): fp16 and fp32
     defaults at every head dim (spills depend on the head dim's parts), and every fp16 config at
-    the widest head dim of its class; bf16 compiles to the same registers as fp16."""
-    from pyext.kernels import attention, fp8_linear
+    the widest head dim of its class; bf16 compiles to the same registers as fp16. GroupNorm:
+    the stats and apply kernels' fp16 and fp32 defaults in both layouts and every fp16
+    channels-last config (the more index math), the merge once (it reads float32 moments only)."""
+    from pyext.kernels import attention, fp8_linear, group_norm
 
     def spec(module, function, variant, cfg, default, sig_const):
         return Spec(module.__name__, function, variant, cfg, default, *sig_const)
@@ -75,6 +77,19 @@ def triton_specs(everything: bool = False) -> list[Spec]:
             for i, cfg in enumerate(fp8_linear.configs(m)):
                 specs.append(spec(fp8_linear, "_fp8_linear_kernel", f"{short} {rows}", cfg, i == 0,
                                   fp8_linear.signature(dtype, cfg)))
+    candidates = group_norm.configs()
+    for dtype, short in DTYPES.items():
+        if dtype == torch.bfloat16 and not everything:
+            continue
+        for channels_last in (False, True):
+            every = everything or (dtype == torch.float16 and channels_last)
+            for function in ("_gn_stats", "_gn_apply"):
+                for i, cfg in enumerate(candidates if every else candidates[:1]):
+                    specs.append(spec(group_norm, function, f"{short} {'cl' if channels_last else 'cf'}", cfg, i == 0,
+                                      group_norm.signature(function, dtype, cfg, channels_last)))
+    merge = group_norm.MERGE_CONFIG
+    specs.append(spec(group_norm, "_gn_merge", "fp64", merge, True,
+                      group_norm.signature("_gn_merge", torch.float32, merge, False)))
     return specs
 
 
