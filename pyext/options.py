@@ -62,6 +62,8 @@ class OptimizeOptions:
     channels_last: "auto" (conv-heavy denoisers and 2-D VAEs) | "on" | "off".
     prepack: "auto" (on a CPU: Conv2d/Linear weights of denoisers, VAEs and controlnets packed once
         for oneDNN) | "on" (every component) | "off".
+    fuse_norms: "auto" (on a CPU: GroupNorm + SiLU in one pass in the ResnetBlock2D blocks of
+        denoisers, VAEs and controlnets) | "on" (every component, any device) | "off".
     compile: "auto" (trace where the family allows it, on GPUs) | "off" | "trace" | "compile".
     compile_backend: the torch.compile backend for compile="compile".
     vae_tiling: "auto" (only when the full decode would not fit the budget) | "on" | "off".
@@ -80,6 +82,7 @@ class OptimizeOptions:
     keep_original_weights: bool = False
     channels_last: Switch = "auto"
     prepack: Switch = "auto"
+    fuse_norms: Switch = "auto"
     compile: CompileMode = "auto"
     compile_backend: str = "inductor"
     vae_tiling: Switch = "auto"
@@ -93,7 +96,8 @@ class OptimizeOptions:
     batch: int = 2
 
     def __post_init__(self):
-        for name, kind in (("fp8", FP8Mode), ("channels_last", Switch), ("prepack", Switch), ("compile", CompileMode),
+        for name, kind in (("fp8", FP8Mode), ("channels_last", Switch), ("prepack", Switch), ("fuse_norms", Switch),
+                           ("compile", CompileMode),
                            ("vae_tiling", Switch), ("vae_slicing", Switch), ("offload", OffloadMode)):
             value = getattr(self, name)
             if not isinstance(value, str) or value not in get_args(kind):
