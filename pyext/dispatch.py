@@ -315,6 +315,12 @@ def decisions() -> list[dict]:
     return [dict(d, device=c.name) for c in _CACHES.values() for d in c.decisions.values()]
 
 
+def marked_unusable(op_name: str, backend_name: str, device: torch.device) -> bool:
+    """Whether a backend failed its self-check or raised on this device (this process's view)."""
+    with _LOCK:
+        return f"{op_name}|{backend_name}" in _cache(device).unusable
+
+
 def unusable() -> list[dict]:
     """[{op, backend, reason, device}]: backends that failed their self-check or raised at run time."""
     _load_all()

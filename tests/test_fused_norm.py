@@ -72,6 +72,24 @@ class _Adjacent(_ScaledBetween):
         return self.nonlinearity(self.norm2(self.nonlinearity(self.norm1(x))))
 
 
+def test_shared_silu_meta_parameters_and_unsupported_dtypes_stay_plain():
+    shared = nn.Sequential(_Adjacent(), _Adjacent())
+    shared[1].nonlinearity = shared[0].nonlinearity
+    report = fuse_norms(shared)
+    assert not report.fused and all("shared" in r for r in report.skipped.values())
+    with torch.device("meta"):
+        meta = nn.Sequential(_Adjacent())
+    assert "meta" in fuse_norms(meta).skipped["0"]
+    model = nn.Sequential(_Adjacent())
+    fuse_norms(model)
+    x = torch.randn(2, 4, 5, 5, dtype=torch.float64)
+    with torch.no_grad():
+        y = model.double()(x)  # float64: torch's ops, as a plain GroupNorm takes it
+    model[0].norm1.__class__ = model[0].norm2.__class__ = nn.GroupNorm
+    model[0].nonlinearity.__class__ = nn.SiLU
+    assert torch.allclose(y, model(x))
+
+
 def test_silu_after_fused_norm_applies_silu_to_anything_unmarked():
     act = nn.SiLU()
     act.__class__ = SiLUAfterFusedNorm

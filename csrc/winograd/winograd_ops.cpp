@@ -24,17 +24,23 @@ constexpr int64_t kMinChunkTiles = 64;
 
 // The transformed weight and tile buffers, kept between calls: fresh buffers this large are
 // mapped anew by malloc on every call, and their page faults cost as much as the transforms.
-// Calls take turns on it (inference runs one convolution at a time; each is parallel inside).
+// Up to kKeptBytes is kept (pyext.ops.winograd's rule keeps the layers it picks within it);
+// a larger call gets a buffer of its own, freed after it. Calls take turns on the kept one
+// (inference runs one convolution at a time; each is parallel inside).
+constexpr int64_t kKeptBytes = 96 << 20;
+
 struct Workspace {
   std::mutex lock;
   at::Tensor buffer;
 
-  float* get(int64_t floats) {
+  at::Tensor get(int64_t floats) {
+    const auto f32 = at::TensorOptions().dtype(at::kFloat);
+    if (floats * 4 > kKeptBytes) return at::empty({floats}, f32);
     if (!buffer.defined() || buffer.numel() < floats) {
       buffer = at::Tensor();  // free the old one first
-      buffer = at::empty({floats}, at::TensorOptions().dtype(at::kFloat));
+      buffer = at::empty({floats}, f32);
     }
-    return buffer.data_ptr<float>();
+    return buffer;
   }
 };
 
@@ -82,7 +88,8 @@ at::Tensor winograd_conv3x3_cpu(const at::Tensor& x, const at::Tensor& weight, c
   const int64_t u_size = kWinogradPoints * ci * co;
   Workspace& ws = workspace();
   std::lock_guard<std::mutex> guard(ws.lock);
-  float* base = ws.get(u_size + kWinogradPoints * chunk * (ci + co));
+  const at::Tensor buffer = ws.get(u_size + kWinogradPoints * chunk * (ci + co));
+  float* base = buffer.data_ptr<float>();
   const auto f32 = at::TensorOptions().dtype(at::kFloat);
   at::Tensor u = at::from_blob(base, {kWinogradPoints, ci, co}, f32);
   at::parallel_for(0, ci, 1, [&](int64_t lo, int64_t hi) { k.weight(g.data_ptr<float>(), u.data_ptr<float>(), ci, co, lo, hi); });

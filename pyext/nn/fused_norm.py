@@ -9,7 +9,8 @@ applies SiLU to anything else (the time embedding goes through the same module).
 
 The marking only holds where the norm's output goes straight into the nonlinearity, so each
 block is probed when fused: on a small random input, the fused block must give the plain
-block's output, else it is put back and reported with the difference.
+block's output, else it is put back and reported with the difference. Blocks sharing one SiLU
+module are left plain. A forward hook added later on a fused norm sees the SiLU'd output.
 """
 from __future__ import annotations
 
@@ -19,7 +20,7 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
-from pyext.ops.group_norm import group_norm
+from pyext.ops.group_norm import DTYPES, group_norm
 
 _MARK = "_pyext_silu_applied"
 
@@ -28,7 +29,8 @@ class GroupNormSiLU(nn.GroupNorm):
     """silu(group_norm(x)) in one pass; the output is marked for SiLUAfterFusedNorm."""
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        if torch.is_grad_enabled() and any(t is not None and t.requires_grad for t in (x, self.weight, self.bias)):
+        if (x.dtype not in DTYPES or not self.eps > 0  # what the op refuses, plain GroupNorm takes
+                or torch.is_grad_enabled() and any(t is not None and t.requires_grad for t in (x, self.weight, self.bias))):
             y = F.silu(F.group_norm(x, self.num_groups, self.weight, self.bias, self.eps))  # the op has no backward
         else:
             y = group_norm(x, self.num_groups, self.weight, self.bias, self.eps, activation="silu")
@@ -67,7 +69,10 @@ def _set_classes(block: nn.Module, names: list[str], fused: bool) -> None:
 
 
 def _probe(block: nn.Module, names: list[str]) -> str | None:
-    """None when the fused block gives the plain block's output on a small input, else why not."""
+    """None when the fused block gives the plain block's output on a small input, else why not
+    (and the block is plain again)."""
+    if any(p.device.type == "meta" for p in block.parameters()):
+        return "parameters on the meta device (offloaded): nothing to probe with"
     try:
         x, temb = _probe_args(block)
         with torch.no_grad():
@@ -75,15 +80,16 @@ def _probe(block: nn.Module, names: list[str]) -> str | None:
             plain = block(x, temb)
             _set_classes(block, names, True)
             fused = block(x, temb)
-    except Exception as err:  # parameters on meta (offloaded), a block that wants other arguments
+        tolerance = 1e-4 if x.dtype == torch.float32 else 3e-2
+        err = (fused.float() - plain.float()).abs().max().item()
+        reason = None
+        if not err <= tolerance * max(1.0, plain.float().abs().max().item()):
+            reason = f"the fused block's output differs from the plain one's by {err:.3g}"
+    except Exception as err:  # a block that wants other arguments or inputs
+        reason = f"the probe could not run ({type(err).__name__}: {str(err)[:120]})"
+    if reason:
         _set_classes(block, names, False)
-        return f"the probe could not run ({type(err).__name__}: {str(err)[:120]})"
-    tolerance = 1e-4 if x.dtype == torch.float32 else 3e-2
-    err = (fused.float() - plain.float()).abs().max().item()
-    if not err <= tolerance * max(1.0, plain.float().abs().max().item()):
-        _set_classes(block, names, False)
-        return f"the fused block's output differs from the plain one's by {err:.3g}"
-    return None
+    return reason
 
 
 @dataclass
@@ -98,11 +104,15 @@ class FuseReport:
 def fuse_norms(model: nn.Module) -> FuseReport:
     """Fuse every probed-safe GroupNorm -> SiLU pair of the model's ResnetBlock2D-shaped blocks."""
     report = FuseReport()
-    for name, block in model.named_modules():
-        names = _pairs(block)
-        if not names:
-            continue
-        reason = _probe(block, names)
+    blocks = [(name, block, _pairs(block)) for name, block in model.named_modules()]
+    blocks = [(name, block, names) for name, block, names in blocks if names]
+    owners: dict[int, int] = {}
+    for _, block, _ in blocks:
+        owners[id(block.nonlinearity)] = owners.get(id(block.nonlinearity), 0) + 1
+    for name, block, names in blocks:
+        # A SiLU shared by blocks would pass marked tensors through in blocks left plain.
+        reason = ("its SiLU module is shared with other blocks" if owners[id(block.nonlinearity)] > 1
+                  else _probe(block, names))
         if reason:
             report.skipped[name] = reason
         else:

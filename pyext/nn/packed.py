@@ -26,7 +26,7 @@ import torch.nn as nn
 import torch.nn.functional as F
 from torch.utils._pytree import tree_map
 
-from pyext import _compat
+from pyext import _compat, dispatch
 from pyext._ext import kernel_missing
 from pyext.ops import winograd
 
@@ -54,19 +54,22 @@ class _Packed:
     lock: threading.Lock = field(default_factory=threading.Lock)
 
     def dense(self) -> torch.Tensor:
-        return self.tensor.clone() if self.winograd else self.tensor.to_dense()
+        # Read from the tensor alone, not the flag: a repack elsewhere never shows a mismatched pair.
+        t = self.tensor
+        return t.to_dense() if t.is_mkldnn else t.contiguous()
 
     def pack(self, dense: torch.Tensor, input_shape: tuple | None = None) -> None:
-        self.winograd = input_shape is not None and _winograd_suits(self.conv, dense, input_shape)
+        """Callers that may race with for_input hold `lock`; nothing is changed if packing raises."""
+        winograd = input_shape is not None and _winograd_suits(self.conv, dense, input_shape)
         if self.conv is None:
-            self.tensor = _compat.mkldnn_reorder_linear_weight(dense.contiguous())
-        elif self.winograd:
-            self.tensor = dense.permute(2, 3, 1, 0).contiguous().permute(3, 2, 0, 1)
+            tensor = _compat.mkldnn_reorder_linear_weight(dense.contiguous())
+        elif winograd:
+            tensor = dense.permute(2, 3, 1, 0).contiguous().permute(3, 2, 0, 1)
         else:
             stride, padding, dilation, groups = self.conv
-            self.tensor = _compat.mkldnn_reorder_conv_weight(dense.contiguous(), padding, stride, dilation, groups,
-                                                             list(input_shape) if input_shape else None)
-        self.input_shape = input_shape
+            tensor = _compat.mkldnn_reorder_conv_weight(dense.contiguous(), padding, stride, dilation, groups,
+                                                        list(input_shape) if input_shape else None)
+        self.tensor, self.winograd, self.input_shape = tensor, winograd, input_shape
 
     def for_input(self, shape: tuple) -> tuple[torch.Tensor, bool]:
         """(the weight to run, whether by Winograd) for a convolution's input shape."""
@@ -81,8 +84,10 @@ class _Packed:
 def _winograd_suits(conv: tuple | None, weight: torch.Tensor, input_shape: tuple) -> bool:
     if conv != ((1, 1), (1, 1), (1, 1), 1) or tuple(weight.shape[2:]) != (3, 3) or weight.dtype not in winograd.DTYPES:
         return False
-    if kernel_missing("winograd_conv3x3") or len(input_shape) != 4:
-        return False
+    if len(input_shape) != 4 or input_shape[1] != weight.shape[1]:
+        return False  # a wrong input goes the plain way, to F.conv2d's own error
+    if kernel_missing("winograd_conv3x3") or dispatch.marked_unusable("winograd_conv3x3", "cpp", weight.device):
+        return False  # keep oneDNN's packing rather than F.conv2d on a plain weight
     n, _, h, w = input_shape
     return winograd.winograd_reason(n, weight.shape[1], weight.shape[0], h, w) is None
 
@@ -136,7 +141,8 @@ class PackedWeight(torch.Tensor):
         for i, arg in enumerate(func._schema.arguments):
             if arg.alias_info is not None and arg.alias_info.is_write and i < len(args) \
                     and isinstance(args[i], PackedWeight):
-                args[i].packed.pack(unpacked[0][i], args[i].packed.input_shape)
+                with args[i].packed.lock:
+                    args[i].packed.pack(unpacked[0][i], args[i].packed.input_shape)
                 return args[i] if out is unpacked[0][i] else out
         return out
 

@@ -3,8 +3,9 @@
 Each 4x4 block of output pixels takes 36 multiplies per (input, output) channel pair instead
 of 144: the input's 6x6 windows and the weight go to the Winograd domain, the 36 points are 36
 independent GEMMs (torch's BLAS), and the output transform brings each tile back
-(csrc/winograd/). The weight is transformed on every call into a reused workspace, so no
-second copy of the weights is held. In fp32 the result differs from a direct convolution by a
+(csrc/winograd/). The weight is transformed on every call into a workspace the process keeps
+(at most 64 MiB for the transformed weight, which the rule enforces, plus the tile chunks), so the
+layers hold no second copy of their weights. In fp32 the result differs from a direct convolution by a
 few times its rounding error (the transforms' constants are up to 8; tests bound it).
 
 It pays where the GEMMs dominate: many output pixels per weight element. Where they do not
@@ -30,11 +31,18 @@ DTYPES = (torch.float32,)
 # at least MIN_CHANNELS in and out, and pixels >= PIXELS_PER_CHANNEL x the larger channel count
 # (the per-call weight transform is then small); below, up to 2.4x slower.
 MIN_PIXELS, MIN_CHANNELS, PIXELS_PER_CHANNEL = 512, 32, 0.4
+# The transformed weight (36 floats per input/output channel pair) lives in the kept workspace:
+# bounded so that the workspace stays small next to the model (1280x1280 would take 236 MB).
+MAX_TRANSFORMED_BYTES = 64 << 20
 
 
 def winograd_reason(batch: int, in_channels: int, out_channels: int, height: int, width: int) -> Optional[str]:
     """Why Winograd would be slower than oneDNN's direct convolution for this shape; None when faster."""
     pixels = batch * height * width
+    transformed = 36 * 4 * in_channels * out_channels
+    if transformed > MAX_TRANSFORMED_BYTES:
+        return (f"{in_channels}->{out_channels} channels: the transformed weight would take "
+                f"{transformed >> 20} MiB, over the {MAX_TRANSFORMED_BYTES >> 20} MiB workspace")
     if min(in_channels, out_channels) < MIN_CHANNELS:
         return f"{in_channels}->{out_channels} channels: under {MIN_CHANNELS}, the transforms outweigh the GEMM"
     if pixels < max(MIN_PIXELS, PIXELS_PER_CHANNEL * max(in_channels, out_channels)):
