@@ -7,8 +7,15 @@ import torch.nn as nn
 
 import pyext
 from pyext.dispatch import PyextError
+from pyext.nn import fused_norm
 from pyext.nn.fused_norm import GroupNormSiLU, SiLUAfterFusedNorm, fuse_norms, unfuse_norms
 from pyext.offline import build_pipeline
+
+
+@pytest.fixture(autouse=True)
+def fuse_every_size(monkeypatch):
+    """The tiny test models' activations are under the size where fusing pays; run the op anyway."""
+    monkeypatch.setattr(fused_norm, "MIN_FUSED_NUMEL", 0)
 
 
 def generate(pipe):
@@ -88,6 +95,19 @@ def test_shared_silu_meta_parameters_and_unsupported_dtypes_stay_plain():
     model[0].norm1.__class__ = model[0].norm2.__class__ = nn.GroupNorm
     model[0].nonlinearity.__class__ = nn.SiLU
     assert torch.allclose(y, model(x))
+
+
+def test_fused_norms_call_the_op_above_the_size_rule_and_torch_below(monkeypatch):
+    calls = []
+    monkeypatch.setattr(fused_norm, "group_norm", lambda *a, **k: calls.append(a[0].numel()) or torch.zeros_like(a[0]))
+    monkeypatch.setattr(fused_norm, "MIN_FUSED_NUMEL", 100)
+    norm = nn.GroupNorm(2, 4)
+    norm.__class__ = GroupNormSiLU
+    with torch.no_grad():
+        norm(torch.randn(1, 4, 5, 5))  # 100 elements: the op
+        small = torch.randn(1, 4, 2, 3)
+        assert torch.allclose(norm(small), torch.nn.functional.silu(nn.functional.group_norm(small, 2)))
+    assert calls == [100]
 
 
 def test_silu_after_fused_norm_applies_silu_to_anything_unmarked():

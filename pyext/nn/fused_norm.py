@@ -23,6 +23,9 @@ import torch.nn.functional as F
 from pyext.ops.group_norm import DTYPES, group_norm
 
 _MARK = "_pyext_silu_applied"
+# Below this many elements the op's per-call cost (custom op and dispatch, ~0.1 ms) outweighs the
+# pass it saves: measured at 2x1280x8x8, 0.33 ms fused against 0.27 ms for torch's GroupNorm + SiLU.
+MIN_FUSED_NUMEL = 1 << 18
 
 
 class GroupNormSiLU(nn.GroupNorm):
@@ -30,6 +33,7 @@ class GroupNormSiLU(nn.GroupNorm):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if (x.dtype not in DTYPES or not self.eps > 0  # what the op refuses, plain GroupNorm takes
+                or x.numel() < MIN_FUSED_NUMEL
                 or torch.is_grad_enabled() and any(t is not None and t.requires_grad for t in (x, self.weight, self.bias))):
             y = F.silu(F.group_norm(x, self.num_groups, self.weight, self.bias, self.eps))  # the op has no backward
         else:
