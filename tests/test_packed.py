@@ -24,6 +24,20 @@ CONVS = [(8, 16, 3, 1, 1, 1, 1, True, (9, 7)), (16, 16, 3, 2, 1, 1, 1, True, (8,
 LINEARS = [(40, 48, True, (3, 7)), (13, 5, False, (2,)), (64, 130, True, (1, 2, 3))]
 
 
+@pytest.fixture(autouse=True)
+def pack_every_linear(monkeypatch):
+    """These layers are small fp32 Linears, which stay plain by default (BLAS is faster): pack them."""
+    monkeypatch.setattr(packed, "BLAS_LINEAR_BYTES", 0)
+
+
+def test_small_fp32_linears_stay_plain_by_default_and_big_ones_are_packed(monkeypatch):
+    monkeypatch.undo()
+    model = nn.Sequential(nn.Linear(64, 128), nn.Linear(4096, 4096, bias=False)).eval()
+    report = pack(model)
+    assert "BLAS" in report.skipped["0"] and report.packed == ["1"]
+    assert not isinstance(model[0].weight, PackedWeight) and isinstance(model[1].weight, PackedWeight)
+
+
 def rel_err(out, ref):
     return ((out.float() - ref.float()).abs().max() / ref.float().abs().max().clamp_min(1e-6)).item()
 
@@ -109,7 +123,10 @@ def test_one_copy_state_dict_load_and_save():
 
 _ONE_COPY = """
 import gc, torch, torch.nn as nn
+from pyext.nn import packed
 from pyext.nn.packed import pack
+
+packed.BLAS_LINEAR_BYTES = 0  # the warm-up layer is a small fp32 Linear
 
 def rss():
     with open("/proc/self/statm") as f:

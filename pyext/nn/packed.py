@@ -13,6 +13,7 @@ nn.Linear and holds one copy of its weights, in the packed layout only:
   rule) keeps its weight plain, stored (3, 3, in, out) as the Winograd op reads it, and runs that op;
 - any other use (a read, a copy, `.to(...)`, state_dict's values) sees the plain weight,
   unpacked on demand (`__torch_dispatch__`); an in-place write (load_state_dict) repacks.
+fp32 Linears up to BLAS_LINEAR_BYTES stay plain: torch's BLAS is faster on them than oneDNN.
 `pack(module)` / `unpack(module)` convert a model's layers; unpacking is exact. A cast or move
 (`module.to(...)`) unpacks a layer first and packs it again if it stays packable.
 """
@@ -33,6 +34,12 @@ from pyext.ops import winograd
 # oneDNN packs fp32 anywhere; bf16 only where the CPU computes it natively (the reorder refuses
 # otherwise). fp16 convolutions have no oneDNN CPU path worth packing for.
 DTYPES = (torch.float32, torch.bfloat16)
+
+
+# fp32 Linear weights up to this size stay plain: torch's BLAS addmm beat oneDNN's packed GEMM on
+# the SD1.5 UNet's linear shapes with weights up to 13 MB (by 5-18%), oneDNN won at 52 MB
+# (1280 -> 10240 at 128 rows) (README, "CPU runtimes"; 2-core AVX2 EPYC, 2 threads).
+BLAS_LINEAR_BYTES = 32 << 20
 
 
 def dtype_reason(dtype: torch.dtype) -> str | None:
@@ -187,6 +194,9 @@ def skip_reason(module: nn.Module) -> str | None:
         return "not a plain Conv2d/Linear"
     if isinstance(module, nn.Conv2d) and (isinstance(module.padding, str) or module.padding_mode != "zeros"):
         return f"padding {module.padding!r}, mode {module.padding_mode!r}: only numeric zero padding"
+    if isinstance(module, nn.Linear) and w.dtype == torch.float32 and w.numel() * 4 <= BLAS_LINEAR_BYTES:
+        return (f"an fp32 Linear of at most {BLAS_LINEAR_BYTES >> 20} MiB: torch's BLAS runs it faster than "
+                "oneDNN's packed GEMM (measured)")
     return weight_reason(w)
 
 
