@@ -42,3 +42,21 @@ class Technique:
 
     def already(self, component: str, detail: str) -> Entry:
         return Entry(component, self.name, "already", detail)
+
+
+class PerComponent(Technique):
+    """A technique that decides for each component on its own: `why_not` gives the reason to leave
+    it as it is (None: change it), `change` changes it and returns its entry."""
+
+    def apply(self, pipe, d) -> list[Entry]:
+        entries = []
+        for name, module in d.components.modules.items():
+            why = self.why_not(name, module, d)
+            entries.append(self.skipped(name, why) if why else self.change(name, module, d))
+        return entries
+
+    def why_not(self, name: str, module, d) -> str | None:
+        raise NotImplementedError
+
+    def change(self, name: str, module, d) -> Entry:
+        raise NotImplementedError

@@ -4,40 +4,29 @@ from __future__ import annotations
 import functools
 
 from pyext.nn.fused_norm import GroupNormSiLU, fuse_norms, unfuse_norms
-from pyext.techniques.base import Entry, Technique
+from pyext.techniques.base import Entry, PerComponent
+from pyext.techniques.packing import AUTO_ROLES  # the conv models, built of ResnetBlock2D
 
-AUTO_ROLES = ("denoiser", "vae", "controlnet")  # the conv models built of ResnetBlock2D
 
-
-class FuseNorms(Technique):
+class FuseNorms(PerComponent):
     """fuse_norms="auto": the denoisers, VAEs and controlnets of a CPU pipeline, where the C++ kernel
     was measured; "on": every component, any device (the op's dispatch self-checks its kernels);
     "off". Not with compile="trace"/"compile" on a denoiser: the compiler fuses norms itself."""
 
     name = "fuse_norms"
 
-    def apply(self, pipe, d) -> list[Entry]:
-        entries = []
-        for name, module in d.components.modules.items():
-            why = self._why_not(name, d)
-            if why:
-                entries.append(self.skipped(name, why))
-                continue
-            if any(type(m) is GroupNormSiLU for m in module.modules()):
-                entries.append(self.already(name, "GroupNorm+SiLU fused before"))
-                continue
-            report = fuse_norms(module)
-            if report.fused:
-                detail = str(report) + (f" ({len(report.skipped)} blocks left plain)" if report.skipped else "")
-                entries.append(self.applied(name, detail, functools.partial(self._undo, module)))
-            else:
-                reasons = sorted(set(report.skipped.values()))
-                entries.append(self.skipped(name, "no GroupNorm -> SiLU pair in a ResnetBlock2D-shaped block"
-                                            + (" (" + "; ".join(reasons[:2]) + ")" if reasons else "")))
-        return entries
+    def change(self, name: str, module, d) -> Entry:
+        if any(type(m) is GroupNormSiLU for m in module.modules()):
+            return self.already(name, "GroupNorm+SiLU fused before")
+        report = fuse_norms(module)
+        if report.fused:
+            detail = str(report) + (f" ({len(report.skipped)} blocks left plain)" if report.skipped else "")
+            return self.applied(name, detail, functools.partial(self._undo, module))
+        reasons = sorted(set(report.skipped.values()))
+        return self.skipped(name, "no GroupNorm -> SiLU pair in a ResnetBlock2D-shaped block"
+                            + (" (" + "; ".join(reasons[:2]) + ")" if reasons else ""))
 
-    @staticmethod
-    def _why_not(name: str, d) -> str | None:
+    def why_not(self, name: str, module, d) -> str | None:
         setting = d.options.fuse_norms
         if setting == "off":
             return "fuse_norms='off'"

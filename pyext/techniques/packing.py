@@ -4,37 +4,28 @@ from __future__ import annotations
 import functools
 
 from pyext.nn.packed import dtype_reason, pack, unpack
-from pyext.techniques.base import Entry, Technique
+from pyext.techniques.base import Entry, PerComponent
 
 AUTO_ROLES = ("denoiser", "vae", "controlnet")  # where convolutions and large GEMMs carry the time
 
 
-class Prepack(Technique):
+class Prepack(PerComponent):
     """prepack="auto": the denoisers, VAEs and controlnets of a CPU pipeline; "on": every
     component on the CPU; "off". Not with compile="trace"/"compile": a trace records plain
     weights, and inductor's freezing packs them itself."""
 
     name = "prepack"
 
-    def apply(self, pipe, d) -> list[Entry]:
-        entries = []
-        for name, module in d.components.modules.items():
-            why = self._why_not(name, d)
-            if why:
-                entries.append(self.skipped(name, why))
-                continue
-            report = pack(module)
-            if report.packed:
-                entries.append(self.applied(name, str(report), functools.partial(self._undo, module)))
-            elif any(r == "already packed" for r in report.skipped.values()):
-                entries.append(self.already(name, "weights packed before"))
-            else:
-                reasons = sorted(set(report.skipped.values()))
-                entries.append(self.skipped(name, "no packable layers (" + "; ".join(reasons[:3] or ["none"]) + ")"))
-        return entries
+    def change(self, name: str, module, d) -> Entry:
+        report = pack(module)
+        if report.packed:
+            return self.applied(name, str(report), functools.partial(self._undo, module))
+        if any(r == "already packed" for r in report.skipped.values()):
+            return self.already(name, "weights packed before")
+        reasons = sorted(set(report.skipped.values()))
+        return self.skipped(name, "no packable layers (" + "; ".join(reasons[:3] or ["none"]) + ")")
 
-    @staticmethod
-    def _why_not(name: str, d) -> str | None:
+    def why_not(self, name: str, module, d) -> str | None:
         setting = d.options.prepack
         if setting == "off":
             return "prepack='off'"
