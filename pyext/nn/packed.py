@@ -57,12 +57,15 @@ class _Packed:
     tensor: torch.Tensor               # the mkldnn-layout weight, or the plain one for Winograd
     conv: tuple | None                 # (stride, padding, dilation, groups) of a Conv2d, None for a Linear
     input_shape: tuple | None = None   # the input shape a convolution weight is packed for
-    winograd: bool = False             # tensor is plain, (3, 3, in, out) in memory, for winograd_conv3x3
     lock: threading.Lock = field(default_factory=threading.Lock)
 
+    @property
+    def winograd(self) -> bool:
+        """A plain weight ((3, 3, in, out) in memory) for winograd_conv3x3 rather than oneDNN's layout."""
+        return not self.tensor.is_mkldnn
+
     def dense(self) -> torch.Tensor:
-        # Read from the tensor alone, not the flag: a repack elsewhere never shows a mismatched pair.
-        t = self.tensor
+        t = self.tensor  # read once: a repack elsewhere replaces it whole
         return t.to_dense() if t.is_mkldnn else t.contiguous()
 
     def pack(self, dense: torch.Tensor, input_shape: tuple | None = None) -> None:
@@ -76,16 +79,16 @@ class _Packed:
             stride, padding, dilation, groups = self.conv
             tensor = _compat.mkldnn_reorder_conv_weight(dense.contiguous(), padding, stride, dilation, groups,
                                                         list(input_shape) if input_shape else None)
-        self.tensor, self.winograd, self.input_shape = tensor, winograd, input_shape
+        self.tensor, self.input_shape = tensor, input_shape
 
-    def for_input(self, shape: tuple) -> tuple[torch.Tensor, bool]:
-        """(the weight to run, whether by Winograd) for a convolution's input shape."""
+    def for_input(self, shape: tuple) -> torch.Tensor:
+        """The weight to run a convolution's input shape on: oneDNN's layout, else plain for Winograd."""
         # A convolution's blocked layout depends on the input shape; one packed for another
         # shape runs, but up to 10x slower (measured at SD1.5 UNet shapes), so repack.
         with self.lock:
             if shape != self.input_shape:
                 self.pack(self.dense(), shape)
-            return self.tensor, self.winograd
+            return self.tensor
 
 
 def _winograd_suits(conv: tuple | None, weight: torch.Tensor, input_shape: tuple) -> bool:
@@ -171,8 +174,8 @@ def _fast_path(func, args, kwargs):
     if (call.get("stride", 1), call.get("padding", 0), call.get("dilation", 1), call.get("groups", 1)) != \
             weight.packed.conv or x.dim() != 4:
         return None  # called with other arguments than the layer's (F.pad + padding 0, say): plain path
-    tensor, by_winograd = weight.packed.for_input(tuple(x.shape))
-    if by_winograd:
+    tensor = weight.packed.for_input(tuple(x.shape))
+    if not tensor.is_mkldnn:  # plain: the shape suits Winograd
         y = torch.ops.pyext.winograd_conv3x3(x, tensor, bias, None)  # channels-last, as oneDNN gives it here
         return y if x.is_contiguous(memory_format=torch.channels_last) else y.contiguous()
     return _compat.mkldnn_conv(x, tensor, bias, padding, stride, dilation, groups)

@@ -58,5 +58,16 @@ class PerComponent(Technique):
     def why_not(self, name: str, module, d) -> str | None:
         raise NotImplementedError
 
+    def switch_reason(self, name: str, d, auto_roles: tuple[str, ...]) -> str | None:
+        """The reason an "auto"/"on"/"off" option named after the technique gives: "off", or "auto"
+        on a component whose role is not in auto_roles."""
+        setting = getattr(d.options, self.name)
+        if setting == "off":
+            return f"{self.name}='off'"
+        role = d.components.roles[name]
+        if setting == "auto" and role not in auto_roles:
+            return f"auto: a {role}; {self.name}='on' includes it"
+        return None
+
     def change(self, name: str, module, d) -> Entry:
         raise NotImplementedError

@@ -27,15 +27,13 @@ class FuseNorms(PerComponent):
                             + (" (" + "; ".join(reasons[:2]) + ")" if reasons else ""))
 
     def why_not(self, name: str, module, d) -> str | None:
-        setting = d.options.fuse_norms
-        if setting == "off":
-            return "fuse_norms='off'"
-        if setting == "auto" and d.device.type != "cpu":
+        reason = self.switch_reason(name, d, AUTO_ROLES)
+        if reason:
+            return reason
+        if d.options.fuse_norms == "auto" and d.device.type != "cpu":
             return f"auto: on {d.device.type} the fused kernel is not measured yet; fuse_norms='on' uses it"
         if d.options.compile in ("trace", "compile") and name in d.components.denoisers:
             return f"compile={d.options.compile!r}: the compiler fuses norms itself"
-        if setting == "auto" and d.components.roles[name] not in AUTO_ROLES:
-            return f"auto: a {d.components.roles[name]}; fuse_norms='on' fuses it too"
         return None
 
     @staticmethod

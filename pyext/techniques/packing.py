@@ -26,19 +26,14 @@ class Prepack(PerComponent):
         return self.skipped(name, "no packable layers (" + "; ".join(reasons[:3] or ["none"]) + ")")
 
     def why_not(self, name: str, module, d) -> str | None:
-        setting = d.options.prepack
-        if setting == "off":
-            return "prepack='off'"
+        reason = self.switch_reason(name, d, AUTO_ROLES)
+        if reason:
+            return reason
         if d.device.type != "cpu":
             return f"on {d.device.type}: oneDNN packing is for CPU pipelines"
         if d.options.compile in ("trace", "compile") and name in d.components.denoisers:
             return f"compile={d.options.compile!r} takes the weights as they are (inductor's freezing packs them itself)"
-        reason = dtype_reason(d.dtype) if d.dtype is not None else None
-        if reason:
-            return reason
-        if setting == "auto" and d.components.roles[name] not in AUTO_ROLES:
-            return f"auto: a {d.components.roles[name]}; prepack='on' packs it too"
-        return None
+        return dtype_reason(d.dtype) if d.dtype is not None else None
 
     @staticmethod
     def _undo(module) -> str:
