@@ -1,5 +1,7 @@
 """pyext.vae's exact method: the tiled decode/encode is the untiled one, on small random VAEs
 of several shapes, at odd sizes, and its schedule runs each segment k + 1 times."""
+from fractions import Fraction
+
 import pytest
 import torch
 
@@ -65,6 +67,27 @@ def test_exact_equals_the_untiled_run(name, kind):
 
 
 @torch.no_grad()
+@pytest.mark.parametrize("kind", ["decode", "encode"])
+def test_exact_with_tiles_shrunk_by_the_element_budget(kind, monkeypatch):
+    """With a small TILE_ELEMENTS, segments at higher resolution or with wider tensors run on
+    finer grids than the configured tile (so one segment's tiles read across several bands of
+    the previous one's state), and the result is still the untiled one."""
+    monkeypatch.setattr(exact, "TILE_ELEMENTS", 2 ** 14)
+    vae = _vae("3 blocks, 8 groups")
+    tile = vae.tile_latent_min_size if kind == "decode" else vae.tile_sample_min_size
+    side = (2 * tile + 5, tile + 3)
+    x = torch.randn(1, vae.config.latent_channels if kind == "decode" else 3, *side)
+    grids = []
+    real = exact.Segment.grid
+    monkeypatch.setattr(exact.Segment, "grid", lambda seg, n, t: grids.append((n, t, real(seg, n, t))) or grids[-1][2])
+    got = tiled_run(vae, x, kind)
+    assert any(len(spans) > -(-n // t) for n, t, spans in grids)  # the budget bound somewhere
+    full = _full(vae, kind, x)
+    assert psnr(got, full) >= 100
+    torch.testing.assert_close(got, full, rtol=1e-4, atol=1e-4 * float(full.abs().max()))
+
+
+@torch.no_grad()
 @pytest.mark.parametrize("dtype,min_db", [(torch.bfloat16, 30.0), (torch.float16, 45.0)])
 def test_exact_in_half_precision_is_as_close_as_the_untiled_runs_own_rounding(dtype, min_db):
     """16-bit: the exact tiled decode is within the rounding the untiled decode itself has in
@@ -122,11 +145,12 @@ def test_each_segment_runs_once_per_group_norm_plus_once(kind, monkeypatch):
     segs = exact.segments(plan_steps)
     tiled_run(vae, x, kind)
     tile = vae.tile_latent_min_size if kind == "decode" else vae.tile_sample_min_size
-    n, unit = x.shape[-2], 1 if kind == "decode" else 4
-    tiles = len(equal_cores(x.shape[-2], tile, unit)) * len(equal_cores(x.shape[-1], tile, unit))
-    assert tiles == 6
-    for seg in segs:
+    n, size, res = x.shape[-2], list(x.shape[-2:]), Fraction(1)
+    for seg in segs:  # each segment on its own grid of abutting tiles
+        tiles = len(seg.grid(size[0], int(tile * res))) * len(seg.grid(size[1], int(tile * res)))
+        assert tiles >= 4
         assert runs.count(key(seg.steps)) == (_group_norm_calls(seg.steps) + 1) * tiles
+        size, res = [int(s * seg.scale) for s in size], res * seg.scale
     assert sum(_group_norm_calls(s.steps) for s in segs) == _group_norm_calls(plan_steps) > 0
     margin = max(s.margin for s in segs)
     for height, h, w in windows:
@@ -144,7 +168,7 @@ def test_bands_are_freed_once_no_tile_reads_them():
     vae = _vae("3 blocks, 8 groups")
     state = exact.Bands.of(torch.randn(1, 64, 48, 20), equal_cores(48, 16))
     first_half = exact.segments(stages.split_resnets(stages.split(stages.steps_of(vae, "decode"), "decode")[1]))[1]
-    out, _ = exact._run_segment(first_half, state, equal_cores(20, 16), torch.device("cpu"))
+    out = exact._run_segment(first_half, state, state.rows, equal_cores(20, 16), torch.device("cpu"))
     assert state.parts[0] is None and state.parts[-1] is not None  # the last pass freed what it had read
     assert all(len(p) == 2 for p in out.parts)  # conv1's output and the residual
 

@@ -37,11 +37,26 @@ from pyext.vae.geometry import Span, equal_cores, rescale, window
 from pyext.vae.statistics import Moments, Stop, SyncedGroupNorms
 
 
+# Elements in the widest tensor of one tile (16 MiB in fp32). Exact tiles need no size for
+# their numbers, so each segment sizes its own tiles by this: the working set stays that of a
+# small tile at every resolution, and a band of the whole-image state is freed soon after the
+# last tile that reads it.
+TILE_ELEMENTS = 2 ** 22
+
+
 @dataclass(frozen=True)
 class Segment:
     steps: list
     scale: Fraction  # output pixels per input pixel
     margin: int      # input pixels of receptive field per side, aligned to the downsampling
+    align: int       # input pixels a tile starts on (stages.alignment)
+    width: Fraction  # elements per input pixel of the widest tensor a tile makes (stages.width)
+
+    def grid(self, n: int, tile: int) -> list[Span]:
+        """Abutting tiles along an axis of n input pixels: at most `tile`, and small enough that
+        a square tile's widest tensor stays within TILE_ELEMENTS."""
+        side = min(tile, math.isqrt(int(TILE_ELEMENTS / max(self.width, 1))))
+        return equal_cores(n, max(side, self.align), self.align)
 
 
 def segments(steps) -> list[Segment]:
@@ -51,7 +66,8 @@ def segments(steps) -> list[Segment]:
         if not groups or stages.has_group_norm(step):
             groups.append([])
         groups[-1].append(step)
-    return [Segment(g, math.prod((s.scale for s in g), start=Fraction(1)), stages.margin(g)) for g in groups]
+    return [Segment(g, math.prod((s.scale for s in g), start=Fraction(1)), stages.margin(g), stages.alignment(g),
+                    stages.width(g)) for g in groups]
 
 
 class Bands:
@@ -96,8 +112,10 @@ class Bands:
         return tuple(torch.cat(ts, dim=-2) if len(ts) > 1 else ts[0] for ts in zip(*self.parts))
 
 
-def _run_segment(seg: Segment, state: Bands, cols: list[Span], device) -> tuple[Bands, list[Span]]:
-    rows, (H, W) = state.rows, (state.height, state.width)
+def _run_segment(seg: Segment, state: Bands, rows: list[Span], cols: list[Span], device) -> Bands:
+    """The segment over the tiles rows x cols of the state (which may be banded otherwise):
+    the whole-image state at its end, banded by the tile rows."""
+    H, W = state.height, state.width
     out_rows = rescale(rows, seg.scale, math.floor(H * seg.scale))
     out_cols = rescale(cols, seg.scale, math.floor(W * seg.scale))
     known: list = []
@@ -127,16 +145,21 @@ def _run_segment(seg: Segment, state: Bands, cols: list[Span], device) -> tuple[
         if finished not in (0, len(rows) * len(cols)):
             raise RuntimeError("tiles of one segment stopped at different GroupNorm calls")
         if finished:
-            return out, out_cols
+            return out
         known.append(moments.result())
 
 
-def run(tiled_steps, x: torch.Tensor, tile: int, unit: int) -> torch.Tensor:
-    """The tiled steps on x, exactly, over abutting tiles of at most `tile` pixels of x (cores
-    multiples of `unit`, so every downsampling stays on the full run's grid)."""
-    rows, cols = (equal_cores(n, tile, unit) for n in x.shape[-2:])
-    state = Bands.of(x, rows)
+def run(tiled_steps, x: torch.Tensor, tile: int) -> torch.Tensor:
+    """The tiled steps on x, exactly, over abutting tiles of at most `tile` pixels of x (fewer
+    where the resolution grows: Segment.grid), each segment on its own grid."""
+    state, res = None, Fraction(1)  # res: pixels of the state per pixel of x
     for seg in segments(stages.split_resnets(tiled_steps)):
-        state, cols = _run_segment(seg, state, cols, x.device)
+        at = max(1, math.floor(tile * res))
+        if state is None:
+            rows = seg.grid(x.shape[-2], at)
+            state = Bands.of(x, rows)
+        rows, cols = seg.grid(state.height, at), seg.grid(state.width, at)
+        state = _run_segment(seg, state, rows, cols, x.device)
+        res *= seg.scale
     out, = state.whole()
     return out.to(x.device)

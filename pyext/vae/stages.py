@@ -61,6 +61,19 @@ def radius(steps) -> float:
     return r
 
 
+def width(steps) -> Fraction:
+    """Elements per input pixel of the widest tensor a run of `steps` makes: each conv's input
+    and output channels at the resolution it runs (as in radius)."""
+    w, res = Fraction(0), Fraction(1)
+    for step in steps:
+        at = res * max(step.scale, 1)
+        for m in step.module.modules():
+            if isinstance(m, nn.Conv2d):
+                w = max(w, max(m.in_channels, m.out_channels) * at * at)
+        res *= step.scale
+    return w
+
+
 def alignment(steps) -> int:
     """Input pixels a window of `steps` must start on so that every downsampling stays on the
     full run's pixel grid."""
