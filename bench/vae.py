@@ -3,7 +3,7 @@
     python -m bench.vae --preset quick              # small sizes and tiles, a few minutes
     python -m bench.vae --preset full [--json PATH] # the issue-14 table (an hour or more on 2 cores)
     python -m bench.vae --shapes sd --sizes 1024 2048 --encode-sizes 1024 [--max-full-mpix 4.2]
-    python -m bench.vae --preset quick --pyext '{"method": "tiles"}'
+    python -m bench.vae --preset quick --pyext '{}' '{"compact_state": true}'  # one pyext row per option set
 
 Image VAEs (AutoencoderKL, seeded random weights): "sd" (SD 1.5's VAE, 512-px tiles), "flux"
 (Flux's: 16 latent channels, no quant convs, 512-px tiles) and "small" (4 blocks of 32/32/64/64
@@ -114,7 +114,7 @@ def _rss_kib(field: str) -> int:
 def _prepare(spec: dict):
     """(callable, input, warm-up input) for one run."""
     from pyext.vae import tile_vae, tile_video_vae
-    method, hw = spec["method"], _size(spec["size"])
+    method, hw = spec["method"].split()[0], _size(spec["size"])  # "pyext <options>" runs pyext
     if spec["direction"] == "video":
         vae, tile = video_vae(), spec.get("tile")
         z = video_latents(vae, spec["frames"], hw)
@@ -172,16 +172,23 @@ def psnr(a: torch.Tensor, ref: torch.Tensor) -> float:
 
 # ----------------------------------------------------------------------------- tables
 
-def _rows_for(base: dict, methods, max_full_mpix: float, tmp: str) -> list[dict]:
+def _label(options: dict) -> str:
+    return "pyext" + "".join(f" {k}={v}" for k, v in options.items())
+
+
+def _rows_for(base: dict, methods, max_full_mpix: float, tmp: str, pyext_options=({},)) -> list[dict]:
+    """One row per method, "pyext" once per option set (its label names the options)."""
     hw = _size(base["size"])
     mpix = hw[0] * hw[1] * base.get("frames", 1) / 1e6
     rows, outs = [], {}
-    for m in methods:
-        row = dict(base, method=m)
+    runs = [(m, {}) for m in methods if m != "pyext"] + [("pyext", o) for o in pyext_options]
+    for method, options in runs:
+        m = _label(options) if method == "pyext" else method
+        row = dict(base, method=m, pyext=options) if method == "pyext" else dict(base, method=m)
         if m == "full" and base["direction"] != "encode" and mpix > max_full_mpix:
             row["skipped"] = f"untiled run above --max-full-mpix {max_full_mpix} ({mpix:.1f} Mpix)"
         else:
-            outs[m] = os.path.join(tmp, f"{m}.pt")
+            outs[m] = os.path.join(tmp, f"{len(outs)}.pt")
             row.update(measure(dict(row, out=outs[m])))
         rows.append(row)
         print(json.dumps(row), flush=True)
@@ -201,7 +208,7 @@ def _rows_for(base: dict, methods, max_full_mpix: float, tmp: str) -> list[dict]
 
 
 def run(preset: str = "quick", shapes=None, sizes=None, encode_sizes=None, video: bool = True,
-        max_full_mpix: float = 4.2, latents: str = "smooth", pyext_options: dict | None = None) -> list[dict]:
+        max_full_mpix: float = 4.2, latents: str = "smooth", pyext_options=({},)) -> list[dict]:
     """All rows of a preset, or of the given shapes x sizes (decode) and encode sizes."""
     if shapes or sizes or encode_sizes:
         shapes = shapes or list(SHAPES)
@@ -214,8 +221,8 @@ def run(preset: str = "quick", shapes=None, sizes=None, encode_sizes=None, video
     with tempfile.TemporaryDirectory() as tmp:
         for shape, direction, size, tile in runs:
             base = {"bench": f"vae_{direction}", "shape": shape, "direction": direction, "size": size, "tile": tile,
-                    "latents": latents, "pyext": pyext_options or {}, "threads": threads}
-            rows += _rows_for(base, METHODS, max_full_mpix, tmp)
+                    "latents": latents, "threads": threads}
+            rows += _rows_for(base, METHODS, max_full_mpix, tmp, pyext_options)
         if video:
             v = PRESETS[preset]["video"]
             base = {"bench": "video_decode", "shape": "cogvideox-2b", "direction": "video", "size": v["size"],
@@ -257,7 +264,8 @@ def main(argv=None) -> None:
     p.add_argument("--no-video", action="store_true", help="skip the CogVideoX-shaped decode")
     p.add_argument("--max-full-mpix", type=float, default=4.2, help="skip untiled decodes above this many megapixels")
     p.add_argument("--latents", choices=("smooth", "random"), default="smooth")
-    p.add_argument("--pyext", default="{}", help='tile_vae options as JSON, e.g. \'{"method": "tiles"}\'')
+    p.add_argument("--pyext", nargs="+", default=["{}"],
+                   help='tile_vae options as JSON, one pyext row each, e.g. \'{}\' \'{"method": "tiles"}\'')
     p.add_argument("--json", help="also write the rows here")
     p.add_argument("--child", help=argparse.SUPPRESS)
     a = p.parse_args(argv)
@@ -265,7 +273,7 @@ def main(argv=None) -> None:
         _child(json.loads(a.child))
         return
     rows = run(a.preset, a.shapes, a.sizes, a.encode_sizes, not a.no_video, a.max_full_mpix, a.latents,
-               json.loads(a.pyext))
+               [json.loads(o) for o in a.pyext])
     print(table(rows))
     if a.json:
         with open(a.json, "w") as f:

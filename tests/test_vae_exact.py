@@ -5,7 +5,7 @@ from fractions import Fraction
 import pytest
 import torch
 
-from pyext.vae import TilingConfig, exact, stages, tiled_run
+from pyext.vae import TilingConfig, exact, stages, state, tiled_run
 from pyext.vae.geometry import equal_cores
 from pyext.vae.statistics import Moments
 
@@ -88,6 +88,51 @@ def test_exact_with_tiles_shrunk_by_the_element_budget(kind, monkeypatch):
 
 
 @torch.no_grad()
+@pytest.mark.parametrize("name", ["3 blocks, 8 groups", "4 blocks, 16 groups, 16 latent channels"])
+@pytest.mark.parametrize("kind", ["decode", "encode"])
+def test_compact_state_is_float16_rounding_of_the_exact_run(name, kind, monkeypatch):
+    """compact_state keeps the float32 state in float16 (half the bytes) and stays far closer
+    to the untiled run than per-tile statistics: float16 rounding of the state only."""
+    vae = _vae(name)
+    tile = vae.tile_latent_min_size if kind == "decode" else vae.tile_sample_min_size
+    x = _smooth((1, vae.config.latent_channels if kind == "decode" else 3, 2 * tile + 5, tile + 3), 1)
+    stored = []  # the dtype of each band written
+    real = state.Bands.write
+    monkeypatch.setattr(state.Bands, "write", lambda self, r, xs, t: real(self, r, xs, t) or stored.append(
+        self.parts[r][0].dtype))
+    full, exact_run = _full(vae, kind, x), tiled_run(vae, x, kind)
+    assert set(stored) == {torch.float32}
+    stored.clear()
+    compact = tiled_run(vae, x, kind, TilingConfig(compact_state=True))
+    assert set(stored) == {torch.float16}
+    assert psnr(exact_run, full) >= 100
+    assert 70 <= psnr(compact, full) < psnr(exact_run, full)
+
+
+def test_compact_bands_round_trip_within_float16_rounding():
+    """Per (sample, channel) power-of-two scales: values up to 1e30 do not overflow, each value
+    is within 2^-11 of its tile-channel's largest magnitude, and inf/nan stay non-finite."""
+    torch.manual_seed(0)
+    t = torch.randn(2, 3, 10, 12) * torch.tensor([1e-20, 1.0, 1e30]).view(1, 3, 1, 1)
+    t[1, 1, 4, 5], t[1, 2, 0, 0] = float("inf"), float("nan")
+    rows = [(0, 4), (4, 10)]
+    bands = state.Bands(rows, 12, pin=False, compact=True)
+    for r, (a, b) in enumerate(rows):
+        for xs in ((0, 5), (5, 12)):
+            bands.write(r, xs, (t[..., a:b, xs[0]:xs[1]],))
+    assert all(p[0].dtype == torch.float16 for p in bands.parts)
+    back, = bands.read((2, 9), (3, 11))
+    want = t[..., 2:9, 3:11]
+    assert back.dtype == torch.float32 and back.shape == want.shape
+    finite = torch.isfinite(want)
+    assert torch.equal(torch.isfinite(back), finite)
+    tol = want.abs().where(finite, torch.zeros(())).amax(dim=(-2, -1), keepdim=True) * 2.0 ** -11
+    assert ((back - want).abs().where(finite, torch.zeros(())) <= tol).all()
+    whole_back, = bands.whole()
+    assert torch.equal(whole_back[..., 2:9, 3:11], back)
+
+
+@torch.no_grad()
 @pytest.mark.parametrize("dtype,min_db", [(torch.bfloat16, 30.0), (torch.float16, 45.0)])
 def test_exact_in_half_precision_is_as_close_as_the_untiled_runs_own_rounding(dtype, min_db):
     """16-bit: the exact tiled decode is within the rounding the untiled decode itself has in
@@ -135,12 +180,12 @@ def test_each_segment_runs_once_per_group_norm_plus_once(kind, monkeypatch):
     vae = _vae("3 blocks, 8 groups")
     x = torch.randn(1, 4, 37, 30) if kind == "decode" else torch.randn(1, 3, 150, 121)
     runs, windows = [], []
-    real_run, real_read = stages.run, exact.Bands.read
+    real_run, real_read = stages.run, state.Bands.read
     # a segment by the layers it runs (split_resnets makes new containers on every call)
     key = lambda steps: tuple(id(m) for s in steps for m in s.module.modules() if not list(m.children()))  # noqa: E731
     monkeypatch.setattr(stages, "run", lambda steps, *t: runs.append(key(steps)) or real_run(steps, *t))
-    monkeypatch.setattr(exact.Bands, "read", lambda self, ys, xs: windows.append(
-        (self.height, ys[1] - ys[0], xs[1] - xs[0])) or real_read(self, ys, xs))
+    monkeypatch.setattr(state.Bands, "read", lambda self, ys, xs, device=None: windows.append(
+        (self.height, ys[1] - ys[0], xs[1] - xs[0])) or real_read(self, ys, xs, device))
     plan_steps = stages.split_resnets(stages.split(stages.steps_of(vae, kind), kind)[1])
     segs = exact.segments(plan_steps)
     tiled_run(vae, x, kind)
@@ -153,7 +198,7 @@ def test_each_segment_runs_once_per_group_norm_plus_once(kind, monkeypatch):
         size, res = [int(s * seg.scale) for s in size], res * seg.scale
     assert sum(_group_norm_calls(s.steps) for s in segs) == _group_norm_calls(plan_steps) > 0
     margin = max(s.margin for s in segs)
-    for height, h, w in windows:
+    for height, h, w in windows[:-1]:  # the last read is the whole output
         res = height / n  # this segment's pixels per pixel of the input
         assert max(h, w) <= tile * res + 2 * margin, (height, h, w)
 
@@ -161,15 +206,15 @@ def test_each_segment_runs_once_per_group_norm_plus_once(kind, monkeypatch):
 @torch.no_grad()
 def test_bands_are_freed_once_no_tile_reads_them():
     whole = torch.arange(80.0).view(1, 2, 8, 5)
-    bands = exact.Bands.of(whole, [(0, 3), (3, 6), (6, 8)])
+    bands = state.Bands.of(whole, [(0, 3), (3, 6), (6, 8)])
     torch.testing.assert_close(bands.read((2, 7), (1, 4))[0], whole[..., 2:7, 1:4])
     bands.free_above(5)
     assert bands.parts[0] is None and bands.parts[1] is not None
     vae = _vae("3 blocks, 8 groups")
-    state = exact.Bands.of(torch.randn(1, 64, 48, 20), equal_cores(48, 16))
+    before = state.Bands.of(torch.randn(1, 64, 48, 20), equal_cores(48, 16))
     first_half = exact.segments(stages.split_resnets(stages.split(stages.steps_of(vae, "decode"), "decode")[1]))[1]
-    out = exact._run_segment(first_half, state, state.rows, equal_cores(20, 16), torch.device("cpu"))
-    assert state.parts[0] is None and state.parts[-1] is not None  # the last pass freed what it had read
+    out = exact._run_segment(first_half, before, before.rows, equal_cores(20, 16), torch.device("cpu"))
+    assert before.parts[0] is None and before.parts[-1] is not None  # the last pass freed what it had read
     assert all(len(p) == 2 for p in out.parts)  # conv1's output and the residual
 
 

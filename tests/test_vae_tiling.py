@@ -236,6 +236,8 @@ def test_exact_needs_tiled_blocks_without_attention():
     (dict(context=4), "context applies to method 'tiles' only"),
     (dict(method="tiles", context=-1), "context must be a non-negative int"),
     (dict(enable="yes"), "enable must be True or False"),
+    (dict(compact_state=1), "compact_state must be True or False, got 1"),
+    (dict(method="tiles", compact_state=True), "compact_state applies to method 'exact' only"),
     (dict(exact_layers=2), "unknown option(s) ['exact_layers']; the options are"),
 ])
 def test_bad_options_name_what_is_wrong(vae, options, message):

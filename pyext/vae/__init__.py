@@ -17,7 +17,8 @@ The package, one job per module:
              mid-block attention
   statistics whole-image GroupNorm moments merged over tiles; GroupNorm calls that use them
   geometry   tile grids, windows, how spans map through the network
-  exact      the exact run: segments between GroupNorms over abutting tiles, host-staged
+  exact      the exact run: segments between GroupNorms over abutting tiles
+  state      the whole-image state between segments, banded on the host, optionally compact
   streaming  overlapping tiles blended into one output (methods "tiles" and "diffusers")
   tiling     tiled_run: one decode or encode with a config
   patching   tile_vae / untile_vae on an AutoencoderKL instance

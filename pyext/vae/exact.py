@@ -17,10 +17,12 @@ untiled network. So the result is the untiled network's to rounding, and no tile
 another.
 
 Between segments the whole-image state (the activation, and inside a resnet also the residual
-it adds at its end) lives on the host, pinned when the network runs on a GPU, so only one
-tile's working set is on the device; one band per tile row, each freed as soon as no later
-tile reads it. So the host holds about the largest state of the whole image between two
-GroupNorms (for the SD VAE: 256 channels at full resolution). That is the price of exact
+it adds at its end) lives on the host (pyext.vae.state: pinned when the network runs on a GPU,
+so only one tile's working set is on the device; banded, each band freed as soon as no later
+tile reads it). Each segment tiles on its own grid, its tiles bounded by TILE_ELEMENTS, so the
+working set does not grow with the resolution. The host holds about the largest state of the
+whole image between two GroupNorms (for the SD VAE: 256 channels at full resolution, 1 KiB per
+output pixel in float32; half that with the compact state). That is the price of exact
 statistics in one pass: holding less means recomputing the network up to each GroupNorm.
 """
 from __future__ import annotations
@@ -34,6 +36,7 @@ import torch
 from pyext.vae import stages
 from pyext.vae.config import fail
 from pyext.vae.geometry import Span, equal_cores, rescale, window
+from pyext.vae.state import Bands
 from pyext.vae.statistics import Moments, Stop, SyncedGroupNorms
 
 
@@ -70,48 +73,6 @@ def segments(steps) -> list[Segment]:
                     stages.width(g)) for g in groups]
 
 
-class Bands:
-    """A whole-image state on the host: one or more activations (..., C, H, W) of the same
-    height and width, one tuple of tensors per tile row."""
-
-    def __init__(self, rows: list[Span], width: int, pin: bool):
-        self.rows, self.width, self.pin = rows, width, pin
-        self.parts: list = [None] * len(rows)
-
-    @classmethod
-    def of(cls, t: torch.Tensor, rows: list[Span]) -> "Bands":
-        bands = cls(rows, t.shape[-1], t.is_cuda)
-        for i, (a, b) in enumerate(rows):
-            bands.write(i, (0, t.shape[-1]), (t[..., a:b, :],))
-        return bands
-
-    @property
-    def height(self) -> int:
-        return self.rows[-1][1]
-
-    def read(self, ys: Span, xs: Span) -> tuple:
-        pieces = [tuple(t[..., max(ys[0], a) - a:min(ys[1], b) - a, xs[0]:xs[1]] for t in part)
-                  for (a, b), part in zip(self.rows, self.parts) if a < ys[1] and b > ys[0]]
-        return pieces[0] if len(pieces) == 1 else tuple(torch.cat(ts, dim=-2) for ts in zip(*pieces))
-
-    def write(self, row: int, xs: Span, tiles: tuple) -> None:
-        if self.parts[row] is None:
-            a, b = self.rows[row]
-            self.parts[row] = tuple(torch.empty((*t.shape[:-2], b - a, self.width), dtype=t.dtype, pin_memory=self.pin)
-                                    for t in tiles)
-        for band, t in zip(self.parts[row], tiles):
-            band[..., xs[0]:xs[1]].copy_(t)  # blocking: a strided host destination
-
-    def free_above(self, y: int) -> None:
-        """Frees the bands that end at or above row y."""
-        for i, (_, b) in enumerate(self.rows):
-            if b <= y:
-                self.parts[i] = None
-
-    def whole(self) -> tuple:
-        return tuple(torch.cat(ts, dim=-2) if len(ts) > 1 else ts[0] for ts in zip(*self.parts))
-
-
 def _run_segment(seg: Segment, state: Bands, rows: list[Span], cols: list[Span], device) -> Bands:
     """The segment over the tiles rows x cols of the state (which may be banded otherwise):
     the whole-image state at its end, banded by the tile rows."""
@@ -120,12 +81,12 @@ def _run_segment(seg: Segment, state: Bands, rows: list[Span], cols: list[Span],
     out_cols = rescale(cols, seg.scale, math.floor(W * seg.scale))
     known: list = []
     while True:
-        moments, out, finished = Moments(), Bands(out_rows, out_cols[-1][1], state.pin), 0
+        moments, out, finished = Moments(), Bands(out_rows, out_cols[-1][1], state.pin, state.compact), 0
         for r, ys in enumerate(rows):
             (y0, y1) = window(ys, H, seg.margin)
             for c, xs in enumerate(cols):
                 (x0, x1) = window(xs, W, seg.margin)
-                tile = tuple(t.to(device) for t in state.read((y0, y1), (x0, x1)))
+                tile = state.read((y0, y1), (x0, x1), device)
                 try:
                     with SyncedGroupNorms(known, moments, (ys[0] - y0, y1 - ys[1], xs[0] - x0, x1 - xs[1]),
                                           (y1 - y0, x1 - x0)):
@@ -149,17 +110,18 @@ def _run_segment(seg: Segment, state: Bands, rows: list[Span], cols: list[Span],
         known.append(moments.result())
 
 
-def run(tiled_steps, x: torch.Tensor, tile: int) -> torch.Tensor:
+def run(tiled_steps, x: torch.Tensor, tile: int, compact: bool = False) -> torch.Tensor:
     """The tiled steps on x, exactly, over abutting tiles of at most `tile` pixels of x (fewer
-    where the resolution grows: Segment.grid), each segment on its own grid."""
+    where the resolution grows: Segment.grid), each segment on its own grid; `compact`: the
+    state between segments in float16 (pyext.vae.state)."""
     state, res = None, Fraction(1)  # res: pixels of the state per pixel of x
     for seg in segments(stages.split_resnets(tiled_steps)):
         at = max(1, math.floor(tile * res))
         if state is None:
             rows = seg.grid(x.shape[-2], at)
-            state = Bands.of(x, rows)
+            state = Bands.of(x, rows, compact)
         rows, cols = seg.grid(state.height, at), seg.grid(state.width, at)
         state = _run_segment(seg, state, rows, cols, x.device)
         res *= seg.scale
-    out, = state.whole()
-    return out.to(x.device)
+    out, = state.whole(x.device)
+    return out

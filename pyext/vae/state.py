@@ -1,0 +1,105 @@
+"""The whole-image state between two segments of an exact tiled run, on the host.
+
+One or more activations (..., C, H, W) of the same height and width, kept in horizontal bands
+(one per tile row of the segment that wrote them), each freed as soon as no later tile reads
+it. On a GPU the bands are pinned host memory, so the device holds only the tile it runs.
+
+Compact bands keep a float32 state in float16, with a power-of-two scale per (sample, channel)
+of each written tile: half the memory, no overflow (a tile's largest magnitude is stored as at
+most 2^14), and about 2^-12 relative rounding per value instead of float32's. A state that is
+already in a 16-bit dtype is kept as it is.
+"""
+from __future__ import annotations
+
+import torch
+
+from pyext.vae.geometry import Span
+
+COMPACT_DTYPE = torch.float16
+_COMPACT_TOP = 14  # a tile's largest magnitude is stored in [2^13, 2^14]: far from float16's 65504
+
+
+def _scale(t: torch.Tensor) -> torch.Tensor:
+    """A power of two per (sample, channel) that brings t's largest finite magnitude to
+    [2^13, 2^14]; inf and nan are kept as they are."""
+    t = t.detach()
+    amax = torch.maximum(t.amax(dim=(-2, -1), keepdim=True), -t.amin(dim=(-2, -1), keepdim=True)).float()  # fastest
+    if not bool(torch.isfinite(amax).all()):
+        amax = torch.nan_to_num(t.float(), nan=0.0, posinf=0.0, neginf=0.0).abs().amax(dim=(-2, -1), keepdim=True)
+    return torch.exp2(torch.ceil(torch.log2(amax.clamp_min(2.0 ** -100))) - _COMPACT_TOP)
+
+
+class Bands:
+    def __init__(self, rows: list[Span], width: int, pin: bool, compact: bool = False):
+        self.rows, self.width, self.pin, self.compact = rows, width, pin, compact
+        self.parts: list = [None] * len(rows)
+        self.dtype = None  # of the tensors written (a compact band stores float32 as float16)
+        # compact: per row, {column span: one scale per tensor} of each tile written there
+        self.scales: list[dict] = [{} for _ in rows]
+
+    @classmethod
+    def of(cls, t: torch.Tensor, rows: list[Span], compact: bool = False) -> "Bands":
+        bands = cls(rows, t.shape[-1], t.is_cuda, compact)
+        for i, (a, b) in enumerate(rows):
+            bands.write(i, (0, t.shape[-1]), (t[..., a:b, :],))
+        return bands
+
+    @property
+    def height(self) -> int:
+        return self.rows[-1][1]
+
+    def read(self, ys: Span, xs: Span, device=None) -> tuple:
+        """The state's tensors over rows ys and columns xs, on `device` (None: where they are)."""
+        pieces = []  # (row, rows of the band, rows of the result)
+        for i, (a, b) in enumerate(self.rows):
+            if a < ys[1] and b > ys[0]:
+                lo, hi = max(ys[0], a), min(ys[1], b)
+                pieces.append((i, slice(lo - a, hi - a), slice(lo - ys[0], hi - ys[0])))
+        if len(pieces) == 1 and not self.scales[pieces[0][0]]:
+            i, band_rows, _ = pieces[0]
+            return tuple(t[..., band_rows, xs[0]:xs[1]].to(device) for t in self.parts[i])
+        out = None
+        for i, band_rows, out_rows in pieces:
+            if out is None:
+                out = tuple(torch.empty((*t.shape[:-2], ys[1] - ys[0], xs[1] - xs[0]), device=device or t.device,
+                                        dtype=self.dtype) for t in self.parts[i])
+            # one span of full width, or the column spans of the tiles written with their scales
+            spans = self.scales[i].items() if self.scales[i] else [((0, self.width), None)]
+            for (p, q), scales in spans:
+                p, q = max(p, xs[0]), min(q, xs[1])
+                if p >= q:
+                    continue
+                for k, (band, dst) in enumerate(zip(self.parts[i], out)):
+                    src, where = band[..., band_rows, p:q].to(device), dst[..., out_rows, p - xs[0]:q - xs[0]]
+                    where.copy_(src)
+                    if scales is not None:
+                        where.mul_(scales[k].to(src.device))  # faster than a mixed-dtype mul into `where`
+        return out
+
+    def write(self, row: int, xs: Span, tiles: tuple) -> None:
+        self.dtype = self.dtype or tiles[0].dtype
+        compact = self.compact and self.dtype == torch.float32
+        if self.parts[row] is None:
+            a, b = self.rows[row]
+            self.parts[row] = tuple(torch.empty((*t.shape[:-2], b - a, self.width), pin_memory=self.pin,
+                                                dtype=COMPACT_DTYPE if compact else t.dtype) for t in tiles)
+        scales = tuple(_scale(t) for t in tiles) if compact else (None,) * len(tiles)
+        if compact:
+            self.scales[row][xs] = scales
+        for band, t, s in zip(self.parts[row], tiles, scales):
+            where = band[..., xs[0]:xs[1]]
+            if s is None:
+                where.copy_(t)  # blocking: a strided host destination
+            elif t.device == where.device:
+                torch.mul(t, 1 / s, out=where)  # one pass into float16; exact scaling: a power of two
+            else:
+                where.copy_((t * (1 / s)).to(COMPACT_DTYPE))  # halve the copy's bytes on the device
+
+    def free_above(self, y: int) -> None:
+        """Frees the bands that end at or above row y."""
+        for i, (_, b) in enumerate(self.rows):
+            if b <= y:
+                self.parts[i], self.scales[i] = None, {}
+
+    def whole(self, device=None) -> tuple:
+        return self.read((0, self.height), (0, self.width), device)
