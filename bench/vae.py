@@ -173,7 +173,7 @@ def psnr(a: torch.Tensor, ref: torch.Tensor) -> float:
 # ----------------------------------------------------------------------------- tables
 
 def _label(options: dict) -> str:
-    return "pyext" + "".join(f" {k}={v}" for k, v in options.items())
+    return "pyext" + "".join(f" {k}={json.dumps(v)}" for k, v in options.items())
 
 
 def _rows_for(base: dict, methods, max_full_mpix: float, tmp: str, pyext_options=({},)) -> list[dict]:
@@ -209,7 +209,10 @@ def _rows_for(base: dict, methods, max_full_mpix: float, tmp: str, pyext_options
 
 def run(preset: str = "quick", shapes=None, sizes=None, encode_sizes=None, video: bool = True,
         max_full_mpix: float = 4.2, latents: str = "smooth", pyext_options=({},)) -> list[dict]:
-    """All rows of a preset, or of the given shapes x sizes (decode) and encode sizes."""
+    """All rows of a preset, or of the given shapes x sizes (decode) and encode sizes; one pyext
+    row per dict of tile_vae options in pyext_options."""
+    if len({_label(o) for o in pyext_options}) < len(pyext_options):
+        raise SystemExit(f"--pyext: each option set once, got {list(pyext_options)}")
     if shapes or sizes or encode_sizes:
         shapes = shapes or list(SHAPES)
         runs = [(s, "decode", z, SHAPES[s][1]) for s in shapes for z in sizes or []] + \

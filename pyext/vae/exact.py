@@ -8,8 +8,10 @@ output activation and conv). A segment runs over all tiles twice: the first pass
 GroupNorm, which is its first call, and only adds the moments of that input over each tile's
 own pixels (statistics.SyncedGroupNorms); the second normalises with the merged whole-image
 statistics and runs every tile to the end. So each layer runs once, as in the untiled
-network; the first passes only read. (A segment with more GroupNorm calls, from a block that
-is not split, runs once more per call, each pass stopping at the next one.)
+network; the first passes only read. Where a segment starts with a GroupNorm of its input
+(Step.input_norm), the previous segment gathers those moments per channel while it writes that
+input, and the reading pass is skipped. (A segment with more GroupNorm calls, from a block
+that is not split, runs once more per call, each pass stopping at the next one.)
 
 Each tile runs with `margin` more pixels of the segment's input on each side (its receptive
 field, a few pixels) and keeps only its own pixels of the output, which are then those of the
@@ -30,6 +32,7 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass
 from fractions import Fraction
+from typing import Optional
 
 import torch
 
@@ -40,7 +43,7 @@ from pyext.vae.state import Bands
 from pyext.vae.statistics import Moments, Stop, SyncedGroupNorms
 
 
-# Elements in the widest tensor of one tile (16 MiB in fp32). Exact tiles need no size for
+# Elements in the widest tensor of one tile, all samples (16 MiB in fp32). Exact tiles need no size for
 # their numbers, so each segment sizes its own tiles by this: the working set stays that of a
 # small tile at every resolution, and a band of the whole-image state is freed soon after the
 # last tile that reads it.
@@ -55,10 +58,10 @@ class Segment:
     align: int       # input pixels a tile starts on (stages.alignment)
     width: Fraction  # elements per input pixel of the widest tensor a tile makes (stages.width)
 
-    def grid(self, n: int, tile: int) -> list[Span]:
+    def grid(self, n: int, tile: int, batch: int = 1) -> list[Span]:
         """Abutting tiles along an axis of n input pixels: at most `tile`, and small enough that
-        a square tile's widest tensor stays within TILE_ELEMENTS."""
-        side = min(tile, math.isqrt(int(TILE_ELEMENTS / max(self.width, 1))))
+        a square tile's widest tensor (over `batch` samples) stays within TILE_ELEMENTS."""
+        side = min(tile, math.isqrt(int(TILE_ELEMENTS / max(self.width * batch, 1))))
         return equal_cores(n, max(side, self.align), self.align)
 
 
@@ -73,15 +76,21 @@ def segments(steps) -> list[Segment]:
                     stages.width(g)) for g in groups]
 
 
-def _run_segment(seg: Segment, state: Bands, rows: list[Span], cols: list[Span], device) -> Bands:
+def _run_segment(seg: Segment, state: Bands, rows: list[Span], cols: list[Span], device, compact: bool = False,
+                 first: Optional[Moments] = None, gather: bool = False) -> tuple[Bands, Optional[Moments]]:
     """The segment over the tiles rows x cols of the state (which may be banded otherwise):
-    the whole-image state at its end, banded by the tile rows."""
+    the whole-image state at its end, banded by the tile rows (compact: pyext.vae.state).
+
+    first: per-channel moments of the state's first tensor, gathered as it was written, when
+    this segment starts with a GroupNorm of it (Step.input_norm): its pass that would only
+    gather them is skipped. gather: gather those of the output's first tensor for the next."""
     H, W = state.height, state.width
     out_rows = rescale(rows, seg.scale, math.floor(H * seg.scale))
     out_cols = rescale(cols, seg.scale, math.floor(W * seg.scale))
-    known: list = []
+    known: list = [] if first is None else [first.grouped(seg.steps[0].input_norm.num_groups).result()]
     while True:
-        moments, out, finished = Moments(), Bands(out_rows, out_cols[-1][1], state.pin, state.compact), 0
+        written = Moments() if gather else None
+        moments, out, finished = Moments(), Bands(out_rows, out_cols[-1][1], state.pin, compact), 0
         for r, ys in enumerate(rows):
             (y0, y1) = window(ys, H, seg.margin)
             for c, xs in enumerate(cols):
@@ -100,28 +109,35 @@ def _run_segment(seg: Segment, state: Bands, rows: list[Span], cols: list[Span],
                 if y[0].shape[-2] < oy + b - a or y[0].shape[-1] < ox + q - p:
                     fail(f"a {y1 - y0}x{x1 - x0} window gave a {tuple(y[0].shape[-2:])} output; at scale {seg.scale} "
                          f"it should cover {oy + b - a}x{ox + q - p}: this network does not scale like AutoencoderKL's")
-                out.write(r, (p, q), tuple(t[..., oy:oy + b - a, ox:ox + q - p] for t in y))
+                own = tuple(t[..., oy:oy + b - a, ox:ox + q - p] for t in y)
+                out.write(r, (p, q), own)
+                if written is not None and own[0].numel():
+                    written.add(own[0], own[0].shape[1])  # per channel: the next GroupNorm's groups merge them
             if finished and r + 1 < len(rows):  # the last pass: free what no later tile reads
                 state.free_above(window(rows[r + 1], H, seg.margin)[0])
         if finished not in (0, len(rows) * len(cols)):
             raise RuntimeError("tiles of one segment stopped at different GroupNorm calls")
         if finished:
-            return out
+            return out, written
         known.append(moments.result())
 
 
 def run(tiled_steps, x: torch.Tensor, tile: int, compact: bool = False) -> torch.Tensor:
     """The tiled steps on x, exactly, over abutting tiles of at most `tile` pixels of x (fewer
     where the resolution grows: Segment.grid), each segment on its own grid; `compact`: the
-    state between segments in float16 (pyext.vae.state)."""
-    state, res = None, Fraction(1)  # res: pixels of the state per pixel of x
-    for seg in segments(stages.split_resnets(tiled_steps)):
-        at = max(1, math.floor(tile * res))
+    states between segments in float16 (pyext.vae.state; x itself, small, is kept as it is)."""
+    state, res, moments = None, Fraction(1), None  # res: pixels of the state per pixel of x
+    segs = segments(stages.split_resnets(tiled_steps))
+    for i, seg in enumerate(segs):
+        at, batch = max(1, math.floor(tile * res)), x.shape[0]
+        gather = i + 1 < len(segs) and segs[i + 1].steps[0].input_norm is not None
+        rows = seg.grid(x.shape[-2] if state is None else state.height, at, batch)
         if state is None:
-            rows = seg.grid(x.shape[-2], at)
-            state = Bands.of(x, rows, compact)
-        rows, cols = seg.grid(state.height, at), seg.grid(state.width, at)
-        state = _run_segment(seg, state, rows, cols, x.device)
+            state = Bands.of(x, rows)
+        cols = seg.grid(state.width, at, batch)
+        state, moments = _run_segment(seg, state, rows, cols, x.device, compact, moments, gather)
         res *= seg.scale
+    if state is None:  # nothing to tile (a VAE without resampling blocks)
+        return x
     out, = state.whole(x.device)
     return out

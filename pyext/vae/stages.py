@@ -25,6 +25,7 @@ class Step:
     call: Callable[..., torch.Tensor]  # tensors -> a tensor or a tuple of them
     module: nn.Module
     scale: Fraction = Fraction(1)  # output pixels per input pixel, per side
+    input_norm: Optional[nn.GroupNorm] = None  # a GroupNorm the step applies first, to its first input
 
 
 def run(steps, *x: torch.Tensor):
@@ -164,7 +165,8 @@ def _block_steps(block, resample_attr: str, scale: Fraction) -> list[Step]:
 
 def steps_of(vae, kind: str) -> list[Step]:
     """The decoder (with post_quant_conv) or the encoder (with quant_conv) as steps."""
-    plain = lambda *ms: [Step(m, m) for m in ms if m is not None]  # noqa: E731
+    plain = lambda *ms: [Step(m, m, input_norm=m if type(m) is nn.GroupNorm else None)  # noqa: E731
+                         for m in ms if m is not None]
     if kind == "decode":
         d = vae.decoder
         steps = plain(vae.post_quant_conv, d.conv_in) + _mid_block_steps(d.mid_block)
@@ -211,8 +213,9 @@ def split_resnets(steps) -> list[Step]:
         r = step.module
         if _splittable(r):
             first = nn.ModuleList([m for m in (r.norm1, r.conv1, r.conv_shortcut) if m is not None])
-            out += [Step(lambda x, r=r: resnet_first_half(r, x), first),
-                    Step(lambda h, res, r=r: resnet_second_half(r, h, res), nn.ModuleList([r.norm2, r.conv2]))]
+            out += [Step(lambda x, r=r: resnet_first_half(r, x), first, input_norm=r.norm1),
+                    Step(lambda h, res, r=r: resnet_second_half(r, h, res), nn.ModuleList([r.norm2, r.conv2]),
+                         input_norm=r.norm2)]
         else:
             out.append(step)
     return out

@@ -6,8 +6,9 @@ it. On a GPU the bands are pinned host memory, so the device holds only the tile
 
 Compact bands keep a float32 state in float16, with a power-of-two scale per (sample, channel)
 of each written tile: half the memory, no overflow (a tile's largest magnitude is stored as at
-most 2^14), and about 2^-12 relative rounding per value instead of float32's. A state that is
-already in a 16-bit dtype is kept as it is.
+most 2^14; only a value within 2^-11 of float32's largest can read back as inf), and about
+2^-12 relative rounding per value instead of float32's. A state that is already in a 16-bit
+dtype is kept as it is.
 """
 from __future__ import annotations
 
@@ -23,13 +24,18 @@ def _scale(t: torch.Tensor) -> torch.Tensor:
     """A power of two per (sample, channel) that brings t's largest finite magnitude to
     [2^13, 2^14]; inf and nan are kept as they are."""
     t = t.detach()
-    amax = torch.maximum(t.amax(dim=(-2, -1), keepdim=True), -t.amin(dim=(-2, -1), keepdim=True)).float()  # fastest
+    # max(amax, -amin): no full-size abs() temporary, and 2-15x faster than abs().amax() or
+    # vector_norm(inf) on CPU (measured on a 16 MiB tile)
+    amax = torch.maximum(t.amax(dim=(-2, -1), keepdim=True), -t.amin(dim=(-2, -1), keepdim=True)).float()
     if not bool(torch.isfinite(amax).all()):
         amax = torch.nan_to_num(t.float(), nan=0.0, posinf=0.0, neginf=0.0).abs().amax(dim=(-2, -1), keepdim=True)
     return torch.exp2(torch.ceil(torch.log2(amax.clamp_min(2.0 ** -100))) - _COMPACT_TOP)
 
 
 class Bands:
+    """A whole-image state: per band of rows, one tensor per activation (full width), filled
+    tile by tile with write() and read back over any window with read()."""
+
     def __init__(self, rows: list[Span], width: int, pin: bool, compact: bool = False):
         self.rows, self.width, self.pin, self.compact = rows, width, pin, compact
         self.parts: list = [None] * len(rows)
@@ -38,8 +44,8 @@ class Bands:
         self.scales: list[dict] = [{} for _ in rows]
 
     @classmethod
-    def of(cls, t: torch.Tensor, rows: list[Span], compact: bool = False) -> "Bands":
-        bands = cls(rows, t.shape[-1], t.is_cuda, compact)
+    def of(cls, t: torch.Tensor, rows: list[Span]) -> "Bands":
+        bands = cls(rows, t.shape[-1], t.is_cuda)
         for i, (a, b) in enumerate(rows):
             bands.write(i, (0, t.shape[-1]), (t[..., a:b, :],))
         return bands
@@ -55,28 +61,33 @@ class Bands:
             if a < ys[1] and b > ys[0]:
                 lo, hi = max(ys[0], a), min(ys[1], b)
                 pieces.append((i, slice(lo - a, hi - a), slice(lo - ys[0], hi - ys[0])))
-        if len(pieces) == 1 and not self.scales[pieces[0][0]]:
+        if len(pieces) == 1 and not self.scales[pieces[0][0]]:  # a view, no copy
             i, band_rows, _ = pieces[0]
             return tuple(t[..., band_rows, xs[0]:xs[1]].to(device) for t in self.parts[i])
-        out = None
+        i = pieces[0][0]
+        out = tuple(torch.empty((*t.shape[:-2], ys[1] - ys[0], xs[1] - xs[0]), device=device or t.device, dtype=self.dtype)
+                    for t in self.parts[i])
         for i, band_rows, out_rows in pieces:
-            if out is None:
-                out = tuple(torch.empty((*t.shape[:-2], ys[1] - ys[0], xs[1] - xs[0]), device=device or t.device,
-                                        dtype=self.dtype) for t in self.parts[i])
-            # one span of full width, or the column spans of the tiles written with their scales
-            spans = self.scales[i].items() if self.scales[i] else [((0, self.width), None)]
-            for (p, q), scales in spans:
-                p, q = max(p, xs[0]), min(q, xs[1])
-                if p >= q:
-                    continue
-                for k, (band, dst) in enumerate(zip(self.parts[i], out)):
-                    src, where = band[..., band_rows, p:q].to(device), dst[..., out_rows, p - xs[0]:q - xs[0]]
-                    where.copy_(src)
-                    if scales is not None:
-                        where.mul_(scales[k].to(src.device))  # faster than a mixed-dtype mul into `where`
+            self._fill(i, band_rows, xs, tuple(t[..., out_rows, :] for t in out))
         return out
 
+    def _fill(self, row: int, band_rows: slice, xs: Span, dst: tuple) -> None:
+        """Copies rows of one band over columns xs into dst, undoing each tile's scale."""
+        # the full width at once, or each tile's column span with its scales
+        spans = self.scales[row].items() if self.scales[row] else [((0, self.width), None)]
+        for (p, q), scales in spans:
+            p, q = max(p, xs[0]), min(q, xs[1])
+            if p >= q:
+                continue
+            for k, (band, where) in enumerate(zip(self.parts[row], dst)):
+                src, where = band[..., band_rows, p:q], where[..., p - xs[0]:q - xs[0]]
+                where.copy_(src)
+                if scales is not None:
+                    where.mul_(scales[k].to(where.device))  # faster than a mixed-dtype mul into `where`
+
     def write(self, row: int, xs: Span, tiles: tuple) -> None:
+        if tiles[0].numel() == 0:  # a downsampling's output of a one-pixel last span
+            return
         self.dtype = self.dtype or tiles[0].dtype
         compact = self.compact and self.dtype == torch.float32
         if self.parts[row] is None:

@@ -26,9 +26,12 @@ class Moments:
         self.mean = self.m2 = None
 
     def add(self, x: torch.Tensor, groups: int) -> None:
-        xs = x.reshape(x.shape[0], groups, -1)
-        var, mean = torch.var_mean(xs.float(), dim=-1, correction=0)
-        n, mean, m2 = xs.shape[-1], mean.double(), var.double() * xs.shape[-1]
+        if groups == x.shape[1]:  # per channel: reduce the (strided) spatial dims in place, no reshape copy
+            n, (var, mean) = x[0, 0].numel(), torch.var_mean(x.float(), dim=tuple(range(2, x.dim())), correction=0)
+        else:
+            xs = x.reshape(x.shape[0], groups, -1)
+            n, (var, mean) = xs.shape[-1], torch.var_mean(xs.float(), dim=-1, correction=0)
+        mean, m2 = mean.double(), var.double() * n
         if self.count == 0:
             self.count, self.mean, self.m2 = n, mean, m2
             return
@@ -37,6 +40,16 @@ class Moments:
         self.mean = self.mean + delta * (n / total)
         self.m2 = self.m2 + m2 + delta * delta * (self.count * n / total)
         self.count = total
+
+    def grouped(self, groups: int) -> "Moments":
+        """Moments gathered per channel (add(x, x.shape[1])) merged into `groups` groups of
+        consecutive channels, as GroupNorm groups them (every channel has the same count)."""
+        n, c = self.mean.shape
+        mean, m2 = self.mean.view(n, groups, c // groups), self.m2.view(n, groups, c // groups)
+        merged = Moments()
+        merged.count, merged.mean = self.count * (c // groups), mean.mean(-1)
+        merged.m2 = m2.sum(-1) + self.count * ((mean - merged.mean[..., None]) ** 2).sum(-1)
+        return merged
 
     def result(self) -> tuple[torch.Tensor, torch.Tensor]:
         """(mean, variance) per (sample, group), float64."""
