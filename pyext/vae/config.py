@@ -39,7 +39,7 @@ class TilingConfig:
       cropped off again; None: the tiled part's receptive field.
     compact_state: "exact" only: keep a float32 run's whole-image state between GroupNorms in
       float16 with power-of-two scales (pyext.vae.state): half the host memory, at the cost of
-      float16 rounding of that state (about 84 dB against the untiled decode on the SD VAE,
+      float16 rounding of that state (79-88 dB against the untiled run on the bench's VAEs,
       instead of fp32 rounding's 130 dB and more).
     enable: also turn the VAE's use_tiling on.
     """
