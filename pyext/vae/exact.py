@@ -126,10 +126,10 @@ def run(tiled_steps, x: torch.Tensor, tile: int, compact: bool = False) -> torch
     """The tiled steps on x, exactly, over abutting tiles of at most `tile` pixels of x (fewer
     where the resolution grows: Segment.grid), each segment on its own grid; `compact`: the
     states between segments in float16 (pyext.vae.state; x itself, small, is kept as it is)."""
-    state, res, moments = None, Fraction(1), None  # res: pixels of the state per pixel of x
+    state, res, moments, batch = None, Fraction(1), None, x.shape[0]  # res: pixels of the state per pixel of x
     segs = segments(stages.split_resnets(tiled_steps))
     for i, seg in enumerate(segs):
-        at, batch = max(1, math.floor(tile * res)), x.shape[0]
+        at = max(1, math.floor(tile * res))
         gather = i + 1 < len(segs) and segs[i + 1].steps[0].input_norm is not None
         rows = seg.grid(x.shape[-2] if state is None else state.height, at, batch)
         if state is None:

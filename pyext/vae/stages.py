@@ -46,33 +46,33 @@ def has_attention(steps) -> bool:
     return any(isinstance(m, Attention) for s in steps for m in s.module.modules())
 
 
-def radius(steps) -> float:
-    """Input pixels (per side) that one output pixel of `steps` depends on, convolutions only.
-    Assumes each module runs its convolutions in registration order at one resolution, as
-    diffusers' resnets and resamplers do; an upsampler's conv runs after its interpolation."""
-    r, res = 0.0, Fraction(1)  # res: pixels at this point per input pixel
+def _convs(steps):
+    """(conv, pixels at which it runs per input pixel) for each Conv2d of `steps`. Assumes each
+    module runs its convolutions in registration order at one resolution, as diffusers' resnets
+    and resamplers do; an upsampler's conv runs after its interpolation."""
+    res = Fraction(1)  # pixels at this point per input pixel
     for step in steps:
         at = res * max(step.scale, 1)
         for m in step.module.modules():
             if isinstance(m, nn.Conv2d):
-                k, d = m.kernel_size[0], m.dilation[0]
-                # a stride-2 conv padded (0, 1) reads k-1 pixels on one side
-                r += ((k - 1) * d if m.stride[0] > 1 else (k - 1) // 2 * d) / float(at)
+                yield m, at
         res *= step.scale
+
+
+def radius(steps) -> float:
+    """Input pixels (per side) that one output pixel of `steps` depends on, convolutions only."""
+    r = 0.0
+    for m, at in _convs(steps):
+        k, d = m.kernel_size[0], m.dilation[0]
+        # a stride-2 conv padded (0, 1) reads k-1 pixels on one side
+        r += ((k - 1) * d if m.stride[0] > 1 else (k - 1) // 2 * d) / float(at)
     return r
 
 
 def width(steps) -> Fraction:
     """Elements per input pixel of the widest tensor a run of `steps` makes: each conv's input
-    and output channels at the resolution it runs (as in radius)."""
-    w, res = Fraction(0), Fraction(1)
-    for step in steps:
-        at = res * max(step.scale, 1)
-        for m in step.module.modules():
-            if isinstance(m, nn.Conv2d):
-                w = max(w, max(m.in_channels, m.out_channels) * at * at)
-        res *= step.scale
-    return w
+    and output channels at the resolution it runs."""
+    return max((max(m.in_channels, m.out_channels) * at * at for m, at in _convs(steps)), default=Fraction(0))
 
 
 def alignment(steps) -> int:
