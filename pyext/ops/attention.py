@@ -93,14 +93,20 @@ def _triton(q, k, v, scale):
 
 # ----------------------------------------------------------------------------- PyTorch backends
 
+def _amax_abs(x) -> torch.Tensor:
+    # aminmax, not vector_norm(x, inf): the latter is ~25x slower on CPU (2 ms against 0.08 ms on
+    # a (2, 8, 1024, 40) fp32 tensor). Both propagate NaN, and so does maximum.
+    low, high = torch.aminmax(x)
+    return torch.maximum(-low, high).float()
+
+
 def _sdpa_reasons(q, k, v, scale):
     # torch's CPU SDPA returns zeros for rows whose softmax is NaN (a NaN in q or k, a score
     # that is +inf or overflows fp32). A bound on every score, two passes over q and k (small
     # next to the attention), finds the inputs where that cannot happen; others go elsewhere.
     if q.device.type != "cpu" or q.numel() == 0 or k.numel() == 0:
         return []
-    bound = (torch.linalg.vector_norm(q, math.inf, dtype=torch.float32)
-             * torch.linalg.vector_norm(k, math.inf, dtype=torch.float32) * q.shape[-1] * abs(_scale(q, scale)))
+    bound = _amax_abs(q) * _amax_abs(k) * q.shape[-1] * abs(_scale(q, scale))
     if not bool(bound < 1e37):  # NaN compares False
         return ["q or k holds NaN/inf, or scores may overflow fp32: torch's CPU SDPA returns 0 "
                 "where softmax gives NaN"]
