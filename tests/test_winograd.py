@@ -117,7 +117,10 @@ def test_the_speed_rule():
     assert winograd_reason(2, 640, 640, 16, 16) is None
     assert winograd_reason(1, 128, 128, 256, 256) is None
     assert "too few" in winograd_reason(2, 320, 640, 4, 4)
-    assert "MiB" in winograd_reason(2, 1280, 1280, 8, 8)  # measured 2.4x slower; 236 MB transformed
+    assert winograd_reason(2, 1920, 640, 16, 16) is None  # 0.70x: its 168 MiB transform fits the workspace
+    assert winograd_reason(2, 1280, 1280, 16, 16) is None  # 0.73x at 225 MiB, the largest that fits
+    assert "too few" in winograd_reason(2, 1280, 1280, 8, 8)  # measured 2.0x slower
+    assert "MiB" in winograd_reason(2, 2560, 1280, 32, 32)  # 450 MiB transformed
     assert "under 32" in winograd_reason(1, 128, 3, 256, 256)  # the VAE's conv_out, 1.9x slower
     assert "under 32" in winograd_reason(1, 4, 512, 32, 32)
 

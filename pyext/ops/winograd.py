@@ -4,7 +4,7 @@ Each 4x4 block of output pixels takes 36 multiplies per (input, output) channel 
 of 144: the input's 6x6 windows and the weight go to the Winograd domain, the 36 points are 36
 independent GEMMs (torch's BLAS), and the output transform brings each tile back
 (csrc/winograd/). The weight is transformed on every call into a workspace the process keeps
-(at most 64 MiB for the transformed weight, which the rule enforces, plus the tile chunks), so the
+(at most 225 MiB for the transformed weight, which the rule enforces, plus the tile chunks), so the
 layers hold no second copy of their weights. In fp32 the result differs from a direct convolution by a
 few times its rounding error (the transforms' constants are up to 8; tests bound it).
 
@@ -29,11 +29,14 @@ DTYPES = (torch.float32,)
 # The rule, measured on SD1.5 UNet and VAE layer shapes (2-core AVX2, fp32, channels-last):
 # Winograd takes 0.43-0.91x of oneDNN's time with at least this many output pixels per call,
 # at least MIN_CHANNELS in and out, and pixels >= PIXELS_PER_CHANNEL x the larger channel count
-# (the per-call weight transform is then small); below, up to 2.4x slower.
-MIN_PIXELS, MIN_CHANNELS, PIXELS_PER_CHANNEL = 512, 32, 0.4
-# The transformed weight (36 floats per input/output channel pair) lives in the kept workspace:
-# bounded so that the workspace stays small next to the model (1280x1280 would take 236 MB).
-MAX_TRANSFORMED_BYTES = 64 << 20
+# (the per-call weight transform is then small; 1920->640 at 512 pixels: 0.70x); below, up to
+# 5x slower (1920->1280 at 128 pixels).
+MIN_PIXELS, MIN_CHANNELS, PIXELS_PER_CHANNEL = 512, 32, 0.25
+# The transformed weight (36 floats per input/output channel pair) lives in the workspace the
+# C++ op keeps (kKeptBytes, 256 MiB with the tile chunks): 1280x1280 channels fit (225 MiB), the
+# largest of the SD UNets. A larger weight would get a fresh buffer per call, whose page faults
+# cost more than the convolution saves.
+MAX_TRANSFORMED_BYTES = 225 << 20
 
 
 def winograd_reason(batch: int, in_channels: int, out_channels: int, height: int, width: int) -> Optional[str]:
