@@ -2,6 +2,7 @@
 // (16 fp32 lanes).
 #if defined(__x86_64__) && (defined(__GNUC__) || defined(__clang__))
 #pragma GCC target("avx512f,avx512bw,avx512vl,avx2,fma")
+#define PYEXT_WINOGRAD_STREAM  // the transformed weight is stored with vmovntps
 #include "winograd/winograd_cpu_impl.h"
 
 namespace pyext::cpu {
