@@ -1,8 +1,8 @@
 // Winograd F(4x4, 3x3) convolution on the CPU: the transforms around the batched GEMM that
 // torch's BLAS runs (winograd_ops.cpp). Raw pointers only, so the SIMD units include no
-// torch headers. Layouts: x and y channels-last (N, H, W, C); the transformed tensors put the
-// 36 Winograd points first, so that each point is one GEMM: V (36, tiles, Ci) @ U (36, Ci, Co)
-// = M (36, tiles, Co). fp32 only.
+// torch headers. Layouts: x and y channels-last (N, H, W, C); each of the 36 Winograd points is
+// one GEMM: V (36, tiles, Ci) @ U (36, Ci, Co) = M (36, tiles, Co), with U stored (Ci, 36, Co)
+// and V, M stored as shown. fp32 only.
 #pragma once
 #include <cstdint>
 
@@ -29,7 +29,7 @@ using WinogradInputFn = void (*)(const WinogradArgs& a, float* v, int64_t first,
 using WinogradOutputFn = bool (*)(const WinogradArgs& a, const float* m, int64_t first, int64_t chunk,
                                   int64_t t_begin, int64_t t_end);
 
-// U[p][ci][co] = (G g G^T)[p] for input channels [ci_begin, ci_end), from the weight stored
+// U[ci][p][co] = (G g G^T)[p] for input channels [ci_begin, ci_end), from the weight stored
 // (3, 3, ci, co), so that co is innermost in both.
 using WinogradWeightFn = void (*)(const float* g, float* u, int64_t ci, int64_t co, int64_t ci_begin,
                                   int64_t ci_end);

@@ -92,7 +92,7 @@ at::Tensor winograd_conv3x3_cpu(const at::Tensor& x, const at::Tensor& weight, c
   const at::Tensor buffer = ws.get(u_size + kWinogradPoints * chunk * (ci + co));
   float* base = buffer.data_ptr<float>();
   const auto f32 = at::TensorOptions().dtype(at::kFloat);
-  at::Tensor u = at::from_blob(base, {kWinogradPoints, ci, co}, f32);
+  at::Tensor u = at::from_blob(base, {kWinogradPoints, ci, co}, {co, kWinogradPoints * co, 1}, f32);  // stored (Ci, 36, Co)
   at::parallel_for(0, ci, 1, [&](int64_t lo, int64_t hi) { k.weight(g.data_ptr<float>(), u.data_ptr<float>(), ci, co, lo, hi); });
 
   std::atomic<bool> finite{true};
