@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import importlib.util
 import math
-from functools import partial
+from functools import cache, partial
 from typing import Optional
 
 import torch
@@ -95,8 +95,11 @@ def _triton(q, k, v, scale):
 
 def _amax_abs(x) -> torch.Tensor:
     # aminmax, not vector_norm(x, inf): the latter is ~25x slower on CPU (2 ms against 0.08 ms on
-    # a (2, 8, 1024, 40) fp32 tensor). Both propagate NaN, and so does maximum.
-    low, high = torch.aminmax(x)
+    # a (2, 8, 1024, 40) fp32 tensor). Both propagate NaN, and so does maximum. The order of the
+    # elements does not matter, so a permuted dense tensor (diffusers' (B, S, H, D) transposed to
+    # (B, H, S, D)) is read in memory order: 3.5x faster than through its strides.
+    dense = x.permute(sorted(range(x.dim()), key=lambda d: -x.stride(d)))
+    low, high = torch.aminmax(dense if dense.is_contiguous() else x)
     return torch.maximum(-low, high).float()
 
 
@@ -117,6 +120,7 @@ def _sdpa(q, k, v, scale):
     return F.scaled_dot_product_attention(q, k, v, scale=scale)
 
 
+@cache  # asked on every call (devices are checked after availability): no import-path search each time
 def _xformers_unavailable():
     return None if importlib.util.find_spec("xformers") is not None else "xformers is not installed"
 
