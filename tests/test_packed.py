@@ -21,21 +21,28 @@ TOL = {torch.float32: 1e-4, torch.bfloat16: 2e-2}  # relative to the output's sc
 CONVS = [(8, 16, 3, 1, 1, 1, 1, True, (9, 7)), (16, 16, 3, 2, 1, 1, 1, True, (8, 8)),
          (6, 10, 1, 1, 0, 1, 1, False, (5, 11)), (12, 12, 3, 1, 2, 2, 1, True, (10, 10)),
          (8, 8, 3, 1, 1, 1, 2, True, (6, 6)), (3, 5, (3, 1), 1, (1, 0), 1, 1, True, (7, 4))]
-LINEARS = [(40, 48, True, (3, 7)), (13, 5, False, (2,)), (64, 130, True, (1, 2, 3))]
+# (in, out, bias, leading dims); fp32 Linears of up to CONV_LINEAR_MAX_IN inputs run as 1x1 convolutions
+LINEARS = [(40, 48, True, (3, 7)), (13, 5, False, (2,)), (64, 130, True, (1, 2, 3)), (2600, 9, True, (5,)),
+           (1, 3, True, ())]
 
 
 @pytest.fixture(autouse=True)
 def pack_every_linear(monkeypatch):
-    """These layers are small fp32 Linears, which stay plain by default (BLAS is faster): pack them."""
+    """Small fp32 Linears of over CONV_LINEAR_MAX_IN inputs stay plain by default (BLAS is faster): pack them."""
     monkeypatch.setattr(packed, "BLAS_LINEAR_BYTES", 0)
 
 
-def test_small_fp32_linears_stay_plain_by_default_and_big_ones_are_packed(monkeypatch):
+def test_which_fp32_linears_are_packed(monkeypatch):
     monkeypatch.undo()
-    model = nn.Sequential(nn.Linear(64, 128), nn.Linear(4096, 4096, bias=False)).eval()
+    model = nn.Sequential(nn.Linear(64, 128), nn.Linear(3000, 64), nn.Linear(4096, 4096, bias=False)).eval()
     report = pack(model)
-    assert "BLAS" in report.skipped["0"] and report.packed == ["1"]
-    assert not isinstance(model[0].weight, PackedWeight) and isinstance(model[1].weight, PackedWeight)
+    assert report.packed == ["0", "2"] and "BLAS" in report.skipped["1"]
+    assert not isinstance(model[1].weight, PackedWeight)
+    with torch.no_grad():
+        model[0](torch.randn(5, 64))
+        model[2](torch.randn(5, 4096))
+    assert model[0].weight.packed.input_shape == (1, 64, 5, 1)  # a 1x1 convolution over 5 rows
+    assert model[2].weight.packed.tensor.is_mkldnn and model[2].weight.packed.input_shape is None  # oneDNN's GEMM
 
 
 def rel_err(out, ref):
@@ -88,8 +95,14 @@ def test_linear_matches_plain(spec, dtype, monkeypatch):
     pack(lin)
     with torch.no_grad():
         out = lin(x)
-    assert out.shape == ref.shape and rel_err(out, ref) <= TOL[dtype]
-    assert calls["linear"] == 1
+        assert out.shape == ref.shape and rel_err(out, ref) <= TOL[dtype]
+        as_conv = dtype == torch.float32 and fin <= packed.CONV_LINEAR_MAX_IN
+        assert calls["conv" if as_conv else "linear"] == 1
+        x2 = torch.randn(7, 2, fin, dtype=dtype)  # another row count: a 1x1 convolution repacks
+        assert rel_err(lin(x2), nn.functional.linear(x2, weight, lin.bias)) <= TOL[dtype]
+        assert lin.weight.packed.input_shape == ((1, fin, 14, 1) if as_conv else None)
+        assert lin(x2[:0]).shape == (0, 2, fout)  # no rows: the plain path
+    assert torch.equal(lin.state_dict()["weight"], weight)
     unpack(lin)
     assert torch.equal(lin.weight, weight) and lin.weight.requires_grad  # thawed as it was
 

@@ -11,9 +11,11 @@ nn.Linear and holds one copy of its weights, in the packed layout only:
   a convolution is packed for the input shape it sees, repacked when the shape changes;
 - a 3x3 convolution (stride 1, padding 1) whose input shape suits Winograd (pyext.ops.winograd's
   rule) keeps its weight plain, stored (3, 3, in, out) as the Winograd op reads it, and runs that op;
+- an fp32 Linear of up to CONV_LINEAR_MAX_IN input features runs as a oneDNN 1x1 convolution over
+  its rows, its weight packed for the row count it sees (repacked when that changes);
 - any other use (a read, a copy, `.to(...)`, state_dict's values) sees the plain weight,
   unpacked on demand (`__torch_dispatch__`); an in-place write (load_state_dict) repacks.
-fp32 Linears up to BLAS_LINEAR_BYTES stay plain: torch's BLAS is faster on them than oneDNN.
+Wider fp32 Linears up to BLAS_LINEAR_BYTES stay plain: torch's BLAS is faster on them than oneDNN.
 `pack(module)` / `unpack(module)` convert a model's layers; unpacking is exact. A cast or move
 (`module.to(...)`) unpacks a layer first and packs it again if it stays packable.
 """
@@ -36,9 +38,14 @@ from pyext.ops import winograd
 DTYPES = (torch.float32, torch.bfloat16)
 
 
-# fp32 Linear weights up to this size stay plain: torch's BLAS addmm beat oneDNN's packed GEMM on
-# the SD1.5 UNet's linear shapes with weights up to 13 MB (by 5-18%), oneDNN won at 52 MB
-# (1280 -> 10240 at 128 rows) (README, "CPU runtimes"; 2-core AVX2 EPYC, 2 threads).
+# fp32 Linears with up to this many input features run as oneDNN 1x1 convolutions, whose kernels
+# beat both torch's BLAS addmm and oneDNN's packed GEMM on every SD1.5 UNet linear shape: 1-17%
+# faster than BLAS, and 128 rows x 1280 -> 10240: 18.6 ms against 30.1 (BLAS) and 22.4 (packed GEMM).
+# At 5120 input features (128 rows) the convolution was 2.7x slower than BLAS (README, "CPU
+# runtimes"; 2-core AVX2 EPYC, 2 threads).
+CONV_LINEAR_MAX_IN = 2560
+# Wider fp32 Linear weights up to this size stay plain: torch's BLAS addmm beat oneDNN's packed
+# GEMM on the UNet's shapes with weights up to 13 MB (by 5-18%).
 BLAS_LINEAR_BYTES = 32 << 20
 
 
@@ -54,24 +61,31 @@ def dtype_reason(dtype: torch.dtype) -> str | None:
 class _Packed:
     """What every alias of one PackedWeight shares (Parameter creation and `.data` make aliases)."""
 
-    tensor: torch.Tensor               # the mkldnn-layout weight, or the plain one for Winograd
+    tensor: torch.Tensor               # the mkldnn-layout weight, or the plain one for Winograd or BLAS
     conv: tuple | None                 # (stride, padding, dilation, groups) of a Conv2d, None for a Linear
-    input_shape: tuple | None = None   # the input shape a convolution weight is packed for
+    input_shape: tuple | None = None   # the input shape a convolution weight is packed for (a Linear's:
+                                       # (1, in, rows, 1), the 1x1 convolution it runs as)
     lock: threading.Lock = field(default_factory=threading.Lock)
 
     @property
     def winograd(self) -> bool:
         """A plain weight ((3, 3, in, out) in memory) for winograd_conv3x3 rather than oneDNN's layout."""
-        return not self.tensor.is_mkldnn
+        return self.conv is not None and not self.tensor.is_mkldnn
 
     def dense(self) -> torch.Tensor:
         t = self.tensor  # read once: a repack elsewhere replaces it whole
-        return t.to_dense() if t.is_mkldnn else t.contiguous()
+        dense = t.to_dense() if t.is_mkldnn else t.contiguous()
+        return dense.flatten(1) if self.conv is None else dense  # a Linear packed as (out, in, 1, 1)
 
     def pack(self, dense: torch.Tensor, input_shape: tuple | None = None) -> None:
         """Callers that may race with for_input hold `lock`; nothing is changed if packing raises."""
         winograd = input_shape is not None and _winograd_suits(self.conv, dense, input_shape)
-        if self.conv is None:
+        if self.conv is None and input_shape is not None:  # a 1x1 convolution over the rows
+            tensor = _compat.mkldnn_reorder_conv_weight(dense.contiguous()[:, :, None, None], (0, 0), (1, 1), (1, 1),
+                                                        1, list(input_shape))
+        elif self.conv is None and (_conv_linear(dense) or _blas_linear(dense)):
+            tensor = dense.contiguous()  # BLAS, or plain until the first call gives the row count
+        elif self.conv is None:
             tensor = _compat.mkldnn_reorder_linear_weight(dense.contiguous())
         elif winograd:
             tensor = dense.permute(2, 3, 1, 0).contiguous().permute(3, 2, 0, 1)
@@ -89,6 +103,15 @@ class _Packed:
             if shape != self.input_shape:
                 self.pack(self.dense(), shape)
             return self.tensor
+
+
+def _conv_linear(weight: torch.Tensor) -> bool:
+    """A Linear weight that runs as a 1x1 convolution over the input's rows."""
+    return weight.dtype == torch.float32 and 0 < weight.shape[1] <= CONV_LINEAR_MAX_IN
+
+
+def _blas_linear(weight: torch.Tensor) -> bool:
+    return weight.dtype == torch.float32 and weight.numel() * 4 <= BLAS_LINEAR_BYTES
 
 
 def _winograd_suits(conv: tuple | None, weight: torch.Tensor, input_shape: tuple) -> bool:
@@ -169,7 +192,7 @@ def _fast_path(func, args, kwargs):
             and not (torch.is_grad_enabled() and (x.requires_grad or (bias is not None and bias.requires_grad)))):
         return None
     if func is F.linear:
-        return _compat.mkldnn_linear(x, weight.packed.tensor, bias)
+        return _linear(x, weight, bias)
     stride, padding, dilation, groups = weight.packed.conv
     if (call.get("stride", 1), call.get("padding", 0), call.get("dilation", 1), call.get("groups", 1)) != \
             weight.packed.conv or x.dim() != 4:
@@ -179,6 +202,21 @@ def _fast_path(func, args, kwargs):
         y = torch.ops.pyext.winograd_conv3x3(x, tensor, bias, None)  # channels-last, as oneDNN gives it here
         return y if x.is_contiguous(memory_format=torch.channels_last) else y.contiguous()
     return _compat.mkldnn_conv(x, tensor, bias, padding, stride, dilation, groups)
+
+
+def _linear(x, weight, bias):
+    packed = weight.packed
+    if _conv_linear(weight):
+        k, n = weight.shape[1], weight.shape[0]
+        rows = x.numel() // k
+        if x.dim() == 0 or x.shape[-1] != k or rows == 0:
+            return None  # the plain path: F.linear's own error, or an empty result
+        # (rows, k) in memory is a channels-last (1, k, rows, 1) image, and the output likewise.
+        x4 = x.reshape(1, rows, 1, k).permute(0, 3, 1, 2)
+        y = _compat.mkldnn_conv(x4, packed.for_input(tuple(x4.shape)), bias, (0, 0), (1, 1), (1, 1), 1)
+        return y.permute(0, 2, 3, 1).reshape(*x.shape[:-1], n)
+    tensor = packed.tensor
+    return F.linear(x, tensor, bias) if not tensor.is_mkldnn else _compat.mkldnn_linear(x, tensor, bias)
 
 
 def weight_reason(w: torch.Tensor) -> str | None:
@@ -197,9 +235,9 @@ def skip_reason(module: nn.Module) -> str | None:
         return "not a plain Conv2d/Linear"
     if isinstance(module, nn.Conv2d) and (isinstance(module.padding, str) or module.padding_mode != "zeros"):
         return f"padding {module.padding!r}, mode {module.padding_mode!r}: only numeric zero padding"
-    if isinstance(module, nn.Linear) and w.dtype == torch.float32 and w.numel() * 4 <= BLAS_LINEAR_BYTES:
-        return (f"an fp32 Linear of at most {BLAS_LINEAR_BYTES >> 20} MiB: torch's BLAS runs it faster than "
-                "oneDNN's packed GEMM (measured)")
+    if isinstance(module, nn.Linear) and not _conv_linear(w) and _blas_linear(w):
+        return (f"an fp32 Linear of over {CONV_LINEAR_MAX_IN} input features and at most "
+                f"{BLAS_LINEAR_BYTES >> 20} MiB: torch's BLAS runs it faster than oneDNN (measured)")
     return weight_reason(w)
 
 
