@@ -1,8 +1,13 @@
-"""Returning freed heap memory to the OS after one-time work (weight casts, tracing)."""
+"""Returning memory to the OS after one-time work (weight casts, tracing, packing): freed heap
+blocks, and the pages of memory-mapped weight files that no weight uses any more."""
 from __future__ import annotations
 
+import bisect
 import ctypes
 import gc
+import itertools
+import os
+import sys
 
 
 def release_freed_memory() -> None:
@@ -17,3 +22,71 @@ def release_freed_memory() -> None:
         ctypes.CDLL("libc.so.6").malloc_trim(0)
     except (OSError, AttributeError):
         pass
+
+
+# Reclaim, not discard: clean file pages are dropped, a page someone wrote would be written back
+# or swapped, never lost (Linux 5.4+; older kernels refuse it and nothing happens).
+_MADV_PAGEOUT = 21
+
+
+def storage_spans(modules) -> set[tuple[int, int]]:
+    """(address, bytes) of the CPU storages behind these modules' parameters and buffers."""
+    spans = set()
+    for module in modules:
+        for t in itertools.chain(module.parameters(), module.buffers()):
+            t = t.packed.tensor if hasattr(t, "packed") else t  # a PackedWeight: the tensor it keeps
+            if t.device.type != "cpu" or t.is_mkldnn:
+                continue
+            try:
+                storage = t.untyped_storage()
+            except (RuntimeError, NotImplementedError, TypeError):  # a subclass without storage of its own
+                continue
+            if storage.nbytes():
+                spans.add((storage.data_ptr(), storage.nbytes()))
+    return spans
+
+
+def _file_mappings() -> list[tuple[int, int]]:
+    """[start, end) of this process's file-backed mappings (safetensors' memory-mapped weights among them)."""
+    maps = []
+    with open("/proc/self/maps") as f:
+        for line in f:
+            fields = line.split()
+            if len(fields) >= 6 and fields[4] != "0" and fields[5].startswith("/"):
+                start, end = (int(x, 16) for x in fields[0].split("-"))
+                maps.append((start, end))
+    return maps
+
+
+def release_mapped_pages(before: set[tuple[int, int]], live: set[tuple[int, int]]) -> int:
+    """Reclaims the resident pages of memory-mapped files under the storages in `before` that are
+    not `live` any more; returns the bytes advised (0 off Linux).
+
+    `from_pretrained` memory-maps safetensors files. A weight that optimize rewrites (packed,
+    channels-last, cast) stops using its mapped pages, but the file's mapping stays open for the
+    weights that remain, and the pages read while rewriting stay resident: 3.4 GiB for SD1.5 in
+    fp32. Only whole pages inside a dropped storage that no live storage overlaps are touched.
+    """
+    if not sys.platform.startswith("linux"):
+        return 0
+    try:
+        libc = ctypes.CDLL("libc.so.6")
+        maps = _file_mappings()
+    except OSError:
+        return 0
+    libc.madvise.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int]
+    page = os.sysconf("SC_PAGE_SIZE")
+    alive = sorted((ptr, ptr + n) for ptr, n in live)
+    starts = [start for start, _ in alive]
+    reach = list(itertools.accumulate((end for _, end in alive), max))  # furthest end among alive[:i + 1]
+    advised = 0
+    for ptr, n in before - live:
+        lo, hi = -(-ptr // page) * page, (ptr + n) // page * page
+        i = bisect.bisect_left(starts, hi)  # alive[:i] start below hi; one of them overlaps if it ends past lo
+        if hi <= lo or (i and reach[i - 1] > lo):
+            continue
+        for start, end in maps:
+            a, b = max(lo, start), min(hi, end)
+            if b > a and libc.madvise(a, b - a, _MADV_PAGEOUT) == 0:
+                advised += b - a
+    return advised

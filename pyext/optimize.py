@@ -19,7 +19,7 @@ from dataclasses import dataclass, field
 import torch.nn as nn
 
 from pyext import _state, offload
-from pyext._memory import release_freed_memory
+from pyext._memory import release_freed_memory, release_mapped_pages, storage_spans
 from pyext.decision import Decision, check_pipeline, decide
 from pyext.options import OptimizeOptions
 from pyext.techniques import TECHNIQUES, Entry
@@ -41,6 +41,7 @@ def optimize(pipe, options: OptimizeOptions | None = None, **changes):
     state = _state.get(pipe, STATE) or State(decision)
     state.decision = decision
     new: list[Entry] = []
+    before = storage_spans(_modules(pipe))
     try:
         with offload.suspended(pipe):
             for technique in TECHNIQUES:
@@ -55,7 +56,12 @@ def optimize(pipe, options: OptimizeOptions | None = None, **changes):
     state.entries += new
     _state.put(pipe, STATE, state)
     release_freed_memory()
+    release_mapped_pages(before, storage_spans(_modules(pipe)))
     return pipe
+
+
+def _modules(pipe) -> list[nn.Module]:
+    return [m for m in pipe.components.values() if isinstance(m, nn.Module)]
 
 
 @dataclass

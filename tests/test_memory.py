@@ -1,0 +1,85 @@
+"""pyext._memory: the pages of memory-mapped weights that no weight uses any more are reclaimed,
+and nothing else: live weights and written pages keep their values."""
+import sys
+
+import numpy as np
+import pytest
+import torch
+import torch.nn as nn
+
+from pyext._memory import release_mapped_pages, storage_spans
+
+pytestmark = pytest.mark.skipif(not sys.platform.startswith("linux"), reason="madvise and /proc are Linux's")
+N = 1 << 20  # floats: 4 MiB, 1024 pages
+
+
+@pytest.fixture
+def mapped(tmp_path):
+    """A private, writable mapping of a file (as safetensors' from_pretrained gives) and two weights
+    on its halves, each a storage of its own (as safetensors' are)."""
+    path = tmp_path / "weights.bin"
+    np.arange(N, dtype=np.float32).tofile(path)
+    whole = torch.from_file(str(path), shared=False, size=N, dtype=torch.float32)
+    halves = [torch.from_numpy(whole.numpy()[:N // 2]), torch.from_numpy(whole.numpy()[N // 2:])]
+    for h in halves:
+        h.sum()  # resident, as after a rewrite read them
+    return whole, halves
+
+
+def span(t):
+    return (t.untyped_storage().data_ptr(), t.untyped_storage().nbytes())
+
+
+def resident_kib(t) -> int:
+    """Rss of the mapping holding t, from /proc/self/smaps."""
+    ptr, inside = t.untyped_storage().data_ptr(), False
+    with open("/proc/self/smaps") as f:
+        for line in f:
+            fields = line.split()
+            if "-" in fields[0] and len(fields) >= 5:
+                start, end = (int(x, 16) for x in fields[0].split("-"))
+                inside = start <= ptr < end
+            elif inside and fields[0] == "Rss:":
+                return int(fields[1])
+    raise AssertionError("no mapping holds the tensor")
+
+
+def test_a_dropped_weight_s_pages_are_reclaimed_and_the_live_one_is_kept(mapped):
+    whole, (dropped, live) = mapped
+    before = resident_kib(whole)
+    advised = release_mapped_pages({span(dropped), span(live)}, {span(live)})
+    assert advised == dropped.numel() * 4  # page-aligned here: every page of it, none of the live one
+    assert resident_kib(whole) <= before - advised // 1024 + 64
+    assert torch.equal(live, torch.arange(N // 2, N, dtype=torch.float32))
+    assert torch.equal(dropped, torch.arange(N // 2, dtype=torch.float32))  # read back from the file
+
+
+def test_a_storage_a_live_one_overlaps_is_left(mapped):
+    whole, (dropped, live) = mapped
+    neighbour = torch.from_numpy(whole.numpy()[N // 2 - 20:N // 2 - 10])  # inside dropped's last page
+    assert release_mapped_pages({span(dropped), span(live)}, {span(neighbour)}) == live.numel() * 4
+    assert release_mapped_pages({span(dropped)}, {span(dropped)}) == 0
+
+
+def test_written_pages_keep_their_values(mapped):
+    _, (dropped, _) = mapped
+    dropped.mul_(-1)  # private copies of the pages, which only swap could take away
+    release_mapped_pages({span(dropped)}, set())
+    assert torch.equal(dropped, -torch.arange(N // 2, dtype=torch.float32))
+
+
+def test_heap_memory_is_never_advised():
+    t = torch.arange(N, dtype=torch.float32)
+    assert release_mapped_pages({span(t)}, set()) == 0
+    assert torch.equal(t, torch.arange(N, dtype=torch.float32))
+
+
+def test_storage_spans_see_parameters_buffers_and_packed_weights():
+    from pyext.nn.packed import pack
+
+    model = nn.Sequential(nn.Linear(8, 4), nn.BatchNorm1d(4))
+    spans = storage_spans([model])
+    assert span(model[0].weight) in spans and span(model[1].running_mean) in spans
+    plain = model[0].weight.detach()
+    pack(model)  # plain until its first call gives the row count
+    assert span(plain) in storage_spans([model])
