@@ -25,7 +25,9 @@ def release_freed_memory() -> None:
 
 
 # Reclaim, not discard: clean file pages are dropped, a page someone wrote would be written back
-# or swapped, never lost (Linux 5.4+; older kernels refuse it and nothing happens).
+# or swapped, never lost (Linux 5.4+; older kernels refuse it and nothing happens). Kernels since
+# 6.x page out a file's pages only for a process that owns the file or may write it: weights on a
+# read-only mount, or owned by another user, stay resident.
 _MADV_PAGEOUT = 21
 
 
@@ -47,7 +49,7 @@ def storage_spans(modules) -> set[tuple[int, int]]:
 
 
 def _file_mappings() -> list[tuple[int, int]]:
-    """[start, end) of this process's file-backed mappings (safetensors' memory-mapped weights among them)."""
+    """[start, end) of this process's file-backed mappings, sorted (safetensors' memory-mapped weights among them)."""
     maps = []
     with open("/proc/self/maps") as f:
         for line in f:
@@ -55,12 +57,12 @@ def _file_mappings() -> list[tuple[int, int]]:
             if len(fields) >= 6 and fields[4] != "0" and fields[5].startswith("/"):
                 start, end = (int(x, 16) for x in fields[0].split("-"))
                 maps.append((start, end))
-    return maps
+    return sorted(maps)
 
 
 def release_mapped_pages(before: set[tuple[int, int]], live: set[tuple[int, int]]) -> int:
-    """Reclaims the resident pages of memory-mapped files under the storages in `before` that are
-    not `live` any more; returns the bytes advised (0 off Linux).
+    """Asks the kernel to reclaim the resident pages of memory-mapped files under the storages in
+    `before` that are not `live` any more; returns the bytes advised (0 off Linux).
 
     `from_pretrained` memory-maps safetensors files. A weight that optimize rewrites (packed,
     channels-last, cast) stops using its mapped pages, but the file's mapping stays open for the
@@ -76,6 +78,7 @@ def release_mapped_pages(before: set[tuple[int, int]], live: set[tuple[int, int]
         return 0
     libc.madvise.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int]
     page = os.sysconf("SC_PAGE_SIZE")
+    map_starts = [start for start, _ in maps]
     alive = sorted((ptr, ptr + n) for ptr, n in live)
     starts = [start for start, _ in alive]
     reach = list(itertools.accumulate((end for _, end in alive), max))  # furthest end among alive[:i + 1]
@@ -85,7 +88,8 @@ def release_mapped_pages(before: set[tuple[int, int]], live: set[tuple[int, int]
         i = bisect.bisect_left(starts, hi)  # alive[:i] start below hi; one of them overlaps if it ends past lo
         if hi <= lo or (i and reach[i - 1] > lo):
             continue
-        for start, end in maps:
+        first = max(0, bisect.bisect_right(map_starts, lo) - 1)
+        for start, end in itertools.takewhile(lambda m: m[0] < hi, itertools.islice(maps, first, None)):
             a, b = max(lo, start), min(hi, end)
             if b > a and libc.madvise(a, b - a, _MADV_PAGEOUT) == 0:
                 advised += b - a

@@ -1,5 +1,6 @@
 """pyext._memory: the pages of memory-mapped weights that no weight uses any more are reclaimed,
 and nothing else: live weights and written pages keep their values."""
+import os
 import sys
 
 import numpy as np
@@ -19,6 +20,8 @@ def mapped(tmp_path):
     on its halves, each a storage of its own (as safetensors' are)."""
     path = tmp_path / "weights.bin"
     np.arange(N, dtype=np.float32).tofile(path)
+    with open(path, "rb+") as f:
+        os.fsync(f.fileno())  # written back: a dirty page is not reclaimed at once
     whole = torch.from_file(str(path), shared=False, size=N, dtype=torch.float32)
     halves = [torch.from_numpy(whole.numpy()[:N // 2]), torch.from_numpy(whole.numpy()[N // 2:])]
     for h in halves:
@@ -80,6 +83,27 @@ def test_storage_spans_see_parameters_buffers_and_packed_weights():
     model = nn.Sequential(nn.Linear(8, 4), nn.BatchNorm1d(4))
     spans = storage_spans([model])
     assert span(model[0].weight) in spans and span(model[1].running_mean) in spans
-    plain = model[0].weight.detach()
-    pack(model)  # plain until its first call gives the row count
-    assert span(plain) in storage_spans([model])
+    original = span(model[0].weight)
+    pack(model)  # a plain copy until its first call gives the row count
+    spans = storage_spans([model])
+    assert span(model[0].weight.packed.tensor) in spans and original not in spans
+
+
+def test_optimize_reclaims_the_mapped_pages_of_the_weights_it_rewrote(tmp_path):
+    import pyext
+    from diffusers import StableDiffusionPipeline
+    from pyext.offline import build_pipeline
+
+    build_pipeline("sd15", "tiny", seed=0).save_pretrained(tmp_path)
+    for path in tmp_path.rglob("*.safetensors"):  # written back: a dirty page is not reclaimed at once
+        with open(path, "rb+") as f:
+            os.fsync(f.fileno())
+    pipe = StableDiffusionPipeline.from_pretrained(tmp_path, safety_checker=None)  # memory-maps the files
+    weight = pipe.unet.conv_in.weight
+    for p in pipe.unet.parameters():
+        p.sum()  # resident, as a first inference or a rewrite makes them
+    before = resident_kib(weight)
+    del weight, p
+    pyext.optimize(pipe)
+    mapped_bias = pipe.unet.conv_in.bias  # not rewritten: still on the file's mapping
+    assert resident_kib(mapped_bias) < before / 2

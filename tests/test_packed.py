@@ -139,13 +139,15 @@ import gc, torch, torch.nn as nn
 from pyext.nn import packed
 from pyext.nn.packed import pack
 
-packed.BLAS_LINEAR_BYTES = 0  # the warm-up layer is a small fp32 Linear
-
 def rss():
     with open("/proc/self/statm") as f:
         return int(f.read().split()[1]) * 4096
 
-pack(nn.Linear(64, 64))  # oneDNN's one-time set-up (its JIT kernels, pools) is not the weight's
+warm = nn.Linear(4096, 64)
+packed.BLAS_LINEAR_BYTES = 0  # packed as the measured layer is, into oneDNN's GEMM layout
+pack(warm)
+with torch.no_grad():
+    warm(torch.randn(2, 4096))  # oneDNN's one-time set-up (its JIT kernels, pools) is not the weight's
 gc.collect()
 before = rss()
 layer = nn.Linear(4096, 4096, bias=False)  # 64 MiB: large allocations go straight back to the OS
@@ -203,6 +205,20 @@ def test_deepcopy_copies_the_packed_weight():
     with torch.no_grad():
         twin[0].weight.mul_(2)  # the copy is its own: the original does not change
     assert not torch.equal(twin[0].weight * 1, model[0].weight * 1)
+
+
+def test_a_linear_packed_before_its_first_call_holds_its_own_copy():
+    import copy
+
+    lin = nn.Linear(6, 3).eval()
+    original = lin.weight
+    pack(lin)  # plain until a call gives the row count
+    twin = copy.deepcopy(lin)
+    with torch.no_grad():
+        twin.weight.mul_(2)
+        lin.load_state_dict({"weight": torch.ones(3, 6), "bias": torch.zeros(3)})
+    assert not torch.equal(original, torch.ones(3, 6))  # the caller's tensor is not the packed one
+    assert torch.equal(lin.weight * 1, torch.ones(3, 6)) and not torch.equal(twin.weight * 1, torch.ones(3, 6))
 
 
 def test_skip_reasons():

@@ -121,6 +121,26 @@ def test_the_speed_rule():
     assert winograd_reason(2, 1280, 1280, 16, 16) is None  # 0.73x at 225 MiB, the largest that fits
     assert "too few" in winograd_reason(2, 1280, 1280, 8, 8)  # measured 2.0x slower
     assert "MiB" in winograd_reason(2, 2560, 1280, 32, 32)  # 450 MiB transformed
+    assert "MiB" in winograd_reason(2, 5120, 320, 64, 64)  # 225 MiB of weight, but 50 MiB of tiles on top
+
+
+def test_the_rule_mirrors_the_kept_workspace():
+    # The rule's workspace arithmetic copies the C++ op's constants: a drift would send layers to
+    # a fresh buffer per call (or keep them from Winograd) without any test noticing.
+    import re
+    from pathlib import Path
+
+    from pyext.ops import winograd
+
+    source = (Path(__file__).parents[1] / "csrc/winograd/winograd_ops.cpp").read_text()
+
+    def constant(name):
+        value, shift = re.search(rf"{name} = (\d+)(?: << (\d+))?;", source).groups()
+        return int(value) << int(shift or 0)
+
+    assert constant("kKeptBytes") == winograd.KEPT_WORKSPACE_BYTES
+    assert constant("kChunkBytes") == winograd.CHUNK_BYTES
+    assert constant("kMinChunkTiles") == winograd.MIN_CHUNK_TILES
     assert "under 32" in winograd_reason(1, 128, 3, 256, 256)  # the VAE's conv_out, 1.9x slower
     assert "under 32" in winograd_reason(1, 4, 512, 32, 32)
 

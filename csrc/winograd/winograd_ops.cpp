@@ -24,8 +24,8 @@ constexpr int64_t kMinChunkTiles = 64;
 
 // The transformed weight and tile buffers, kept between calls: fresh buffers this large are
 // mapped anew by malloc on every call, and their page faults cost as much as the transforms.
-// Up to kKeptBytes is kept (pyext.ops.winograd's rule keeps the layers it picks within it:
-// 225 MiB of transformed weight for 1280x1280 channels, plus the tile chunks);
+// Up to kKeptBytes is kept (pyext.ops.winograd's rule mirrors these constants and keeps the layers
+// it picks within it: 225 MiB of transformed weight for 1280x1280 channels, plus a tile chunk);
 // a larger call gets a buffer of its own, freed after it. Calls take turns on the kept one
 // (inference runs one convolution at a time; each is parallel inside).
 constexpr int64_t kKeptBytes = 256 << 20;

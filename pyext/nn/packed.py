@@ -61,7 +61,8 @@ def dtype_reason(dtype: torch.dtype) -> str | None:
 class _Packed:
     """What every alias of one PackedWeight shares (Parameter creation and `.data` make aliases)."""
 
-    tensor: torch.Tensor               # the mkldnn-layout weight, or the plain one for Winograd or BLAS
+    tensor: torch.Tensor               # the mkldnn-layout weight, or a plain one: for Winograd, for BLAS,
+                                       # or a Linear's until its first call
     conv: tuple | None                 # (stride, padding, dilation, groups) of a Conv2d, None for a Linear
     input_shape: tuple | None = None   # the input shape a convolution weight is packed for (a Linear's:
                                        # (1, in, rows, 1), the 1x1 convolution it runs as)
@@ -84,7 +85,9 @@ class _Packed:
             tensor = _compat.mkldnn_reorder_conv_weight(dense.contiguous()[:, :, None, None], (0, 0), (1, 1), (1, 1),
                                                         1, list(input_shape))
         elif self.conv is None and (_conv_linear(dense) or _blas_linear(dense)):
-            tensor = dense.contiguous()  # BLAS, or plain until the first call gives the row count
+            # BLAS, or plain until the first call gives the row count. A copy, as every other
+            # form is: the caller's tensor (a mapped file's, a deepcopy's source) stays its own.
+            tensor = dense.clone(memory_format=torch.contiguous_format)
         elif self.conv is None:
             tensor = _compat.mkldnn_reorder_linear_weight(dense.contiguous())
         elif winograd:
@@ -107,7 +110,7 @@ class _Packed:
 
 def _conv_linear(weight: torch.Tensor) -> bool:
     """A Linear weight that runs as a 1x1 convolution over the input's rows."""
-    return weight.dtype == torch.float32 and 0 < weight.shape[1] <= CONV_LINEAR_MAX_IN
+    return weight.dtype == torch.float32 and weight.numel() > 0 and weight.shape[1] <= CONV_LINEAR_MAX_IN
 
 
 def _blas_linear(weight: torch.Tensor) -> bool:
@@ -150,8 +153,11 @@ class PackedWeight(torch.Tensor):
         return copy
 
     def __repr__(self) -> str:
-        kind = "Linear" if self.packed.conv is None else f"Conv2d, input {self.packed.input_shape}"
-        return f"PackedWeight({tuple(self.shape)}, {self.dtype}, oneDNN layout for {kind})"
+        p = self.packed
+        kind = "Linear" if p.conv is None else "Conv2d"
+        layout = "plain" if not p.tensor.is_mkldnn else "oneDNN layout"
+        shape = f", input {p.input_shape}" if p.input_shape else ""
+        return f"PackedWeight({tuple(self.shape)}, {self.dtype}, {layout} for {kind}{shape})"
 
     @classmethod
     def __torch_function__(cls, func, types, args=(), kwargs=None):

@@ -4,7 +4,7 @@ Each 4x4 block of output pixels takes 36 multiplies per (input, output) channel 
 of 144: the input's 6x6 windows and the weight go to the Winograd domain, the 36 points are 36
 independent GEMMs (torch's BLAS), and the output transform brings each tile back
 (csrc/winograd/). The weight is transformed on every call into a workspace the process keeps
-(at most 225 MiB for the transformed weight, which the rule enforces, plus the tile chunks), so the
+(at most 256 MiB with the tile chunks, which the rule enforces), so the
 layers hold no second copy of their weights. In fp32 the result differs from a direct convolution by a
 few times its rounding error (the transforms' constants are up to 8; tests bound it).
 
@@ -32,20 +32,28 @@ DTYPES = (torch.float32,)
 # (the per-call weight transform is then small; 1920->640 at 512 pixels: 0.70x); below, up to
 # 5x slower (1920->1280 at 128 pixels).
 MIN_PIXELS, MIN_CHANNELS, PIXELS_PER_CHANNEL = 512, 32, 0.25
-# The transformed weight (36 floats per input/output channel pair) lives in the workspace the
-# C++ op keeps (kKeptBytes, 256 MiB with the tile chunks): 1280x1280 channels fit (225 MiB), the
-# largest of the SD UNets. A larger weight would get a fresh buffer per call, whose page faults
-# cost more than the convolution saves.
-MAX_TRANSFORMED_BYTES = 225 << 20
+# The transformed weight (36 floats per input/output channel pair) and the tile chunks live in
+# the workspace the C++ op keeps (csrc/winograd/winograd_ops.cpp: kKeptBytes, kChunkBytes,
+# kMinChunkTiles): 1280x1280 channels fit (225 MiB of weight), the largest of the SD UNets. A call
+# that needs more gets a fresh buffer per call, whose page faults cost more than Winograd saves.
+KEPT_WORKSPACE_BYTES, CHUNK_BYTES, MIN_CHUNK_TILES = 256 << 20, 8 << 20, 64
+
+
+def workspace_bytes(batch: int, in_channels: int, out_channels: int, height: int, width: int) -> int:
+    """Bytes of the workspace the C++ op needs for this shape: transformed weight plus one tile chunk."""
+    tiles = batch * -(-height // 4) * -(-width // 4)
+    per_tile = 36 * 4 * (in_channels + out_channels)
+    chunk = min(tiles, max(MIN_CHUNK_TILES, CHUNK_BYTES // per_tile))
+    return 36 * 4 * in_channels * out_channels + chunk * per_tile
 
 
 def winograd_reason(batch: int, in_channels: int, out_channels: int, height: int, width: int) -> Optional[str]:
     """Why Winograd would be slower than oneDNN's direct convolution for this shape; None when faster."""
     pixels = batch * height * width
-    transformed = 36 * 4 * in_channels * out_channels
-    if transformed > MAX_TRANSFORMED_BYTES:
-        return (f"{in_channels}->{out_channels} channels: the transformed weight would take "
-                f"{transformed >> 20} MiB, over the {MAX_TRANSFORMED_BYTES >> 20} MiB workspace")
+    workspace = workspace_bytes(batch, in_channels, out_channels, height, width)
+    if workspace > KEPT_WORKSPACE_BYTES:
+        return (f"{in_channels}->{out_channels} channels: the transformed weight and tiles would take "
+                f"{workspace >> 20} MiB, over the {KEPT_WORKSPACE_BYTES >> 20} MiB kept workspace")
     if min(in_channels, out_channels) < MIN_CHANNELS:
         return f"{in_channels}->{out_channels} channels: under {MIN_CHANNELS}, the transforms outweigh the GEMM"
     if pixels < max(MIN_PIXELS, PIXELS_PER_CHANNEL * max(in_channels, out_channels)):
