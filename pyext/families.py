@@ -121,8 +121,13 @@ class Components:
         return self.of("vae")
 
 
+def modules_of(pipe) -> dict[str, nn.Module]:
+    """The pipeline's nn.Module components by name (not its tokenizers, schedulers, processors)."""
+    return {n: m for n, m in pipe.components.items() if isinstance(m, nn.Module)}
+
+
 def find_components(pipe) -> Components:
-    modules = {n: m for n, m in pipe.components.items() if isinstance(m, nn.Module)}
+    modules = modules_of(pipe)
     # model_cpu_offload_seq lists components in call order ("text_encoder->transformer->transformer_2->vae").
     seq = [n for n in (getattr(pipe, "model_cpu_offload_seq", None) or "").split("->") if n in modules]
     order = seq + [n for n in modules if n not in seq]

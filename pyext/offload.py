@@ -15,6 +15,7 @@ from dataclasses import dataclass, field
 import torch.nn as nn
 
 from pyext import _compat
+from pyext.families import modules_of
 
 
 @dataclass
@@ -24,18 +25,14 @@ class OffloadState:
     group_configs: dict = field(default_factory=dict)  # component -> diffusers GroupOffloadingConfig
 
 
-def _modules(pipe) -> dict[str, nn.Module]:
-    return {k: v for k, v in pipe.components.items() if isinstance(v, nn.Module)}
-
-
 def detect(pipe) -> OffloadState:
     if getattr(pipe, "hf_device_map", None):
         return OffloadState("device_map")
-    groups = {name: config for name, module in _modules(pipe).items()
+    groups = {name: config for name, module in modules_of(pipe).items()
               if (config := _compat.group_offload_config(module)) is not None}
     if groups:
         return OffloadState("group", group_configs=groups)
-    if any(_compat.has_accelerate_hook(m) for m in _modules(pipe).values()):
+    if any(_compat.has_accelerate_hook(m) for m in modules_of(pipe).values()):
         mode = "model" if _compat.pipeline_model_hooks(pipe) else "sequential"
         return OffloadState(mode, device=_compat.pipeline_offload_device(pipe))
     return OffloadState("off")
@@ -50,7 +47,7 @@ def enable(pipe, mode: str, device, modules: dict[str, nn.Module] | None = None)
     elif mode == "group":
         from diffusers.hooks import apply_group_offloading
 
-        for module in (modules or _modules(pipe)).values():
+        for module in (modules or modules_of(pipe)).values():
             apply_group_offloading(module, onload_device=device, offload_device="cpu", offload_type="block_level",
                                    num_blocks_per_group=1, use_stream=device.type == "cuda")
 

@@ -21,6 +21,7 @@ import torch.nn as nn
 from pyext import _state, offload
 from pyext._memory import release_freed_memory, release_mapped_pages, storage_spans
 from pyext.decision import Decision, check_pipeline, decide
+from pyext.families import modules_of
 from pyext.options import OptimizeOptions
 from pyext.techniques import TECHNIQUES, Entry
 
@@ -41,7 +42,7 @@ def optimize(pipe, options: OptimizeOptions | None = None, **changes):
     state = _state.get(pipe, STATE) or State(decision)
     state.decision = decision
     new: list[Entry] = []
-    before = storage_spans(_modules(pipe))
+    before = storage_spans(modules_of(pipe).values())
     try:
         with offload.suspended(pipe):
             for technique in TECHNIQUES:
@@ -56,12 +57,8 @@ def optimize(pipe, options: OptimizeOptions | None = None, **changes):
     state.entries += new
     _state.put(pipe, STATE, state)
     release_freed_memory()
-    release_mapped_pages(before, storage_spans(_modules(pipe)))
+    release_mapped_pages(before, storage_spans(modules_of(pipe).values()))
     return pipe
-
-
-def _modules(pipe) -> list[nn.Module]:
-    return [m for m in pipe.components.values() if isinstance(m, nn.Module)]
 
 
 @dataclass
@@ -91,7 +88,7 @@ def _weight_bytes(module: nn.Module) -> int:
 
 def report(pipe) -> Report:
     check_pipeline(pipe, "pyext.report")
-    weights = {name: _weight_bytes(m) for name, m in pipe.components.items() if isinstance(m, nn.Module)}
+    weights = {name: _weight_bytes(m) for name, m in modules_of(pipe).items()}
     state = _state.get(pipe, STATE)
     if state is None:
         return Report(type(pipe).__name__, "", "not optimized by pyext", [], weights)
