@@ -13,8 +13,9 @@ fine noise on it. "video" decodes with a CogVideoX-2b-shaped VAE: untiled, diffu
 and diffusers' tiling with pyext's fused blend (pyext.vae.tile_video_vae).
 
 Each run is one fresh subprocess, which reports its wall time and its peak RSS above the RSS
-just before the call (VmHWM reset through /proc/self/clear_refs; glibc told to return large
-free blocks at once, so the peak is that of live memory, torch's CPU allocator included).
+just before the call (VmHWM reset through /proc/self/clear_refs). By default glibc is told to
+return large free blocks at once, so the peak is that of live memory, torch's CPU allocator
+included; --malloc default keeps glibc's own settings (the times users see; see MALLOC).
 PSNR compares each tiled output (image, or latent moments for encode) with the untiled one;
 the untiled run is skipped above --max-full-mpix output megapixels (3840x2224 with the SD VAE
 would need about 31 GB).
@@ -156,8 +157,16 @@ def _child(spec: dict) -> None:
                       "out_mib": out.numel() * out.element_size() / 2**20}))
 
 
-def measure(spec: dict) -> dict:
-    env = dict(os.environ, MALLOC_MMAP_THRESHOLD_="65536", MALLOC_TRIM_THRESHOLD_="0")
+# glibc's settings for a child. "live": every block above 64 KiB is its own mapping, returned when
+# freed, so the peak RSS is that of live memory (torch's CPU allocator included), but each such
+# allocation costs a fresh mapping's page faults. "default": glibc's own, as users run: faster
+# for some runs, and a peak that includes freed memory glibc kept.
+MALLOC = {"live": {"MALLOC_MMAP_THRESHOLD_": "65536", "MALLOC_TRIM_THRESHOLD_": "0"}, "default": {}}
+
+
+def measure(spec: dict, malloc: str = "live") -> dict:
+    env = {k: v for k, v in os.environ.items() if k not in MALLOC["live"]}
+    env.update(MALLOC[malloc])
     res = subprocess.run([sys.executable, "-m", "bench.vae", "--child", json.dumps(spec)],
                          capture_output=True, text=True, env=env)
     if res.returncode:
@@ -176,7 +185,7 @@ def _label(options: dict) -> str:
     return "pyext" + "".join(f" {k}={json.dumps(v)}" for k, v in options.items())
 
 
-def _rows_for(base: dict, methods, max_full_mpix: float, tmp: str, pyext_options=({},)) -> list[dict]:
+def _rows_for(base: dict, methods, max_full_mpix: float, tmp: str, pyext_options=({},), malloc: str = "live") -> list[dict]:
     """One row per method, "pyext" once per option set (its label names the options)."""
     hw = _size(base["size"])
     mpix = hw[0] * hw[1] * base.get("frames", 1) / 1e6
@@ -189,7 +198,7 @@ def _rows_for(base: dict, methods, max_full_mpix: float, tmp: str, pyext_options
             row["skipped"] = f"untiled run above --max-full-mpix {max_full_mpix} ({mpix:.1f} Mpix)"
         else:
             outs[m] = os.path.join(tmp, f"{len(outs)}.pt")
-            row.update(measure(dict(row, out=outs[m])))
+            row.update(measure(dict(row, out=outs[m]), malloc))
         rows.append(row)
         print(json.dumps(row), flush=True)
     if "full" in outs and os.path.exists(outs["full"]):
@@ -208,9 +217,9 @@ def _rows_for(base: dict, methods, max_full_mpix: float, tmp: str, pyext_options
 
 
 def run(preset: str = "quick", shapes=None, sizes=None, encode_sizes=None, video: bool = True,
-        max_full_mpix: float = 4.2, latents: str = "smooth", pyext_options=({},)) -> list[dict]:
+        max_full_mpix: float = 4.2, latents: str = "smooth", pyext_options=({},), malloc: str = "live") -> list[dict]:
     """All rows of a preset, or of the given shapes x sizes (decode) and encode sizes; one pyext
-    row per dict of tile_vae options in pyext_options."""
+    row per dict of tile_vae options in pyext_options; children under MALLOC[malloc]."""
     if len({_label(o) for o in pyext_options}) < len(pyext_options):
         raise SystemExit(f"--pyext: each option set once, got {list(pyext_options)}")
     if shapes or sizes or encode_sizes:
@@ -224,13 +233,13 @@ def run(preset: str = "quick", shapes=None, sizes=None, encode_sizes=None, video
     with tempfile.TemporaryDirectory() as tmp:
         for shape, direction, size, tile in runs:
             base = {"bench": f"vae_{direction}", "shape": shape, "direction": direction, "size": size, "tile": tile,
-                    "latents": latents, "threads": threads}
-            rows += _rows_for(base, METHODS, max_full_mpix, tmp, pyext_options)
+                    "latents": latents, "threads": threads, "malloc": malloc}
+            rows += _rows_for(base, METHODS, max_full_mpix, tmp, pyext_options, malloc)
         if video:
             v = PRESETS[preset]["video"]
             base = {"bench": "video_decode", "shape": "cogvideox-2b", "direction": "video", "size": v["size"],
-                    "frames": v["frames"], "tile": v["tile"], "threads": threads}
-            rows += _rows_for(base, VIDEO_METHODS, max_full_mpix, tmp)
+                    "frames": v["frames"], "tile": v["tile"], "threads": threads, "malloc": malloc}
+            rows += _rows_for(base, VIDEO_METHODS, max_full_mpix, tmp, malloc=malloc)
     return rows
 
 
@@ -269,6 +278,8 @@ def main(argv=None) -> None:
     p.add_argument("--latents", choices=("smooth", "random"), default="smooth")
     p.add_argument("--pyext", nargs="+", default=["{}"],
                    help='tile_vae options as JSON, one pyext row each, e.g. \'{}\' \'{"method": "tiles"}\'')
+    p.add_argument("--malloc", choices=sorted(MALLOC), default="live",
+                   help="glibc's settings in each child: 'live' (default) for peaks of live memory, 'default' as users run")
     p.add_argument("--json", help="also write the rows here")
     p.add_argument("--child", help=argparse.SUPPRESS)
     a = p.parse_args(argv)
@@ -276,7 +287,7 @@ def main(argv=None) -> None:
         _child(json.loads(a.child))
         return
     rows = run(a.preset, a.shapes, a.sizes, a.encode_sizes, not a.no_video, a.max_full_mpix, a.latents,
-               [json.loads(o) for o in a.pyext])
+               [json.loads(o) for o in a.pyext], a.malloc)
     print(table(rows))
     if a.json:
         with open(a.json, "w") as f:

@@ -1,10 +1,12 @@
 """TilingConfig: every option of a tiled VAE run, checked once when it is made."""
 from __future__ import annotations
 
+import os
 from dataclasses import dataclass
 from typing import Optional
 
 from pyext.dispatch import PyextError
+from pyext.vae import spill
 
 METHODS = ("exact", "tiles", "diffusers")
 
@@ -41,6 +43,14 @@ class TilingConfig:
       float16 with power-of-two scales (pyext.vae.state): half the host memory, at the cost of
       float16 rounding of that state (about 2^-12 relative per value instead of fp32's; the
       README has the measured PSNR).
+    state_dir: "exact" only: keep that state in an unlinked file in this directory instead,
+      written and read with direct I/O (pyext.vae.spill), so that memory holds one tile's
+      working set, a few pieces of the state and the output, whatever the image size; the
+      numbers are those of the state in memory. The directory must allow O_DIRECT (tmpfs does
+      not) and have room for two whole-image states.
+    state_memory_mib: with state_dir: MiB of that state kept in memory rather than written to
+      the file (its first chunks, which the next segment reads first and frees soonest): less
+      disk traffic for that much memory. 0 (default): all of it goes to the file.
     enable: also turn the VAE's use_tiling on.
     """
 
@@ -49,6 +59,8 @@ class TilingConfig:
     overlap: Optional[float] = None
     context: Optional[int] = None
     compact_state: bool = False
+    state_dir: Optional[str] = None
+    state_memory_mib: int = 0
     enable: bool = True
 
     def __post_init__(self):
@@ -70,5 +82,17 @@ class TilingConfig:
             fail(f"compact_state must be True or False, got {self.compact_state!r}")
         if self.compact_state and self.method != "exact":
             fail(f"compact_state applies to method 'exact' only (the state it keeps), got method={self.method!r}")
+        if self.state_dir is not None:
+            if self.method != "exact":
+                fail(f"state_dir applies to method 'exact' only (the state it keeps), got method={self.method!r}")
+            if not isinstance(self.state_dir, (str, os.PathLike)) or not os.path.isdir(self.state_dir):
+                fail(f"state_dir must be an existing directory or None, got {self.state_dir!r}")
+            why = spill.unsupported(self.state_dir)
+            if why:
+                fail(f"state_dir {str(self.state_dir)!r}: {why}; give a directory on a disk file system (ext4, xfs)")
+        if not _is_int(self.state_memory_mib) or self.state_memory_mib < 0:
+            fail(f"state_memory_mib must be a non-negative int (MiB), got {self.state_memory_mib!r}")
+        if self.state_memory_mib and self.state_dir is None:
+            fail("state_memory_mib applies with state_dir only (without it the whole state is in memory)")
         if not isinstance(self.enable, bool):
             fail(f"enable must be True or False, got {self.enable!r}")

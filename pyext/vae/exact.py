@@ -25,7 +25,9 @@ tile reads it). Each segment tiles on its own grid, its tiles bounded by TILE_EL
 working set does not grow with the resolution. The host holds about the largest state of the
 whole image between two GroupNorms (for the SD VAE: 256 channels at full resolution, 1 KiB per
 output pixel in float32; half that with the compact state). That is the price of exact
-statistics in one pass: holding less means recomputing the network up to each GroupNorm.
+statistics in one pass: holding less memory means recomputing the network up to each
+GroupNorm, or keeping the state on disk (pyext.vae.spill: memory then holds one tile and a few
+pieces of the state read back).
 """
 from __future__ import annotations
 
@@ -37,8 +39,9 @@ from typing import Optional
 import torch
 
 from pyext.vae import stages
-from pyext.vae.config import fail
+from pyext.vae.config import TilingConfig, fail
 from pyext.vae.geometry import Span, equal_cores, rescale, window
+from pyext.vae.spill import Budget, FileBands
 from pyext.vae.state import Bands
 from pyext.vae.statistics import Moments, Stop, SyncedGroupNorms
 
@@ -76,10 +79,11 @@ def segments(steps) -> list[Segment]:
                     stages.width(g)) for g in groups]
 
 
-def _run_segment(seg: Segment, state: Bands, rows: list[Span], cols: list[Span], device, compact: bool = False,
-                 first: Optional[Moments] = None, gather: bool = False) -> tuple[Bands, Optional[Moments]]:
+def _run_segment(seg: Segment, state, rows: list[Span], cols: list[Span], device, new_state=None,
+                 first: Optional[Moments] = None, gather: bool = False) -> tuple:
     """The segment over the tiles rows x cols of the state (which may be banded otherwise):
-    the whole-image state at its end, banded by the tile rows (compact: pyext.vae.state).
+    the whole-image state at its end, banded by the tile rows, made by new_state(rows, width)
+    (None: Bands in memory).
 
     first: per-channel moments of the state's first tensor, gathered as it was written, when
     this segment starts with a GroupNorm of it (Step.input_norm): its pass that would only
@@ -90,7 +94,9 @@ def _run_segment(seg: Segment, state: Bands, rows: list[Span], cols: list[Span],
     known: list = [] if first is None else [first.grouped(seg.steps[0].input_norm.num_groups).result()]
     while True:
         written = Moments() if gather else None
-        moments, out, finished = Moments(), Bands(out_rows, out_cols[-1][1], state.pin, compact), 0
+        out = (new_state or (lambda r, w: Bands(r, w, state.pin)))(out_rows, out_cols[-1][1])
+        moments, finished = Moments(), 0
+        state.plan([(window(ys, H, seg.margin), window(xs, W, seg.margin)) for ys in rows for xs in cols])
         for r, ys in enumerate(rows):
             (y0, y1) = window(ys, H, seg.margin)
             for c, xs in enumerate(cols):
@@ -122,10 +128,18 @@ def _run_segment(seg: Segment, state: Bands, rows: list[Span], cols: list[Span],
         known.append(moments.result())
 
 
-def run(tiled_steps, x: torch.Tensor, tile: int, compact: bool = False) -> torch.Tensor:
+def run(tiled_steps, x: torch.Tensor, tile: int, config: TilingConfig = TilingConfig()) -> torch.Tensor:
     """The tiled steps on x, exactly, over abutting tiles of at most `tile` pixels of x (fewer
-    where the resolution grows: Segment.grid), each segment on its own grid; `compact`: the
-    states between segments in float16 (pyext.vae.state; x itself, small, is kept as it is)."""
+    where the resolution grows: Segment.grid), each segment on its own grid. The states between
+    segments as the config says: float16 (compact_state, pyext.vae.state) and in a file
+    (state_dir, pyext.vae.spill); x itself, small, is kept as it is."""
+    budget = Budget(config.state_memory_mib << 20)
+
+    def new_state(rows, width):
+        if config.state_dir is not None:
+            return FileBands(rows, width, config.state_dir, config.compact_state, budget)
+        return Bands(rows, width, x.is_cuda, config.compact_state)
+
     state, res, moments, batch = None, Fraction(1), None, x.shape[0]  # res: pixels of the state per pixel of x
     segs = segments(stages.split_resnets(tiled_steps))
     for i, seg in enumerate(segs):
@@ -135,9 +149,11 @@ def run(tiled_steps, x: torch.Tensor, tile: int, compact: bool = False) -> torch
         if state is None:
             state = Bands.of(x, rows)
         cols = seg.grid(state.width, at, batch)
-        state, moments = _run_segment(seg, state, rows, cols, x.device, compact, moments, gather)
-        res *= seg.scale
+        done, moments = _run_segment(seg, state, rows, cols, x.device, new_state, moments, gather)
+        state.release()
+        state, res = done, res * seg.scale
     if state is None:  # nothing to tile (a VAE without resampling blocks)
         return x
     out, = state.whole(x.device)
+    state.release()
     return out

@@ -20,7 +20,7 @@ COMPACT_DTYPE = torch.float16
 _COMPACT_TOP = 14  # a tile's largest magnitude is stored in [2^13, 2^14]: far from float16's 65504
 
 
-def _scale(t: torch.Tensor) -> torch.Tensor:
+def scale_of(t: torch.Tensor) -> torch.Tensor:
     """A power of two per (sample, channel) that brings t's largest finite magnitude to
     [2^13, 2^14]; inf and nan are kept as they are."""
     t = t.detach()
@@ -94,7 +94,7 @@ class Bands:
             a, b = self.rows[row]
             self.parts[row] = tuple(torch.empty((*t.shape[:-2], b - a, self.width), pin_memory=self.pin,
                                                 dtype=COMPACT_DTYPE if compact else t.dtype) for t in tiles)
-        scales = tuple(_scale(t) for t in tiles) if compact else (None,) * len(tiles)
+        scales = tuple(scale_of(t) for t in tiles) if compact else (None,) * len(tiles)
         if compact:
             self.scales[row][xs] = scales
         for band, t, s in zip(self.parts[row], tiles, scales):
@@ -106,11 +106,18 @@ class Bands:
             else:
                 where.copy_((t * (1 / s)).to(COMPACT_DTYPE))  # halve the copy's bytes on the device
 
+    def plan(self, windows: list) -> None:
+        """The windows reads will ask for (FileBands reads ahead; here everything is at hand)."""
+
     def free_above(self, y: int) -> None:
         """Frees the bands that end at or above row y."""
         for i, (_, b) in enumerate(self.rows):
             if b <= y:
                 self.parts[i], self.scales[i] = None, {}
+
+    def release(self) -> None:
+        """Frees everything: the state is not read again."""
+        self.free_above(self.height)
 
     def whole(self, device=None) -> tuple:
         return self.read((0, self.height), (0, self.width), device)

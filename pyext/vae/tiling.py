@@ -91,7 +91,7 @@ def tiled_run(vae, x: torch.Tensor, kind: str, config: TilingConfig = TilingConf
         if stages.has_attention(plan.tiled):
             fail("method 'exact' needs a tiled part without attention (its attention spans the whole image); "
                  "this VAE's up/down blocks have attention layers: use method 'tiles' or 'diffusers'")
-        out = exact.run(plan.tiled, h, plan.tile_in, config.compact_state)
+        out = exact.run(plan.tiled, h, plan.tile_in, config)
     elif config.method == "tiles":
         out = _tiles(plan, h)
     else:

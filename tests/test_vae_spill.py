@@ -1,0 +1,123 @@
+"""pyext.vae.spill: the exact run's state in a direct-I/O file reads back what the state in
+memory reads, holds only a few pieces in memory, and gives the in-memory run's numbers."""
+import gc
+import os
+
+import pytest
+import torch
+
+from pyext.dispatch import PyextError
+from pyext.vae import TilingConfig, exact, spill, state, tiled_run
+from pyext.vae.geometry import equal_cores, window
+
+from test_vae_exact import _full, _smooth, _vae, psnr
+
+
+@pytest.fixture
+def state_dir(tmp_path):
+    why = spill.unsupported(tmp_path)
+    if why:
+        pytest.skip(f"the test directory has no direct I/O: {why}")
+    return str(tmp_path)
+
+
+def _write(bands, t: torch.Tensor, rows, cols, extra=()):
+    for r, (a, b) in enumerate(rows):
+        for xs in cols:
+            bands.write(r, xs, (t[..., a:b, xs[0]:xs[1]], *(e[..., a:b, xs[0]:xs[1]] for e in extra)))
+
+
+@pytest.mark.parametrize("compact", [False, True])
+def test_file_bands_read_what_bands_in_memory_read(state_dir, compact):
+    """Two tensors (an activation and a residual), a batch of 2, odd tiles, values over many
+    magnitudes: every window, and the whole, reads back bit for bit what Bands in memory give."""
+    gen = torch.Generator().manual_seed(0)
+    t = torch.randn(2, 5, 23, 31, generator=gen) * torch.logspace(-20, 20, 5).view(1, 5, 1, 1)
+    r = torch.randn(2, 3, 23, 31, generator=gen)
+    rows, cols = equal_cores(23, 7), equal_cores(31, 9)
+    memory, disk = state.Bands(rows, 31, pin=False, compact=compact), spill.FileBands(rows, 31, state_dir, compact)
+    _write(memory, t, rows, cols, (r,))
+    _write(disk, t, rows, cols, (r,))
+    assert disk.file.end >= (t.numel() + r.numel()) * (2 if compact else 4)  # the state is in the file
+    for _ in range(40):
+        y0, x0 = (int(torch.randint(0, n, (1,), generator=gen)) for n in (23, 31))
+        ys = (y0, int(torch.randint(y0 + 1, 24, (1,), generator=gen)))
+        xs = (x0, int(torch.randint(x0 + 1, 32, (1,), generator=gen)))
+        for got, want in zip(disk.read(ys, xs), memory.read(ys, xs)):
+            assert got.dtype == torch.float32 and torch.equal(got, want), (ys, xs)
+    for got, want in zip(disk.whole(), memory.whole()):
+        assert torch.equal(got, want)
+    if not compact:
+        assert torch.equal(disk.whole()[0], t)
+
+
+def test_file_bands_keep_a_few_pieces_and_read_each_chunk_about_once(state_dir, monkeypatch):
+    """A sweep of tiles with margins, as the next segment runs, reading ahead: memory holds at
+    most CACHED_CHUNKS chunks' bytes of pieces, and the file is read little more than once."""
+    t = torch.randn(1, 8, 64, 96)
+    rows, cols = equal_cores(64, 16), equal_cores(96, 16)
+    disk = spill.FileBands(rows, 96, state_dir)
+    _write(disk, t, rows, cols)
+    read = []
+    real = spill._File.read
+    monkeypatch.setattr(spill._File, "read", lambda self, a, b: read.append(b - a) or real(self, a, b))
+    peak = 0
+    disk.plan([(window(ys, 64, 2), window(xs, 96, 2)) for ys in rows for xs in cols])  # reads ahead
+    for i, ys in enumerate(rows):
+        for xs in cols:
+            w = (window(ys, 64, 2), window(xs, 96, 2))
+            got, = disk.read(*w)
+            assert torch.equal(got, t[..., w[0][0]:w[0][1], w[1][0]:w[1][1]])
+            peak = max(peak, disk.cached_bytes)
+        if i + 1 < len(rows):
+            disk.free_above(window(rows[i + 1], 64, 2)[0])
+    assert peak <= spill.CACHED_CHUNKS * disk.largest_chunk
+    assert sum(read) <= 1.6 * t.numel() * 4, sum(read) / (t.numel() * 4)  # margins: 2 rows of 16, twice
+
+
+@torch.no_grad()
+@pytest.mark.parametrize("compact", [False, True])
+@pytest.mark.parametrize("kind", ["decode", "encode"])
+def test_exact_run_with_its_state_in_a_file_is_the_run_in_memory(state_dir, kind, compact, monkeypatch):
+    """Bit for bit, on grids that differ between segments (a small TILE_ELEMENTS), and the
+    state's files are closed (their blocks freed) after the run."""
+    monkeypatch.setattr(exact, "TILE_ELEMENTS", 2 ** 14)
+    vae = _vae("3 blocks, 8 groups")
+    tile = vae.tile_latent_min_size if kind == "decode" else vae.tile_sample_min_size
+    x = _smooth((2, vae.config.latent_channels if kind == "decode" else 3, 2 * tile + 5, tile + 3), 1)
+    gc.collect()
+    fds = len(os.listdir("/proc/self/fd"))
+    in_memory = tiled_run(vae, x, kind, TilingConfig(compact_state=compact))
+    in_file = tiled_run(vae, x, kind, TilingConfig(compact_state=compact, state_dir=state_dir))
+    gc.collect()
+    assert len(os.listdir("/proc/self/fd")) == fds
+    assert torch.equal(in_file, in_memory)
+    assert psnr(in_file, _full(vae, kind, x)) >= (70 if compact else 100)
+
+
+def test_a_directory_without_direct_io_or_in_memory_is_refused_up_front(tmp_path):
+    with pytest.raises(PyextError, match=r"pyext.tile_vae: state_dir '/proc': an unlinked direct-I/O file cannot be "
+                                         r"made there \(.+\); give a directory on a disk file system"):
+        TilingConfig(state_dir="/proc")
+    shm = "/dev/shm"
+    if spill._file_system(shm) != "tmpfs":
+        pytest.skip("no tmpfs at /dev/shm here")
+    with pytest.raises(PyextError, match="state_dir '/dev/shm': it is on tmpfs, in memory, where the state would save none"):
+        TilingConfig(state_dir=shm)
+
+
+@torch.no_grad()
+def test_a_memory_budget_keeps_the_first_chunks_in_memory_and_is_all_given_back(state_dir, monkeypatch):
+    """With part of the state in memory and the rest in the file, the run is still the one in
+    memory, bit for bit; every byte taken from the budget is given back by the end."""
+    budgets = []
+    monkeypatch.setattr(exact, "Budget", lambda n: budgets.append(spill.Budget(300_000)) or budgets[-1])
+    taken = []
+    real_take = spill.Budget.take
+    monkeypatch.setattr(spill.Budget, "take", lambda self, n: taken.append(real_take(self, n)) or taken[-1])
+    vae = _vae("3 blocks, 8 groups")
+    z = _smooth((1, 4, 2 * vae.tile_latent_min_size + 5, vae.tile_latent_min_size + 3), 1)
+    in_file = tiled_run(vae, z, "decode", TilingConfig(state_dir=state_dir, state_memory_mib=1))
+    assert True in taken and False in taken  # some chunks in memory, some in the file
+    assert budgets[0].left == 300_000
+    assert torch.equal(in_file, tiled_run(vae, z, "decode"))
