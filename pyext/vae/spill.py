@@ -85,7 +85,7 @@ def _io() -> ThreadPoolExecutor:
 class _File:
     def __init__(self, directory):
         self.fd, self.end, self.pending = _open(directory), 0, deque()
-        weakref.finalize(self, os.close, self.fd)
+        self._close = weakref.finalize(self, os.close, self.fd)
 
     def _pwrite(self, buf: torch.Tensor, at: int) -> None:
         view, done = memoryview(buf.numpy()), 0
@@ -105,6 +105,11 @@ class _File:
     def flush(self) -> None:
         while self.pending:
             self.pending.popleft().result()
+
+    def close(self) -> None:
+        """Closes the file, which frees its blocks (once)."""
+        self.flush()
+        self._close()
 
     def read(self, start: int, stop: int) -> tuple[torch.Tensor, int]:
         """Bytes [start, stop) (after a flush): the whole blocks around them, and where `start`
@@ -204,11 +209,10 @@ class FileBands:
                     if max(xs[0], p) < min(xs[1], q):
                         yield (r, (p, q), lo - a, hi - a), chunk, (lo, hi), (max(xs[0], p), min(xs[1], q))
 
-    def _load(self, key) -> tuple:
-        """The piece `key` names, each tensor (..., rows, columns) (in an I/O thread if the
-        chunk is in the file)."""
-        (row, xs, lo, hi), pieces = key, []
-        chunk = self.chunks[row][xs]
+    def _load(self, key, chunk: _Chunk) -> tuple:
+        """The piece `key` names of `chunk`, each tensor (..., rows, columns) (in an I/O thread
+        if the chunk is in the file)."""
+        (_, _, lo, hi), pieces = key, []
         for start, shape in zip(chunk.starts, chunk.shapes):
             row_bytes = math.prod(shape[1:]) * chunk.dtype.itemsize
             if chunk.buf is None:
@@ -227,7 +231,7 @@ class FileBands:
             self.cache.move_to_end(key)
             return
         size = (key[3] - key[2]) * sum(math.prod(s[1:]) for s in chunk.shapes) * chunk.dtype.itemsize
-        self.cache[key] = (_io().submit(self._load, key), size)
+        self.cache[key] = (_io().submit(self._load, key, chunk), size)
         self.cached_bytes += size
         while len(self.cache) > 1 and self.cached_bytes > CACHED_CHUNKS * self.largest_chunk:
             self.cached_bytes -= self.cache.popitem(last=False)[1][1]
@@ -250,7 +254,7 @@ class FileBands:
         out = None
         for key, chunk, (lo, hi), (p2, q2) in self._overlaps(ys, xs):
             self._fetch(key, chunk)
-            pieces = self._load(key) if chunk.buf is not None else self.cache[key][0].result()
+            pieces = self._load(key, chunk) if chunk.buf is not None else self.cache[key][0].result()
             if out is None:
                 out = tuple(torch.empty((*t.shape[:-2], ys[1] - ys[0], xs[1] - xs[0]), dtype=self.dtype,
                                         device=device) for t in pieces)
@@ -286,7 +290,7 @@ class FileBands:
             self._drop(r)
         self.cache.clear()
         self.cached_bytes = 0
-        self.file.flush()
+        self.file.close()
 
     def whole(self, device=None) -> tuple:
         return self.read((0, self.height), (0, self.width), device)
