@@ -46,8 +46,8 @@ class TilingConfig:
     state_dir: "exact" only: keep that state in an unlinked file in this directory instead,
       written and read with direct I/O (pyext.vae.spill), so that memory holds one tile's
       working set, a few pieces of the state and the output, whatever the image size; the
-      numbers are those of the state in memory. The directory must allow O_DIRECT (tmpfs does
-      not) and have room for two whole-image states.
+      numbers are those of the state in memory. The directory must allow O_DIRECT, must not
+      be in memory (tmpfs, ramfs: refused), and must have room for two whole-image states.
     state_memory_mib: with state_dir: MiB of that state kept in memory rather than written to
       the file (its first chunks, which the next segment reads first and frees soonest): less
       disk traffic for that much memory. 0 (default): all of it goes to the file.
