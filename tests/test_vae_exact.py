@@ -238,7 +238,8 @@ def test_bands_are_freed_once_no_tile_reads_them():
     vae = _vae("3 blocks, 8 groups")
     before = state.Bands.of(torch.randn(1, 64, 48, 20), equal_cores(48, 16))
     first_half = exact.segments(stages.split_resnets(stages.split(stages.steps_of(vae, "decode"), "decode")[1]))[1]
-    out, _ = exact._run_segment(first_half, before, before.rows, equal_cores(20, 16), torch.device("cpu"))
+    out, _ = exact._run_segment(first_half, before, before.rows, equal_cores(20, 16), torch.device("cpu"),
+                                lambda rows, width: state.Bands(rows, width, pin=False))
     assert before.parts[0] is None and before.parts[-1] is not None  # the last pass freed what it had read
     assert all(len(p) == 2 for p in out.parts)  # conv1's output and the residual
 

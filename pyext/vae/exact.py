@@ -79,11 +79,11 @@ def segments(steps) -> list[Segment]:
                     stages.width(g)) for g in groups]
 
 
-def _run_segment(seg: Segment, state, rows: list[Span], cols: list[Span], device, new_state=None,
+def _run_segment(seg: Segment, state, rows: list[Span], cols: list[Span], device, new_state,
                  first: Optional[Moments] = None, gather: bool = False) -> tuple:
     """The segment over the tiles rows x cols of the state (which may be banded otherwise):
     the whole-image state at its end, banded by the tile rows, made by new_state(rows, width)
-    (None: Bands in memory).
+    (state.Bands in memory, or spill.FileBands).
 
     first: per-channel moments of the state's first tensor, gathered as it was written, when
     this segment starts with a GroupNorm of it (Step.input_norm): its pass that would only
@@ -94,7 +94,7 @@ def _run_segment(seg: Segment, state, rows: list[Span], cols: list[Span], device
     known: list = [] if first is None else [first.grouped(seg.steps[0].input_norm.num_groups).result()]
     while True:
         written = Moments() if gather else None
-        out = (new_state or (lambda r, w: Bands(r, w, state.pin)))(out_rows, out_cols[-1][1])
+        out = new_state(out_rows, out_cols[-1][1])
         moments, finished = Moments(), 0
         state.plan([(window(ys, H, seg.margin), window(xs, W, seg.margin)) for ys in rows for xs in cols])
         for r, ys in enumerate(rows):

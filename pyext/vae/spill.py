@@ -158,8 +158,6 @@ class FileBands:
     room: the first ones written, which the next segment reads first and frees soonest, so
     neither writes nor reads them from the disk."""
 
-    pin = False
-
     def __init__(self, rows: list[Span], width: int, directory, compact: bool = False, budget: Optional[Budget] = None):
         self.rows, self.width, self.compact = rows, width, compact
         self.budget = budget or Budget(0)
@@ -188,10 +186,13 @@ class FileBands:
             end += -(-math.prod(shape) * dtype.itemsize // ALIGN) * ALIGN
         buf = _aligned(end)
         for k, (t, start, shape) in enumerate(zip(tiles, starts, shapes)):
-            src = t.movedim(-2, 0)
-            if compact:
-                src = (src * (1 / scales[k]).movedim(-2, 0)).to(dtype)  # exact scaling: a power of two
-            _typed(buf, start, shape, dtype).copy_(src)
+            src, where = t.movedim(-2, 0), _typed(buf, start, shape, dtype)
+            if not compact:
+                where.copy_(src)
+            elif t.device == where.device:  # one pass into float16; exact scaling: a power of two
+                torch.mul(src, (1 / scales[k]).movedim(-2, 0), out=where)
+            else:
+                where.copy_((src * (1 / scales[k]).movedim(-2, 0)).to(dtype))  # halve the copy's bytes
         if self.budget.take(end):
             self.chunks[row][xs] = _Chunk(tuple(starts), shapes, dtype, scales, buf)
         else:
