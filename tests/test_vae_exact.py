@@ -202,19 +202,35 @@ def test_each_segment_runs_once_per_group_norm_plus_once(kind, monkeypatch):
     one tile plus the margins."""
     vae = _vae("3 blocks, 8 groups")
     x = torch.randn(1, 4, 37, 30) if kind == "decode" else torch.randn(1, 3, 150, 121)
-    runs, windows = [], []
-    real_run, real_read = stages.run, state.Bands.read
+    runs, windows, attended = [], [], []
+    real_run, real_read, real_attend = stages.run, state.Bands.read, exact._attend
     # a segment by the layers it runs (split_resnets makes new containers on every call)
     key = lambda steps: tuple(id(m) for s in steps for m in s.module.modules() if not list(m.children()))  # noqa: E731
     monkeypatch.setattr(stages, "run", lambda steps, *t: runs.append(key(steps)) or real_run(steps, *t))
-    monkeypatch.setattr(state.Bands, "read", lambda self, ys, xs, device=None: windows.append(
-        (self.height, ys[1] - ys[0], xs[1] - xs[0])) or real_read(self, ys, xs, device))
-    plan_steps = stages.split_resnets(stages.split(stages.steps_of(vae, kind), kind)[1])
+
+    def read(self, ys, xs, device=None):
+        if not attended or attended[-1] is not None:  # not inside the whole-image attention
+            windows.append((self.height, ys[1] - ys[0], xs[1] - xs[0]))
+        return real_read(self, ys, xs, device)
+
+    def attend(attn, *args):
+        attended.append(None)  # its reads are whole rows
+        done = real_attend(attn, *args)
+        attended[-1] = attn
+        return done
+
+    monkeypatch.setattr(state.Bands, "read", read)
+    monkeypatch.setattr(exact, "_attend", attend)
+    plan_steps = stages.split_resnets(stages.split(stages.steps_of(vae, kind), kind, exact=True)[1])
     segs = exact.segments(plan_steps)
     tiled_run(vae, x, kind)
+    assert attended == [m for m in (vae.decoder if kind == "decode" else vae.encoder).mid_block.attentions]
     tile = vae.tile_latent_min_size if kind == "decode" else vae.tile_sample_min_size
     n, size, res = x.shape[-2], list(x.shape[-2:]), Fraction(1)
     for seg in segs:  # each segment on its own grid of abutting tiles
+        if seg.steps[0].attends_whole:  # once over the whole image, not by tiles
+            assert len(seg.steps) == 1 and runs.count(key(seg.steps)) == 0
+            continue
         tiles = len(seg.grid(size[0], int(tile * res))) * len(seg.grid(size[1], int(tile * res)))
         assert tiles >= 4
         # minus the reading pass where the previous segment gathered this one's input moments

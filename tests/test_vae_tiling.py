@@ -291,5 +291,26 @@ def test_untiled_part_uses_lean_attention(vae, monkeypatch):
     calls = []
     real = stages.lean_self_attention
     monkeypatch.setattr(stages, "lean_self_attention", lambda a, x: calls.append(a) or real(a, x))
-    tiled_run(vae, torch.randn(1, 4, 40, 40), "decode")
+    tiled_run(vae, torch.randn(1, 4, 40, 40), "decode", TilingConfig(method="tiles"))
     assert calls and all(a is vae.decoder.mid_block.attentions[0] for a in calls)
+
+
+@torch.no_grad()
+def test_exact_run_tiles_the_mid_block_and_attends_over_the_folded_normed_input(vae, monkeypatch):
+    """The exact run tiles every step, the mid block's resnets too; its attention runs once over
+    the whole image with the normed tokens as both keys and values (channels wide, one tensor),
+    and the result is the untiled decode's."""
+    from pyext.vae import exact
+    z = torch.randn(1, 4, 40, 40)
+    runs, attended = [], []
+    real_run, real_attention = stages.run, exact.ops.attention
+    monkeypatch.setattr(stages, "run", lambda steps, *t: runs.append(list(steps)) or real_run(steps, *t))
+    monkeypatch.setattr(exact.ops, "attention", lambda q, k, v, **kw: attended.append((q, k, v)) or real_attention(q, k, v, **kw))
+    got = tiled_run(vae, z, "decode")
+    assert all(s.module is not vae.decoder.mid_block.attentions[0] for steps in runs for s in steps)
+    mid = vae.decoder.mid_block.resnets[0]
+    assert sum(any(s.module is mid.norm1 or mid.norm1 in list(s.module.modules()) for s in steps) for steps in runs) > 1
+    channels = vae.decoder.mid_block.attentions[0].group_norm.num_channels
+    assert attended and all(k is v and k.shape[-2:] == (40 * 40, channels) for _, k, v in attended)
+    assert sum(q.shape[-2] for q, _, _ in attended) == 40 * 40
+    torch.testing.assert_close(got, vae.decoder(vae.post_quant_conv(z)), rtol=1e-4, atol=1e-4)

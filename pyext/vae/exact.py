@@ -18,6 +18,15 @@ field, a few pixels) and keeps only its own pixels of the output, which are then
 untiled network. So the result is the untiled network's to rounding, and no tile overlaps
 another.
 
+The mid block's self-attention, where every output pixel reads every input pixel, is the one
+step not run by tiles (_attend): its input is normed band by band with the whole image's
+statistics into one tensor of normed tokens, which serve as both keys and values (the key and
+value projections fold into the queries and the output, stages.fold_query), and each band of
+queries attends over all of them. So the latent-resolution part (the mid block's resnets, the
+convs around it) is tiled like the rest, and the largest tensor of the whole image held at once
+is that of the normed tokens, not the keys and values (twice that) and the activations of an
+untiled mid block.
+
 Between segments the whole-image state (the activation, and inside a resnet also the residual
 it adds at its end) lives on the host (pyext.vae.state: pinned when the network runs on a GPU,
 so only one tile's working set is on the device; banded, each band freed as soon as no later
@@ -38,12 +47,13 @@ from typing import Optional
 
 import torch
 
+from pyext import ops
 from pyext.vae import stages
 from pyext.vae.config import TilingConfig, fail
 from pyext.vae.geometry import Span, equal_cores, rescale, window
 from pyext.vae.spill import Budget, FileBands
 from pyext.vae.state import Bands
-from pyext.vae.statistics import Moments, Stop, SyncedGroupNorms
+from pyext.vae.statistics import Moments, Stop, SyncedGroupNorms, normalize
 
 
 # Elements in the widest tensor of one tile, all samples (16 MiB in fp32). Exact tiles need no size for
@@ -69,10 +79,11 @@ class Segment:
 
 
 def segments(steps) -> list[Segment]:
-    """A new segment at each step with a GroupNorm (and one for the steps before the first)."""
+    """A new segment at each step with a GroupNorm (and one for the steps before the first);
+    a whole-image attention (Step.attends_whole) is a segment of its own."""
     groups: list[list] = []
     for step in steps:
-        if not groups or stages.has_group_norm(step):
+        if not groups or stages.has_group_norm(step) or groups[-1][-1].attends_whole:
             groups.append([])
         groups[-1].append(step)
     return [Segment(g, math.prod((s.scale for s in g), start=Fraction(1)), stages.margin(g), stages.alignment(g),
@@ -128,6 +139,40 @@ def _run_segment(seg: Segment, state, rows: list[Span], cols: list[Span], device
         known.append(moments.result())
 
 
+def _attend(attn, state, batch: int, device, new_state, first: Moments, gather: bool) -> tuple:
+    """A whole-image self-attention (Step.attends_whole) over the state: each output pixel
+    reads every input pixel, so it is not tiled. Its GroupNorm is applied with the whole
+    image's statistics, band by band of rows, into the normed tokens of the whole image (the
+    one tensor of this size held: the keys and values fold into it, stages.fold_query); then
+    each band's queries attend over all of them and its output is written as the next state,
+    as a segment's tiles are. first: the per-channel moments of the state, which the previous
+    segment gathered (the step's input_norm is its GroupNorm)."""
+    H, W = state.height, state.width
+    norm, c = attn.group_norm, attn.group_norm.num_channels
+    rows = equal_cores(H, max(1, TILE_ELEMENTS // (W * c * batch)), 1)
+    bands = [(ys, (0, W)) for ys in rows]
+    mean, var = first.grouped(norm.num_groups).result()
+    state.plan(bands * 2)  # each band is read twice: normed, then added back as the residual
+    normed = None
+    for (a, b), xs in bands:
+        x, = state.read((a, b), xs, device)
+        h = normalize(x, norm.num_groups, norm.weight, norm.bias, norm.eps, mean, var).flatten(2).transpose(1, 2)
+        if normed is None:
+            normed = h.new_empty(batch, H * W, c)
+        normed[:, a * W:b * W] = h
+    keys = normed[:, None]  # (batch, one head, tokens, channels): the keys and the values
+    out, written = new_state(rows, W), Moments() if gather else None
+    for r, ((a, b), xs) in enumerate(bands):
+        x, = state.read((a, b), xs, device)
+        mixed = ops.attention(stages.fold_query(attn, normed[:, a * W:b * W])[:, None], keys, keys, scale=attn.scale)
+        y = stages.unfold_output(attn, mixed[:, 0], x)
+        out.write(r, xs, (y,))
+        if written is not None:
+            written.add(y, c)
+        state.free_above(b)
+    return out, written
+
+
 def run(tiled_steps, x: torch.Tensor, tile: int, config: TilingConfig = TilingConfig()) -> torch.Tensor:
     """The tiled steps on x, exactly, over abutting tiles of at most `tile` pixels of x (fewer
     where the resolution grows: Segment.grid), each segment on its own grid. The states between
@@ -148,8 +193,11 @@ def run(tiled_steps, x: torch.Tensor, tile: int, config: TilingConfig = TilingCo
         rows = seg.grid(x.shape[-2] if state is None else state.height, at, batch)
         if state is None:
             state = Bands.of(x, rows)
-        cols = seg.grid(state.width, at, batch)
-        done, moments = _run_segment(seg, state, rows, cols, x.device, new_state, moments, gather)
+        if seg.steps[0].attends_whole:
+            done, moments = _attend(seg.steps[0].module, state, batch, x.device, new_state, moments, gather)
+        else:
+            cols = seg.grid(state.width, at, batch)
+            done, moments = _run_segment(seg, state, rows, cols, x.device, new_state, moments, gather)
         state.release()
         state, res = done, res * seg.scale
     if state is None:  # nothing to tile (a VAE without resampling blocks)

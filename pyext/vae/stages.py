@@ -26,6 +26,9 @@ class Step:
     module: nn.Module
     scale: Fraction = Fraction(1)  # output pixels per input pixel, per side
     input_norm: Optional[nn.GroupNorm] = None  # a GroupNorm the step applies first, to its first input
+    # a self-attention layer that the exact run applies over the whole image at once, its keys
+    # and values folded into the normed input (fold_query, unfold_output); see pyext.vae.exact
+    attends_whole: bool = False
 
 
 def run(steps, *x: torch.Tensor):
@@ -42,8 +45,10 @@ def has_group_norm(step: Step) -> bool:
 
 
 def has_attention(steps) -> bool:
+    """Whether some step has an attention layer that a tile cannot run: any but the
+    whole-image ones (Step.attends_whole) that the exact run applies on its own."""
     from diffusers.models.attention_processor import Attention
-    return any(isinstance(m, Attention) for s in steps for m in s.module.modules())
+    return any(isinstance(m, Attention) for s in steps if not s.attends_whole for m in s.module.modules())
 
 
 def _convs(steps):
@@ -137,6 +142,29 @@ def lean_self_attention(attn, x: torch.Tensor) -> torch.Tensor:
     return normed
 
 
+def _folds(attn) -> bool:
+    """Whether fold_query applies: one head, and the key weights at hand (not on the meta
+    device, where accelerate's sequential offload keeps them outside the layer's forward)."""
+    return attn.heads == 1 and attn.to_k.weight.device.type != "meta"
+
+
+def fold_query(attn, tokens: torch.Tensor) -> torch.Tensor:
+    """A single-head layer's queries for the normed tokens h themselves as keys: q.(W_k h + b_k)
+    = (q W_k).h + q.b_k, and softmax cancels q.b_k, the same for every key of a query. So the
+    whole image's keys and values need not be held: only h (half their memory)."""
+    return attn.to_q(tokens) @ attn.to_k.weight.to(tokens.device)  # an offloaded layer's weight may be elsewhere
+
+
+def unfold_output(attn, mixed: torch.Tensor, residual: torch.Tensor) -> torch.Tensor:
+    """The layer's output (b, channels, h, w) from `mixed` (b, tokens, channels), the
+    softmax-weighted mean of the normed tokens: that of the values is W_v mixed + b_v, as the
+    weights sum to 1."""
+    o = attn.to_out[1](attn.to_out[0](attn.to_v(mixed))).transpose(1, 2).reshape(residual.shape)
+    if attn.residual_connection:
+        o = o + residual
+    return o / attn.rescale_output_factor
+
+
 # ----------------------------------------------------------------------------- the steps
 
 def _mid_block_steps(mid) -> list[Step]:
@@ -148,7 +176,8 @@ def _mid_block_steps(mid) -> list[Step]:
     for attn, r in zip(mid.attentions, mid.resnets[1:]):
         if attn is not None:
             lean = lean_attention_unsupported(attn) is None
-            steps.append(Step((lambda x, a=attn: lean_self_attention(a, x)) if lean else (lambda x, a=attn: a(x)), attn))
+            steps.append(Step((lambda x, a=attn: lean_self_attention(a, x)) if lean else (lambda x, a=attn: a(x)), attn,
+                              input_norm=attn.group_norm if lean else None, attends_whole=lean and _folds(attn)))
         steps.append(Step(lambda x, r=r: r(x, None), r))
     return steps
 
@@ -221,11 +250,14 @@ def split_resnets(steps) -> list[Step]:
     return out
 
 
-def split(steps, kind: str) -> tuple[list, list, list]:
+def split(steps, kind: str, exact: bool = False) -> tuple[list, list, list]:
     """(before, tiled, after): the part at latent resolution runs once on the whole input
     (before the tiles when decoding, after them when encoding); the tiles run the part that
     changes the resolution. The mid block's attention, which spans the whole latent, is thus
-    never tiled."""
+    never tiled. Except in the exact run when that attention is one it applies over the whole
+    image (Step.attends_whole): then every step is tiled, the mid block's resnets too."""
+    if exact and not has_attention(steps):
+        return [], list(steps), []
     resampling = [i for i, s in enumerate(steps) if s.scale != 1]
     if kind == "decode":
         k = resampling[0] if resampling else len(steps)

@@ -31,7 +31,7 @@ class Plan:
                 (lambda x: vae.quant_conv(vae.encoder(x)) if vae.quant_conv is not None else vae.encoder(x))
             self.before, self.tiled, self.after = [], [stages.Step(whole, vae)], []
         else:
-            self.before, self.tiled, self.after = stages.split(stages.steps_of(vae, kind), kind)
+            self.before, self.tiled, self.after = stages.split(stages.steps_of(vae, kind), kind, config.method == "exact")
 
     def out_extent(self, n: int) -> int:
         """Output pixels of n input pixels: x factor when decoding; encoding floors each halving
