@@ -299,9 +299,10 @@ def test_untiled_part_uses_lean_attention(vae, monkeypatch):
 def test_exact_run_tiles_the_mid_block_and_attends_over_the_folded_normed_input(vae, monkeypatch):
     """The exact run tiles every step, the mid block's resnets too; its attention runs once over
     the whole image with the normed tokens as both keys and values (channels wide, one tensor),
-    and the result is the untiled decode's."""
+    in bands of at most QUERY_CHUNK queries, and the result is the untiled decode's."""
     from pyext.vae import exact
     z = torch.randn(1, 4, 40, 40)
+    monkeypatch.setattr(stages, "QUERY_CHUNK", 100)  # bands of 2 of the 40 rows
     runs, attended = [], []
     real_run, real_attention = stages.run, exact.ops.attention
     monkeypatch.setattr(stages, "run", lambda steps, *t: runs.append(list(steps)) or real_run(steps, *t))
@@ -312,5 +313,5 @@ def test_exact_run_tiles_the_mid_block_and_attends_over_the_folded_normed_input(
     assert sum(any(s.module is mid.norm1 or mid.norm1 in list(s.module.modules()) for s in steps) for steps in runs) > 1
     channels = vae.decoder.mid_block.attentions[0].group_norm.num_channels
     assert attended and all(k is v and k.shape[-2:] == (40 * 40, channels) for _, k, v in attended)
-    assert sum(q.shape[-2] for q, _, _ in attended) == 40 * 40
+    assert len(attended) == 20 and {q.shape[-2] for q, _, _ in attended} == {80}
     torch.testing.assert_close(got, vae.decoder(vae.post_quant_conv(z)), rtol=1e-4, atol=1e-4)

@@ -149,7 +149,9 @@ def _attend(attn, state, batch: int, device, new_state, first: Moments, gather: 
     segment gathered (the step's input_norm is its GroupNorm)."""
     H, W = state.height, state.width
     norm, c = attn.group_norm, attn.group_norm.num_channels
-    rows = equal_cores(H, max(1, TILE_ELEMENTS // (W * c * batch)), 1)
+    # bands of at most stages.QUERY_CHUNK queries, as the untiled lean attention runs them (an
+    # attention backend without a memory-efficient kernel for this head size holds their scores)
+    rows = equal_cores(H, max(1, min(TILE_ELEMENTS // (W * c * batch), stages.QUERY_CHUNK // W)), 1)
     bands = [(ys, (0, W)) for ys in rows]
     mean, var = first.grouped(norm.num_groups).result()
     state.plan(bands * 2)  # each band is read twice: normed, then added back as the residual
