@@ -6,7 +6,8 @@
     untile_vae(pipe.vae)
 
 A tiled run differs from the untiled one in three places, and the exact method removes each:
-the mid block's attention spans the whole latent (it runs once, untiled: stages.split); tile
+the mid block's attention spans the whole latent (it runs once over the whole image, its keys
+and values folded into the normed input: exact._attend); tile
 borders see zero padding instead of their neighbours (each tile runs with its receptive
 field of real neighbours, cropped off again); and each tile would normalise with its own
 GroupNorm statistics (the whole image's are gathered from all tiles between layers: exact).
@@ -14,10 +15,10 @@ GroupNorm statistics (the whole image's are gathered from all tiles between laye
 The package, one job per module:
   config     TilingConfig, the options, checked once
   stages     the decoder / encoder as steps (resnets cut in halves), receptive fields, the lean
-             mid-block attention
+             and the folded mid-block attention
   statistics whole-image GroupNorm moments merged over tiles; GroupNorm calls that use them
   geometry   tile grids, windows, how spans map through the network
-  exact      the exact run: segments between GroupNorms over abutting tiles
+  exact      the exact run: segments between GroupNorms over abutting tiles, the whole-image attention
   state      the whole-image state between segments, banded on the host, optionally compact
   spill      that state in a direct-I/O temporary file instead (TilingConfig.state_dir)
   streaming  overlapping tiles blended into one output (methods "tiles" and "diffusers")
