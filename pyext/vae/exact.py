@@ -155,13 +155,10 @@ def _attend(attn, state, batch: int, device, new_state, first: Moments, gather: 
     bands = [(ys, (0, W)) for ys in rows]
     mean, var = first.grouped(norm.num_groups).result()
     state.plan(bands * 2)  # each band is read twice: normed, then added back as the residual
-    normed = None
+    normed = torch.empty(batch, H * W, c, device=device, dtype=state.dtype)
     for (a, b), xs in bands:
         x, = state.read((a, b), xs, device)
-        h = normalize(x, norm.num_groups, norm.weight, norm.bias, norm.eps, mean, var).flatten(2).transpose(1, 2)
-        if normed is None:
-            normed = h.new_empty(batch, H * W, c)
-        normed[:, a * W:b * W] = h
+        normed[:, a * W:b * W] = normalize(x, norm.num_groups, norm.weight, norm.bias, norm.eps, mean, var).flatten(2).mT
     keys = normed[:, None]  # (batch, one head, tokens, channels): the keys and the values
     out, written = new_state(rows, W), Moments() if gather else None
     for r, ((a, b), xs) in enumerate(bands):

@@ -135,11 +135,17 @@ def lean_self_attention(attn, x: torch.Tensor) -> torch.Tensor:
         e = min(n, s + QUERY_CHUNK)
         q = attn.to_q(tokens[:, s:e]).view(b, e - s, heads, inner // heads).transpose(1, 2)
         o = ops.attention(q, keys, values, scale=attn.scale)
-        o = attn.to_out[1](attn.to_out[0](o.transpose(1, 2).reshape(b, e - s, inner))).transpose(1, 2)
-        if attn.residual_connection:
-            o = o + flat_x[:, :, s:e]
-        out[:, :, s:e] = o / attn.rescale_output_factor
+        out[:, :, s:e] = _layer_output(attn, o.transpose(1, 2).reshape(b, e - s, inner), flat_x[:, :, s:e])
     return normed
+
+
+def _layer_output(attn, values: torch.Tensor, residual: torch.Tensor) -> torch.Tensor:
+    """The layer's output in residual's shape (b, channels, ...) from its attention output
+    `values` (b, tokens, inner): the output projection, the residual, the rescale."""
+    o = attn.to_out[1](attn.to_out[0](values)).transpose(1, 2).reshape(residual.shape)
+    if attn.residual_connection:
+        o = o + residual
+    return o / attn.rescale_output_factor
 
 
 def _folds(attn) -> bool:
@@ -159,10 +165,7 @@ def unfold_output(attn, mixed: torch.Tensor, residual: torch.Tensor) -> torch.Te
     """The layer's output (b, channels, h, w) from `mixed` (b, tokens, channels), the
     softmax-weighted mean of the normed tokens: that of the values is W_v mixed + b_v, as the
     weights sum to 1."""
-    o = attn.to_out[1](attn.to_out[0](attn.to_v(mixed))).transpose(1, 2).reshape(residual.shape)
-    if attn.residual_connection:
-        o = o + residual
-    return o / attn.rescale_output_factor
+    return _layer_output(attn, attn.to_v(mixed), residual)
 
 
 # ----------------------------------------------------------------------------- the steps
