@@ -219,12 +219,15 @@ def test_each_segment_runs_once_per_group_norm_plus_once(kind, monkeypatch):
         attended[-1] = attn
         return done
 
+    written, real_write = set(), state.Bands.write
+    monkeypatch.setattr(state.Bands, "write", lambda self, row, xs, t: written.add(len(t)) or real_write(self, row, xs, t))
     monkeypatch.setattr(state.Bands, "read", read)
     monkeypatch.setattr(exact, "_attend", attend)
     plan_steps = stages.split_resnets(stages.split(stages.steps_of(vae, kind), kind, exact=True)[1])
     segs = exact.segments(plan_steps)
     tiled_run(vae, x, kind)
     assert attended == [m for m in (vae.decoder if kind == "decode" else vae.encoder).mid_block.attentions]
+    assert written == {1}  # one tensor per state: no resnet's input is written again as its residual
     tile = vae.tile_latent_min_size if kind == "decode" else vae.tile_sample_min_size
     n, size, res = x.shape[-2], list(x.shape[-2:]), Fraction(1)
     for seg in segs:  # each segment on its own grid of abutting tiles
@@ -254,10 +257,15 @@ def test_bands_are_freed_once_no_tile_reads_them():
     vae = _vae("3 blocks, 8 groups")
     before = state.Bands.of(torch.randn(1, 64, 48, 20), equal_cores(48, 16))
     first_half = exact.segments(stages.split_resnets(stages.split(stages.steps_of(vae, "decode"), "decode")[1]))[1]
-    out, _ = exact._run_segment(first_half, before, before.rows, equal_cores(20, 16), torch.device("cpu"),
-                                lambda rows, width: state.Bands(rows, width, pin=False))
+    assert first_half.steps[-1].passes_input
+    run = lambda keep: exact._run_segment(first_half, before, before.rows, equal_cores(20, 16),  # noqa: E731
+                                          torch.device("cpu"), lambda rows, width: state.Bands(rows, width, pin=False),
+                                          keep=keep)[0]
+    out = run(keep=True)  # its input is read again by the second half: nothing of it is freed
+    assert all(p is not None for p in before.parts)
+    assert all(len(p) == 1 for p in out.parts)  # conv1's output only: the residual is the input, kept
+    run(keep=False)
     assert before.parts[0] is None and before.parts[-1] is not None  # the last pass freed what it had read
-    assert all(len(p) == 2 for p in out.parts)  # conv1's output and the residual
 
 
 def test_segments_start_at_group_norms_and_carry_what_follows_them():
@@ -281,5 +289,7 @@ def test_resnet_halves_are_the_resnet(channels):
                       output_scale_factor=2.0).eval()
     first, second = stages.split_resnets([stages.Step(lambda x: r(x, None), r)])
     x = torch.randn(2, channels[0], 9, 7)
-    assert torch.equal(second.call(*first.call(x)), r(x, None))
-    assert first.module[-1] is r.conv_shortcut or channels[0] == channels[1]
+    assert first.passes_input and not second.passes_input
+    assert torch.equal(second.call(first.call(x), x), r(x, None))
+    # the 1x1 shortcut runs in the second half, on the block's input, which the run keeps
+    assert second.module[-1] is r.conv_shortcut or channels[0] == channels[1]

@@ -27,16 +27,17 @@ convs around it) is tiled like the rest, and the largest tensor of the whole ima
 is that of the normed tokens, not the keys and values (twice that) and the activations of an
 untiled mid block.
 
-Between segments the whole-image state (the activation, and inside a resnet also the residual
-it adds at its end) lives on the host (pyext.vae.state: pinned when the network runs on a GPU,
-so only one tile's working set is on the device; banded, each band freed as soon as no later
-tile reads it). Each segment tiles on its own grid, its tiles bounded by TILE_ELEMENTS, so the
-working set does not grow with the resolution. The host holds about the largest state of the
-whole image between two GroupNorms (for the SD VAE: 256 channels at full resolution, 1 KiB per
-output pixel in float32; half that with the compact state). That is the price of exact
-statistics in one pass: holding less memory means recomputing the network up to each
-GroupNorm, or keeping the state on disk (pyext.vae.spill: memory then holds one tile and a few
-pieces of the state read back).
+Between segments the whole-image state (the activation; inside a resnet conv1's output, read
+along with the block's input, which is kept for the second half rather than copied) lives on
+the host (pyext.vae.state: pinned when the network runs on a GPU, so only one tile's working
+set is on the device; banded, each band freed as soon as no later tile reads it). Each segment
+tiles on its own grid, its tiles bounded by TILE_ELEMENTS, so the working set does not grow
+with the resolution. The host holds about the largest state of the whole image between two
+GroupNorms (for the SD VAE: 256 channels at full resolution, 1 KiB per output pixel in
+float32; half that with the compact state). That is the price of exact statistics in one
+pass: holding less memory means recomputing the network up to each GroupNorm, or keeping the
+state on disk (pyext.vae.spill: memory then holds one tile and a few pieces of the state read
+back).
 """
 from __future__ import annotations
 
@@ -52,7 +53,7 @@ from pyext.vae import stages
 from pyext.vae.config import TilingConfig, fail
 from pyext.vae.geometry import Span, equal_cores, rescale, window
 from pyext.vae.spill import Budget, FileBands
-from pyext.vae.state import Bands
+from pyext.vae.state import Bands, Joined
 from pyext.vae.statistics import Moments, Stop, SyncedGroupNorms, normalize
 
 
@@ -91,14 +92,15 @@ def segments(steps) -> list[Segment]:
 
 
 def _run_segment(seg: Segment, state, rows: list[Span], cols: list[Span], device, new_state,
-                 first: Optional[Moments] = None, gather: bool = False) -> tuple:
+                 first: Optional[Moments] = None, gather: bool = False, keep: bool = False) -> tuple:
     """The segment over the tiles rows x cols of the state (which may be banded otherwise):
     the whole-image state at its end, banded by the tile rows, made by new_state(rows, width)
     (state.Bands in memory, or spill.FileBands).
 
     first: per-channel moments of the state's first tensor, gathered as it was written, when
     this segment starts with a GroupNorm of it (Step.input_norm): its pass that would only
-    gather them is skipped. gather: gather those of the output's first tensor for the next."""
+    gather them is skipped. gather: gather those of the output's first tensor for the next.
+    keep: the state is read again later (Step.passes_input), so none of it is freed here."""
     H, W = state.height, state.width
     out_rows = rescale(rows, seg.scale, math.floor(H * seg.scale))
     out_cols = rescale(cols, seg.scale, math.floor(W * seg.scale))
@@ -130,7 +132,7 @@ def _run_segment(seg: Segment, state, rows: list[Span], cols: list[Span], device
                 out.write(r, (p, q), own)
                 if written is not None and own[0].numel():
                     written.add(own[0], own[0].shape[1])  # per channel: the next GroupNorm's groups merge them
-            if finished and r + 1 < len(rows):  # the last pass: free what no later tile reads
+            if finished and not keep and r + 1 < len(rows):  # the last pass: free what no later tile reads
                 state.free_above(window(rows[r + 1], H, seg.margin)[0])
         if finished not in (0, len(rows) * len(cols)):
             raise RuntimeError("tiles of one segment stopped at different GroupNorm calls")
@@ -192,12 +194,16 @@ def run(tiled_steps, x: torch.Tensor, tile: int, config: TilingConfig = TilingCo
         rows = seg.grid(x.shape[-2] if state is None else state.height, at, batch)
         if state is None:
             state = Bands.of(x, rows)
+        keep = seg.steps[-1].passes_input  # a resnet's first half: its second half adds this state
         if seg.steps[0].attends_whole:
             done, moments = _attend(seg.steps[0].module, state, batch, x.device, new_state, moments, gather)
         else:
             cols = seg.grid(state.width, at, batch)
-            done, moments = _run_segment(seg, state, rows, cols, x.device, new_state, moments, gather)
-        state.release()
+            done, moments = _run_segment(seg, state, rows, cols, x.device, new_state, moments, gather, keep)
+        if keep:  # the next segment reads both, and frees both as it goes
+            done = Joined(done, state)
+        else:
+            state.release()
         state, res = done, res * seg.scale
     if state is None:  # nothing to tile (a VAE without resampling blocks)
         return x

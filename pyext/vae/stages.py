@@ -29,11 +29,16 @@ class Step:
     # a self-attention layer that the exact run applies over the whole image at once, its keys
     # and values folded into the normed input (fold_query, unfold_output); see pyext.vae.exact
     attends_whole: bool = False
+    # the next step takes this step's input as its last argument too (a resnet's first half: the
+    # second adds the block's input back); the exact run keeps that state for it rather than
+    # writing a copy into the state between the two
+    passes_input: bool = False
 
 
 def run(steps, *x: torch.Tensor):
     """The steps one after another; a step that returns a tuple passes it on as its
-    successor's arguments."""
+    successor's arguments. (A step that passes_input ends its segment of an exact run, which
+    supplies that input to the next.)"""
     for step in steps:
         x = step.call(*x)
         x = x if isinstance(x, tuple) else (x,)
@@ -224,30 +229,31 @@ def _splittable(module) -> bool:
             and module.time_embedding_norm != "scale_shift")
 
 
-def resnet_first_half(r, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """ResnetBlock2D up to its second GroupNorm: (conv1's output, the residual the block adds).
-    The 1x1 shortcut runs here, on the same input as in the block, so only its output (the
-    block's output channels) is carried to the second half."""
-    h = r.conv1(r.nonlinearity(r.norm1(x)))
-    return h, (r.conv_shortcut(x) if r.conv_shortcut is not None else x)
+def resnet_first_half(r, x: torch.Tensor) -> torch.Tensor:
+    """ResnetBlock2D up to its second GroupNorm: conv1's output."""
+    return r.conv1(r.nonlinearity(r.norm1(x)))
 
 
-def resnet_second_half(r, h: torch.Tensor, residual: torch.Tensor) -> torch.Tensor:
+def resnet_second_half(r, h: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
+    """The rest of the block, from conv1's output h and the block's input x (its 1x1 shortcut,
+    a per-pixel conv, runs here on x as in the block)."""
     h = r.conv2(r.dropout(r.nonlinearity(r.norm2(h))))
+    residual = r.conv_shortcut(x) if r.conv_shortcut is not None else x
     return (residual + h) / r.output_scale_factor
 
 
 def split_resnets(steps) -> list[Step]:
     """Each plain resnet step as two, cut before its second GroupNorm, so a run can store the
-    state there instead of recomputing conv1 (pyext.vae.exact)."""
+    state there instead of recomputing conv1 (pyext.vae.exact). The second half also takes the
+    block's input (Step.passes_input)."""
     out = []
     for step in steps:
         r = step.module
         if _splittable(r):
-            first = nn.ModuleList([m for m in (r.norm1, r.conv1, r.conv_shortcut) if m is not None])
-            out += [Step(lambda x, r=r: resnet_first_half(r, x), first, input_norm=r.norm1),
-                    Step(lambda h, res, r=r: resnet_second_half(r, h, res), nn.ModuleList([r.norm2, r.conv2]),
-                         input_norm=r.norm2)]
+            second = nn.ModuleList([m for m in (r.norm2, r.conv2, r.conv_shortcut) if m is not None])
+            out += [Step(lambda x, r=r: resnet_first_half(r, x), nn.ModuleList([r.norm1, r.conv1]),
+                         input_norm=r.norm1, passes_input=True),
+                    Step(lambda h, x, r=r: resnet_second_half(r, h, x), second, input_norm=r.norm2)]
         else:
             out.append(step)
     return out

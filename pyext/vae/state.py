@@ -121,3 +121,31 @@ class Bands:
 
     def whole(self, device=None) -> tuple:
         return self.read((0, self.height), (0, self.width), device)
+
+
+class Joined:
+    """States of the same height and width read as one: the tensors of each, in order. A
+    resnet's second half reads conv1's output and the block's input, which the exact run keeps
+    from the first half instead of writing a copy of it next to conv1's output."""
+
+    def __init__(self, *states):
+        self.states = states
+        self.height, self.width, self.dtype = states[0].height, states[0].width, states[0].dtype
+
+    def read(self, ys: Span, xs: Span, device=None) -> tuple:
+        return sum((s.read(ys, xs, device) for s in self.states), ())
+
+    def plan(self, windows: list) -> None:
+        for s in self.states:
+            s.plan(windows)
+
+    def free_above(self, y: int) -> None:
+        for s in self.states:
+            s.free_above(y)
+
+    def release(self) -> None:
+        for s in self.states:
+            s.release()
+
+    def whole(self, device=None) -> tuple:
+        return self.read((0, self.height), (0, self.width), device)
