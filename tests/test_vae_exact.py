@@ -280,16 +280,21 @@ def test_segments_start_at_group_norms_and_carry_what_follows_them():
 
 
 @torch.no_grad()
-@pytest.mark.parametrize("channels", [(8, 8), (8, 16)])
-def test_resnet_halves_are_the_resnet(channels):
-    """The two halves a resnet is cut into give its forward bit for bit, shortcut or not."""
+@pytest.mark.parametrize("channels, scale, act", [((8, 8), 2.0, "silu"), ((8, 16), 1.0, "silu"), ((8, 8), 1.0, "mish")])
+def test_resnet_halves_are_the_resnet(channels, scale, act):
+    """The two halves a resnet is cut into give its forward bit for bit, shortcut or not (their
+    activation and sum run in place where they can)."""
     from diffusers.models.resnet import ResnetBlock2D
     torch.manual_seed(0)
     r = ResnetBlock2D(in_channels=channels[0], out_channels=channels[1], temb_channels=None, groups=4,
-                      output_scale_factor=2.0).eval()
+                      output_scale_factor=scale, non_linearity=act).eval()
     first, second = stages.split_resnets([stages.Step(lambda x: r(x, None), r)])
     x = torch.randn(2, channels[0], 9, 7)
     assert first.passes_input and not second.passes_input
+    kept = x.clone()
     assert torch.equal(second.call(first.call(x), x), r(x, None))
+    assert torch.equal(x, kept)  # the input, which the run keeps for the second half, is not written
+    with torch.enable_grad():  # out of place where autograd records
+        assert torch.equal(second.call(first.call(x), x), r(x, None))
     # the 1x1 shortcut runs in the second half, on the block's input, which the run keeps
     assert second.module[-1] is r.conv_shortcut or channels[0] == channels[1]
