@@ -9,6 +9,8 @@ that is not, adding the moments of that call's input, cropped to the tile's own 
 """
 from __future__ import annotations
 
+import math
+
 import torch
 import torch.nn.functional as F
 from torch.overrides import TorchFunctionMode
@@ -27,11 +29,15 @@ class Moments:
 
     def add(self, x: torch.Tensor, groups: int) -> None:
         if groups == x.shape[1]:  # per channel: reduce the (strided) spatial dims in place, no reshape copy
-            n, (var, mean) = x[0, 0].numel(), torch.var_mean(x.float(), dim=tuple(range(2, x.dim())), correction=0)
+            x, dims = x.float(), tuple(range(2, x.dim()))
         else:
-            xs = x.reshape(x.shape[0], groups, -1)
-            n, (var, mean) = xs.shape[-1], torch.var_mean(xs.float(), dim=-1, correction=0)
-        mean, m2 = mean.double(), var.double() * n
+            x, dims = x.reshape(x.shape[0], groups, -1).float(), (-1,)
+        n = math.prod(x.shape[d] for d in dims)
+        # two passes, the mean and then the squares about it: as accurate as var_mean's single
+        # pass, and twice as fast on CPU (var_mean's Welford loop does not vectorise)
+        mean = x.mean(dims, keepdim=True)
+        var = (x - mean).square_().mean(dims)
+        mean, m2 = mean.flatten(1).double(), var.double() * n
         if self.count == 0:
             self.count, self.mean, self.m2 = n, mean, m2
             return
