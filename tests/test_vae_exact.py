@@ -206,7 +206,15 @@ def test_each_segment_runs_once_per_group_norm_plus_once(kind, monkeypatch):
     real_run, real_read, real_attend = stages.run, state.Bands.read, exact._attend
     # a segment by the layers it runs (split_resnets makes new containers on every call)
     key = lambda steps: tuple(id(m) for s in steps for m in s.module.modules() if not list(m.children()))  # noqa: E731
-    monkeypatch.setattr(stages, "run", lambda steps, *t: runs.append(key(steps)) or real_run(steps, *t))
+    layouts = set()  # whether each tile a segment runs is dense channels-last, as its convs take it best
+
+    def run(steps, *tensors):
+        if steps:  # not the empty part before the tiles
+            runs.append(key(steps))
+            layouts.update(t.is_contiguous(memory_format=torch.channels_last) for t in tensors)
+        return real_run(steps, *tensors)
+
+    monkeypatch.setattr(stages, "run", run)
 
     def read(self, ys, xs, device=None):
         if not attended or attended[-1] is not None:  # not inside the whole-image attention
@@ -228,6 +236,7 @@ def test_each_segment_runs_once_per_group_norm_plus_once(kind, monkeypatch):
     tiled_run(vae, x, kind)
     assert attended == [m for m in (vae.decoder if kind == "decode" else vae.encoder).mid_block.attentions]
     assert written == {1}  # one tensor per state: no resnet's input is written again as its residual
+    assert layouts == {True}
     tile = vae.tile_latent_min_size if kind == "decode" else vae.tile_sample_min_size
     n, size, res = x.shape[-2], list(x.shape[-2:]), Fraction(1)
     for seg in segs:  # each segment on its own grid of abutting tiles

@@ -53,7 +53,7 @@ from pyext.vae import stages
 from pyext.vae.config import TilingConfig, fail
 from pyext.vae.geometry import Span, equal_cores, rescale, window
 from pyext.vae.spill import Budget, FileBands
-from pyext.vae.state import Bands, Joined
+from pyext.vae.state import LAYOUT, Bands, Joined
 from pyext.vae.statistics import Moments, Stop, SyncedGroupNorms, normalize
 
 
@@ -114,7 +114,7 @@ def _run_segment(seg: Segment, state, rows: list[Span], cols: list[Span], device
             (y0, y1) = window(ys, H, seg.margin)
             for c, xs in enumerate(cols):
                 (x0, x1) = window(xs, W, seg.margin)
-                tile = state.read((y0, y1), (x0, x1), device)
+                tile = tuple(t.contiguous(memory_format=LAYOUT) for t in state.read((y0, y1), (x0, x1), device))
                 try:
                     with SyncedGroupNorms(known, moments, (ys[0] - y0, y1 - ys[1], xs[0] - x0, x1 - xs[1]),
                                           (y1 - y0, x1 - x0)):

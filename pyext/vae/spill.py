@@ -22,7 +22,7 @@ from typing import Optional
 import torch
 
 from pyext.vae.geometry import Span
-from pyext.vae.state import COMPACT_DTYPE, scale_of
+from pyext.vae.state import COMPACT_DTYPE, empty, scale_of
 
 ALIGN = 4096  # direct I/O moves whole blocks: buffer addresses, file offsets and lengths
 # Pieces read are kept while their bytes are within this many of the largest chunk: a tile
@@ -30,6 +30,9 @@ ALIGN = 4096  # direct I/O moves whole blocks: buffer addresses, file offsets an
 CACHED_CHUNKS = 4
 WRITES_IN_FLIGHT = 2  # chunks written in the background, each holding its buffer until it is on disk
 READ_AHEAD = 1  # windows whose pieces are read while the current tile runs
+# A chunk's tensors (N, C, h, w) are stored (h, N, w, C): rows outermost, and in each row the
+# pixels with their channels together, as the state's channels-last layout holds them.
+ROWS_FIRST, FROM_ROWS_FIRST = (2, 0, 3, 1), (1, 3, 0, 2)
 
 
 def _open(directory) -> int:
@@ -144,7 +147,7 @@ class Budget:
 @dataclass(frozen=True)
 class _Chunk:
     starts: tuple    # where each tensor starts: in the file, or in buf
-    shapes: tuple    # each tensor's shape, rows first: (rows, ..., columns)
+    shapes: tuple    # each tensor's shape as stored, rows first: (rows, N, columns, C)
     dtype: torch.dtype
     scales: Optional[tuple]  # compact: one power-of-two scale per tensor (pyext.vae.state)
     buf: Optional[torch.Tensor] = None  # the chunk kept in memory (Budget), else None: in the file
@@ -179,20 +182,20 @@ class FileBands:
         compact = self.compact and self.dtype == torch.float32
         dtype = COMPACT_DTYPE if compact else self.dtype
         scales = tuple(scale_of(t) for t in tiles) if compact else None
-        shapes = tuple((t.shape[-2], *t.shape[:-2], t.shape[-1]) for t in tiles)
+        shapes = tuple(tuple(t.shape[d] for d in ROWS_FIRST) for t in tiles)
         starts, end = [], 0
         for shape in shapes:
             starts.append(end)
             end += -(-math.prod(shape) * dtype.itemsize // ALIGN) * ALIGN
         buf = _aligned(end)
         for k, (t, start, shape) in enumerate(zip(tiles, starts, shapes)):
-            src, where = t.movedim(-2, 0), _typed(buf, start, shape, dtype)
+            src, where = t.permute(ROWS_FIRST), _typed(buf, start, shape, dtype)
             if not compact:
                 where.copy_(src)
             elif t.device == where.device:  # one pass into float16; exact scaling: a power of two
-                torch.mul(src, (1 / scales[k]).movedim(-2, 0), out=where)
+                torch.mul(src, (1 / scales[k]).permute(ROWS_FIRST), out=where)
             else:
-                where.copy_((src * (1 / scales[k]).movedim(-2, 0)).to(dtype))  # halve the copy's bytes
+                where.copy_((src * (1 / scales[k]).permute(ROWS_FIRST)).to(dtype))  # halve the copy's bytes
         if self.budget.take(end):
             self.chunks[row][xs] = _Chunk(tuple(starts), shapes, dtype, scales, buf)
         else:
@@ -220,7 +223,7 @@ class FileBands:
                 buf, skip = self.file.read(start + lo * row_bytes, start + hi * row_bytes)
             else:
                 buf, skip = chunk.buf, start + lo * row_bytes
-            pieces.append(_typed(buf, skip, (hi - lo, *shape[1:]), chunk.dtype).movedim(0, -2))
+            pieces.append(_typed(buf, skip, (hi - lo, *shape[1:]), chunk.dtype).permute(FROM_ROWS_FIRST))
         return tuple(pieces)
 
     def _fetch(self, key, chunk) -> None:
@@ -257,7 +260,7 @@ class FileBands:
             self._fetch(key, chunk)
             pieces = self._load(key, chunk) if chunk.buf is not None else self.cache[key][0].result()
             if out is None:
-                out = tuple(torch.empty((*t.shape[:-2], ys[1] - ys[0], xs[1] - xs[0]), dtype=self.dtype,
+                out = tuple(empty((*t.shape[:-2], ys[1] - ys[0], xs[1] - xs[0]), dtype=self.dtype,
                                         device=device) for t in pieces)
             p = key[1][0]
             for k, (t, dst) in enumerate(zip(pieces, out)):

@@ -17,6 +17,15 @@ import torch
 from pyext.vae.geometry import Span
 
 COMPACT_DTYPE = torch.float16
+# The state is channels-last: a tile's convolutions run in that layout (on CPU, oneDNN reorders
+# a contiguous NCHW input and output around every conv: a third slower and two more tile-sized
+# allocations), and a window of it is then rows of whole pixels, copied a row at a time.
+LAYOUT = torch.channels_last
+
+
+def empty(shape: tuple, **kwargs) -> torch.Tensor:
+    """A (N, C, H, W) tensor in the state's layout."""
+    return torch.empty(shape, memory_format=LAYOUT, **kwargs)
 _COMPACT_TOP = 14  # a tile's largest magnitude is stored in [2^13, 2^14]: far from float16's 65504
 
 
@@ -65,7 +74,7 @@ class Bands:
             i, band_rows, _ = pieces[0]
             return tuple(t[..., band_rows, xs[0]:xs[1]].to(device) for t in self.parts[i])
         i = pieces[0][0]
-        out = tuple(torch.empty((*t.shape[:-2], ys[1] - ys[0], xs[1] - xs[0]), device=device or t.device, dtype=self.dtype)
+        out = tuple(empty((*t.shape[:-2], ys[1] - ys[0], xs[1] - xs[0]), device=device or t.device, dtype=self.dtype)
                     for t in self.parts[i])
         for i, band_rows, out_rows in pieces:
             self._fill(i, band_rows, xs, tuple(t[..., out_rows, :] for t in out))
@@ -92,7 +101,7 @@ class Bands:
         compact = self.compact and self.dtype == torch.float32
         if self.parts[row] is None:
             a, b = self.rows[row]
-            self.parts[row] = tuple(torch.empty((*t.shape[:-2], b - a, self.width), pin_memory=self.pin,
+            self.parts[row] = tuple(empty((*t.shape[:-2], b - a, self.width), pin_memory=self.pin,
                                                 dtype=COMPACT_DTYPE if compact else t.dtype) for t in tiles)
         scales = tuple(scale_of(t) for t in tiles) if compact else (None,) * len(tiles)
         if compact:
