@@ -126,6 +126,8 @@ def _prepare(spec: dict):
             tile_video_vae(vae, **kwargs)
         return (lambda t: vae.decode(t).sample), z, z[..., :2, :4, :4]
     vae = image_vae(spec["shape"], spec["tile"])
+    if spec.get("channels_last"):  # diffusers' own switch, for every method of the row set alike
+        vae.to(memory_format=torch.channels_last)
     x = image_input(vae, spec["direction"], hw, spec.get("latents", "smooth"))
     if method == "diffusers":
         vae.enable_tiling()
@@ -217,9 +219,11 @@ def _rows_for(base: dict, methods, max_full_mpix: float, tmp: str, pyext_options
 
 
 def run(preset: str = "quick", shapes=None, sizes=None, encode_sizes=None, video: bool = True,
-        max_full_mpix: float = 4.2, latents: str = "smooth", pyext_options=({},), malloc: str = "live") -> list[dict]:
+        max_full_mpix: float = 4.2, latents: str = "smooth", pyext_options=({},), malloc: str = "live",
+        channels_last: bool = False) -> list[dict]:
     """All rows of a preset, or of the given shapes x sizes (decode) and encode sizes; one pyext
-    row per dict of tile_vae options in pyext_options; children under MALLOC[malloc]."""
+    row per dict of tile_vae options in pyext_options; children under MALLOC[malloc]; image
+    VAEs in channels-last for every method where channels_last."""
     if len({_label(o) for o in pyext_options}) < len(pyext_options):
         raise SystemExit(f"--pyext: each option set once, got {list(pyext_options)}")
     if shapes or sizes or encode_sizes:
@@ -233,7 +237,7 @@ def run(preset: str = "quick", shapes=None, sizes=None, encode_sizes=None, video
     with tempfile.TemporaryDirectory() as tmp:
         for shape, direction, size, tile in runs:
             base = {"bench": f"vae_{direction}", "shape": shape, "direction": direction, "size": size, "tile": tile,
-                    "latents": latents, "threads": threads, "malloc": malloc}
+                    "latents": latents, "threads": threads, "malloc": malloc, "channels_last": channels_last}
             rows += _rows_for(base, METHODS, max_full_mpix, tmp, pyext_options, malloc)
         if video:
             v = PRESETS[preset]["video"]
@@ -245,7 +249,7 @@ def run(preset: str = "quick", shapes=None, sizes=None, encode_sizes=None, video
 
 def _ratio(row: dict, key: str, rows: list[dict]) -> str:
     ref = next((r for r in rows if r["method"] == "diffusers" and all(
-        r.get(k) == row.get(k) for k in ("bench", "shape", "size", "tile"))), None)
+        r.get(k) == row.get(k) for k in ("bench", "shape", "size", "tile", "channels_last"))), None)
     if ref is None or key not in ref or key not in row or row["method"] == "diffusers":
         return ""
     return f"{row[key] / ref[key]:.2f}x"
@@ -256,6 +260,7 @@ def table(rows: list[dict]) -> str:
              "output MiB | PSNR vs full dB |", "|---|---|---|---|---|---|---|---|---|---|---|"]
     for r in rows:
         what = r["direction"] if r["direction"] != "video" else f"video decode, {r['frames']} frames"
+        what += ", channels-last" if r.get("channels_last") else ""
         head = f"| {r['shape']} | {what} | {r['size']} | {r['tile'] or 'default'} | {r['method']} |"
         if "seconds" not in r:
             lines.append(f"{head} {r.get('skipped') or r.get('error')} | | | | | |")
@@ -280,6 +285,8 @@ def main(argv=None) -> None:
                    help='tile_vae options as JSON, one pyext row each, e.g. \'{}\' \'{"method": "tiles"}\'')
     p.add_argument("--malloc", choices=sorted(MALLOC), default="live",
                    help="glibc's settings in each child: 'live' (default) for peaks of live memory, 'default' as users run")
+    p.add_argument("--channels-last", action="store_true",
+                   help="every image VAE (untiled, diffusers, pyext) in channels-last, diffusers' own switch")
     p.add_argument("--json", help="also write the rows here")
     p.add_argument("--child", help=argparse.SUPPRESS)
     a = p.parse_args(argv)
@@ -287,7 +294,7 @@ def main(argv=None) -> None:
         _child(json.loads(a.child))
         return
     rows = run(a.preset, a.shapes, a.sizes, a.encode_sizes, not a.no_video, a.max_full_mpix, a.latents,
-               [json.loads(o) for o in a.pyext], a.malloc)
+               [json.loads(o) for o in a.pyext], a.malloc, a.channels_last)
     print(table(rows))
     if a.json:
         with open(a.json, "w") as f:
