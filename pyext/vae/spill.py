@@ -260,8 +260,8 @@ class FileBands:
             self._fetch(key, chunk)
             pieces = self._load(key, chunk) if chunk.buf is not None else self.cache[key][0].result()
             if out is None:
-                out = tuple(empty((*t.shape[:-2], ys[1] - ys[0], xs[1] - xs[0]), dtype=self.dtype,
-                                        device=device) for t in pieces)
+                out = tuple(empty((*t.shape[:-2], ys[1] - ys[0], xs[1] - xs[0]), dtype=self.dtype, device=device)
+                            for t in pieces)
             p = key[1][0]
             for k, (t, dst) in enumerate(zip(pieces, out)):
                 where = dst[..., lo - ys[0]:hi - ys[0], p2 - xs[0]:q2 - xs[0]]

@@ -1,8 +1,8 @@
 """The whole-image state between two segments of an exact tiled run, on the host.
 
-One or more activations (..., C, H, W) of the same height and width, kept in horizontal bands
-(one per tile row of the segment that wrote them), each freed as soon as no later tile reads
-it. On a GPU the bands are pinned host memory, so the device holds only the tile it runs.
+One or more activations (N, C, H, W) of the same height and width, channels-last, kept in
+horizontal bands (one per tile row of the segment that wrote them), each freed as soon as no
+later tile reads it. On a GPU the bands are pinned host memory, so the device holds only the tile it runs.
 
 Compact bands keep a float32 state in float16, with a power-of-two scale per (sample, channel)
 of each written tile: half the memory, no overflow (a tile's largest magnitude is stored as at
@@ -17,6 +17,7 @@ import torch
 from pyext.vae.geometry import Span
 
 COMPACT_DTYPE = torch.float16
+_COMPACT_TOP = 14  # a tile's largest magnitude is stored in [2^13, 2^14]: far from float16's 65504
 # The state is channels-last: a tile's convolutions run in that layout (on CPU, oneDNN reorders
 # a contiguous NCHW input and output around every conv: a third slower and two more tile-sized
 # allocations), and a window of it is then rows of whole pixels, copied a row at a time.
@@ -26,7 +27,6 @@ LAYOUT = torch.channels_last
 def empty(shape: tuple, **kwargs) -> torch.Tensor:
     """A (N, C, H, W) tensor in the state's layout."""
     return torch.empty(shape, memory_format=LAYOUT, **kwargs)
-_COMPACT_TOP = 14  # a tile's largest magnitude is stored in [2^13, 2^14]: far from float16's 65504
 
 
 def scale_of(t: torch.Tensor) -> torch.Tensor:
@@ -102,7 +102,7 @@ class Bands:
         if self.parts[row] is None:
             a, b = self.rows[row]
             self.parts[row] = tuple(empty((*t.shape[:-2], b - a, self.width), pin_memory=self.pin,
-                                                dtype=COMPACT_DTYPE if compact else t.dtype) for t in tiles)
+                                          dtype=COMPACT_DTYPE if compact else t.dtype) for t in tiles)
         scales = tuple(scale_of(t) for t in tiles) if compact else (None,) * len(tiles)
         if compact:
             self.scales[row][xs] = scales
