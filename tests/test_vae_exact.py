@@ -221,9 +221,9 @@ def test_each_segment_runs_once_per_group_norm_plus_once(kind, monkeypatch):
             windows.append((self.height, ys[1] - ys[0], xs[1] - xs[0]))
         return real_read(self, ys, xs, device)
 
-    def attend(attn, *args):
+    def attend(attn, *args, **kwargs):
         attended.append(None)  # its reads are whole rows
-        done = real_attend(attn, *args)
+        done = real_attend(attn, *args, **kwargs)
         attended[-1] = attn
         return done
 
