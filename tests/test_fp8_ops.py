@@ -349,8 +349,10 @@ def test_linear_with_no_input_features(backend, bias):
 
 
 def test_scales_fuse_exactly():
-    assert scales_fuse_exactly(torch.tensor([1e-40, -2.0, 7e35]), torch.bfloat16)
-    for bad in (float("nan"), float("inf"), 1e36):
+    assert scales_fuse_exactly(torch.tensor([1e-30, 0.0, -2.0, 7e35]), torch.bfloat16)
+    # 1e-40: a subnormal scale, under which small decoded weights upcast to 0 (an inf activation
+    # times 0 is NaN there, inf after a GEMM that scales its accumulator)
+    for bad in (float("nan"), float("inf"), 1e36, 1e-40):
         assert not scales_fuse_exactly(torch.tensor([1.0, bad]), torch.bfloat16)
     assert not scales_fuse_exactly(torch.tensor([200.0]), torch.float16)  # 448 * 200 > 65504
 

@@ -22,6 +22,7 @@ from pyext.ops._triton import TRITON_NOTES, triton_dtypes
 
 FP8 = torch.float8_e4m3fn
 FP8_MAX = 448.0
+FP8_MIN_SUBNORMAL = 2.0 ** -9  # the smallest nonzero e4m3 magnitude
 COMPUTE_DTYPES = (torch.bfloat16, torch.float16, torch.float32)
 
 
@@ -95,8 +96,11 @@ def _scales(amax: torch.Tensor) -> torch.Tensor:
 def scales_fuse_exactly(scale: torch.Tensor, dtype: torch.dtype) -> bool:
     """Whether applying `scale` after the dot product (what the fused GEMMs do) gives the op's
     meaning, upcast to `dtype` then GEMM, to rounding: every decoded weight times its scale must
-    be a finite `dtype` value. False for NaN/inf scales. Reads the scales (a sync on a GPU)."""
-    return bool((scale.abs() * FP8_MAX <= torch.finfo(dtype).max).all())
+    be a finite `dtype` value, and no nonzero one may underflow (a subnormal scale: the upcast
+    weight is then 0, and an inf activation gives NaN there, inf after the fused GEMM). False
+    for NaN/inf scales. Reads the scales (a sync on a GPU)."""
+    s, info = scale.abs(), torch.finfo(dtype)
+    return bool(((s * FP8_MAX <= info.max) & ((s == 0) | (s * FP8_MIN_SUBNORMAL >= info.tiny))).all())
 
 
 # ----------------------------------------------------------------------------- reference
@@ -180,6 +184,8 @@ def _linear_triton(x, w, scale, bias):
 
 
 def _linear_cpp(x, w, scale, bias):
+    if not scales_fuse_exactly(scale, x.dtype):  # its bf16 GEMM applies the scale to its accumulator
+        return fp8_linear_reference(x, w, scale, bias)
     return torch.ops.pyext_C.fp8_linear(x, w, scale, bias)
 
 
