@@ -104,25 +104,27 @@ def _conv_calls(model, x):
 @needs_fused
 def test_module_takes_the_fused_path_on_its_kernel_layout_codes():
     torch.manual_seed(0)
-    model = nn.Sequential(nn.Conv2d(16, 32, 3, padding=1), nn.SiLU(), nn.Conv2d(32, 16, 3, stride=2, padding=1))
+    # a norm first: quantize_fp8 keeps the layer that holds a model's first parameter (its dtype is the model's)
+    model = nn.Sequential(nn.GroupNorm(4, 16), nn.Conv2d(16, 32, 3, padding=1), nn.SiLU(),
+                          nn.Conv2d(32, 16, 3, stride=2, padding=1))
     model = model.to(torch.bfloat16)
     x = torch.randn(2, 16, 12, 10, dtype=torch.bfloat16)
     ref = model(x)
     quantize_fp8(model, skip=(), )
     # (out, kh, kw, in) codes whatever the module's format: the fused path, channels-last output
-    assert model[0].weight.is_contiguous(memory_format=CL) and not model[0].weight.is_contiguous()
-    assert model[0].weight.shape == (32, 16, 3, 3)
+    assert model[1].weight.is_contiguous(memory_format=CL) and not model[1].weight.is_contiguous()
+    assert model[1].weight.shape == (32, 16, 3, 3)
     for inp in (x.contiguous(memory_format=CL), x):  # an NCHW input is reordered, as torch's conv does
         y_cl, fused, aten = _conv_calls(model, inp)
         assert fused == 2 and aten == 0 and y_cl.is_contiguous(memory_format=CL)
         assert rel_err(y_cl, ref) < 0.06  # fp8 weights: ~30 dB
     model.to(memory_format=torch.contiguous_format)  # (out, in, kh, kw) codes: upcast + torch's conv
-    assert model[0].weight.is_contiguous()
+    assert model[1].weight.is_contiguous()
     y_nchw, fused, aten = _conv_calls(model, x)
     assert fused == 0 and aten == 2 and y_nchw.is_contiguous()
     assert rel_err(y_cl, y_nchw) < 1e-2
     model.to(memory_format=CL)
-    assert model[0].weight.is_contiguous(memory_format=CL) and rel_err(model(x), y_cl) == 0
+    assert model[1].weight.is_contiguous(memory_format=CL) and rel_err(model(x), y_cl) == 0
 
 
 # ----------------------------------------------------------------------------- hardening (issue 13)
