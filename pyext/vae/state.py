@@ -19,7 +19,7 @@ from pyext.vae.geometry import Span
 COMPACT_DTYPE = torch.float16
 _COMPACT_TOP = 14  # a tile's largest magnitude is stored in [2^13, 2^14]: far from float16's 65504
 # The state is channels-last: a tile's convolutions run in that layout (on CPU, oneDNN reorders
-# a contiguous NCHW input and output around every conv: a third slower and two more tile-sized
+# a contiguous NCHW input and output around every conv: slower, and two more tile-sized
 # allocations), and a window of it is then rows of whole pixels, copied a row at a time.
 LAYOUT = torch.channels_last
 

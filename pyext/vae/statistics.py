@@ -34,7 +34,7 @@ class Moments:
             x, dims = x.reshape(x.shape[0], groups, -1).float(), (-1,)
         n = math.prod(x.shape[d] for d in dims)
         # two passes, the mean and then the squares about it: as accurate as var_mean's single
-        # pass, and twice as fast on CPU (var_mean's Welford loop does not vectorise)
+        # pass, and faster on CPU (var_mean's Welford loop does not vectorise)
         mean = x.mean(dims, keepdim=True)
         var = (x - mean).square_().mean(dims)
         mean, m2 = mean.flatten(1).double(), var.double() * n
