@@ -166,7 +166,7 @@ def test_bad_geometry_is_a_clear_error(geometry, match):
 @pytest.mark.parametrize("bad", [float("nan"), float("inf"), 1e36])
 def test_cpp_declines_scales_it_cannot_apply_after_the_dot_product(bad):
     """The fused kernel scales its accumulator, which is F.conv2d on the upcast weight only
-    while |scale| * 448 is a finite bf16: other scales go to the reference."""
+    while |scale| * 448 is a finite bf16 and no weight underflows: other scales go to the reference."""
     x, wq, s, _ = make(1, 4, 6, 6, 8, 3)
     s[2] = bad
     reasons = _cpp_reasons(x, wq.view(torch.uint8), s, None, [1, 1], [1, 1], [1, 1], 1)

@@ -34,11 +34,17 @@ bool fused_gemm_available() { return simd_level() == SimdLevel::kAvx512 && fp8_g
 
 // The ops mean "upcast the weight to bf16, then GEMM"; the fused GEMM applies the scale to
 // the fp32 accumulator instead, which agrees (to rounding) only while every decoded weight
-// times its scale is a finite bf16: |scale| * 448 within bf16's range. NaN fails the test.
+// times its scale is a finite bf16 (|scale| * 448 within bf16's range) and no nonzero one
+// underflows (|scale| * 2^-9, the smallest e4m3 magnitude, at least bf16's smallest normal, or
+// a zero scale): an upcast weight of 0 times an inf activation is NaN, the fused GEMM's inf * a
+// tiny scale is inf. NaN fails the test. (pyext.ops.fp8.scales_fuse_exactly says the same.)
 bool scales_fuse_exactly(const at::Tensor& scale) {
-  constexpr float kBf16Max = 3.38953139e38f, kFp8Max = 448.0f;
+  constexpr float kBf16Max = 3.38953139e38f, kBf16Tiny = 1.17549435e-38f, kFp8Max = 448.0f, kFp8Min = 0x1p-9f;
   const float* s = scale.data_ptr<float>();
-  return std::all_of(s, s + scale.numel(), [](float v) { return std::fabs(v) * kFp8Max <= kBf16Max; });
+  return std::all_of(s, s + scale.numel(), [](float v) {
+    const float a = std::fabs(v);
+    return a * kFp8Max <= kBf16Max && (a == 0.0f || a * kFp8Min >= kBf16Tiny);
+  });
 }
 
 // Multiply-adds a thread must get to be worth waking the pool (a GEMM unit is 6 x 64 x K).
@@ -153,7 +159,7 @@ at::Tensor fp8_conv2d_cpu(const at::Tensor& x, const at::Tensor& w, const at::Te
               "pyext fp8_conv2d: scale must be float32 with 1 or N elements");
   TORCH_CHECK(x.size(1) > 0, "pyext fp8_conv2d: x has no input channels");
   const at::Tensor xc = x.contiguous(at::MemoryFormat::ChannelsLast), wc = w.contiguous(), sc = scale.contiguous();
-  TORCH_CHECK(scales_fuse_exactly(sc), "pyext fp8_conv2d: every |scale| * 448 must be a finite bf16");
+  TORCH_CHECK(scales_fuse_exactly(sc), "pyext fp8_conv2d: every |scale| * 448 must be a finite bf16 and no nonzero weight may underflow");
   const Conv2dGeometry g{x.size(0), x.size(2), x.size(3), x.size(1), 0, 0, w.size(1), w.size(2),
                          stride[0], stride[1], padding[0], padding[1]};
   const int64_t OH = (g.H + 2 * g.ph - g.kh) / g.sh + 1, OW = (g.W + 2 * g.pw - g.kw) / g.sw + 1;

@@ -68,8 +68,8 @@ def _cpp_argument_reasons(x, w, scale, bias, stride, padding, dilation, groups) 
     if x.dim() == 4 and x.shape[1] % 2:
         reasons.append(f"input channels must be even (bf16 pairs), got {x.shape[1]}")
     if not scales_fuse_exactly(scale, torch.bfloat16):
-        reasons.append("scales must be finite with |scale| * 448 within bfloat16's range "
-                       "(the kernel applies them after the dot product)")
+        reasons.append("scales must be finite with |scale| * 448 within bfloat16's range and no nonzero "
+                       "weight underflowing (the kernel applies them after the dot product)")
     return reasons
 
 
