@@ -2,7 +2,8 @@
 
 One or more activations (N, C, H, W) of the same height and width, channels-last, kept in
 horizontal bands (one per tile row of the segment that wrote them), each freed as soon as no
-later tile reads it. On a GPU the bands are pinned host memory, so the device holds only the tile it runs.
+later tile reads it. On a GPU the bands are pinned host memory, so the device holds only the
+tile it runs.
 
 Compact bands keep a float32 state in float16, with a power-of-two scale per (sample, channel)
 of each written tile: half the memory, no overflow (a tile's largest magnitude is stored as at
@@ -139,7 +140,7 @@ class Joined:
 
     def __init__(self, *states):
         self.states = states
-        self.height, self.width, self.dtype = states[0].height, states[0].width, states[0].dtype
+        self.height, self.width = states[0].height, states[0].width
 
     def read(self, ys: Span, xs: Span, device=None) -> tuple:
         return sum((s.read(ys, xs, device) for s in self.states), ())
@@ -155,6 +156,3 @@ class Joined:
     def release(self) -> None:
         for s in self.states:
             s.release()
-
-    def whole(self, device=None) -> tuple:
-        return self.read((0, self.height), (0, self.width), device)
