@@ -69,6 +69,16 @@ def test_every_weight_layout_gives_the_same_result():
 
 
 @needs_cpp
+@pytest.mark.parametrize("shape", [(1, 300, 70, 23, 29), (2, 257, 97, 17, 9), (1, 128, 32, 8, 96)])
+def test_gemm_blocks_and_panel_edges(simd, shape):
+    """The AVX-512 unit's own GEMM: input channels over several passes (128 each) and a partial
+    last one, a last panel of output channels padded (70 = 32 + 32 + 6), tile counts that leave
+    a partial block of rows (12 per block)."""
+    x, weight, b = make(*shape)
+    assert_within_rounding(winograd_conv3x3(x, weight, b, backend="cpp"), x, weight, b)
+
+
+@needs_cpp
 def test_tiles_are_chunked_without_seams():
     """Enough tiles for several chunks of the workspace (8 MiB of V and M per chunk)."""
     x, weight, b = make(1, 96, 96, 150, 150)
@@ -141,6 +151,8 @@ def test_the_rule_mirrors_the_kept_workspace():
     assert constant("kKeptBytes") == winograd.KEPT_WORKSPACE_BYTES
     assert constant("kChunkBytes") == winograd.CHUNK_BYTES
     assert constant("kMinChunkTiles") == winograd.MIN_CHUNK_TILES
+    header = (Path(__file__).parents[1] / "csrc/winograd/winograd_cpu.h").read_text()
+    assert int(re.search(r"kPanel = (\d+);", header).group(1)) == winograd.PANEL
     assert "under 32" in winograd_reason(1, 128, 3, 256, 256)  # the VAE's conv_out, 1.9x slower
     assert "under 32" in winograd_reason(1, 4, 512, 32, 32)
 

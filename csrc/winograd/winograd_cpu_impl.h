@@ -14,7 +14,8 @@
 namespace pyext::cpu {
 namespace {
 
-constexpr int64_t kBlock = 64;  // channels per pass: 36 x 64 floats stay in L1
+constexpr int64_t kBlock = 64;  // channels per pass: 36 x 64 floats stay in L1 (whole panels of U)
+static_assert(kBlock % kPanel == 0);
 constexpr int64_t kIn = 6;      // input tile side
 
 // One tile's input window (6x6, zero outside the image) -> B^T d B for channels [c0, c0 + cw).
@@ -152,9 +153,27 @@ inline void store_streaming(float* dst, const float* src, int64_t n) {
   for (int64_t c = 0; c < n; ++c) dst[c] = src[c];
 }
 
-// U is stored (ci, 36, co): the GEMM reads U[p] as a (ci, co) matrix with row stride 36 co, and
-// the transform writes one input channel's 36 points close together (10-25% faster than 36
-// planes apart, measured on 320-1920 channels).
+// Without PYEXT_WINOGRAD_PANELS, U is stored (ci, 36, co): torch's batched GEMM reads U[p] as a
+// (ci, co) matrix with row stride 36 co, and the transform writes one input channel's 36 points
+// close together (10-25% faster than 36 planes apart, measured on 320-1920 channels). With it,
+// U is in panels (36, panels, ci, kPanel) for the unit's own GEMM, the padding columns zero.
+inline void store_u(float* u, const float* r, int64_t i, int64_t p, int64_t c0, int64_t cw, int64_t ci, int64_t co) {
+#ifdef PYEXT_WINOGRAD_PANELS
+  // c0 is a multiple of kBlock, itself a multiple of kPanel: the block covers whole panels
+  for (int64_t c = 0; c < cw; c += kPanel) {
+    float* dst = u + ((p * panels(co) + (c0 + c) / kPanel) * ci + i) * kPanel;
+    const int64_t n = std::min(kPanel, cw - c);
+    if (n == kPanel) {
+      store_streaming(dst, r + c, kPanel);
+    } else {
+      for (int64_t k = 0; k < kPanel; ++k) dst[k] = k < n ? r[c + k] : 0.0f;
+    }
+  }
+#else
+  store_streaming(u + (i * kWinogradPoints + p) * co + c0, r, cw);
+#endif
+}
+
 void weight_transform(const float* g, float* u, int64_t ci, int64_t co, int64_t ci_begin, int64_t ci_end) {
   const int64_t plane = ci * co;  // one (kh, kw) slice of g
   float t[3][kIn][kBlock], r[kIn][kBlock];
@@ -165,8 +184,7 @@ void weight_transform(const float* g, float* u, int64_t ci, int64_t co, int64_t 
       for (int64_t kw = 0; kw < 3; ++kw) g_rows(k + kw * plane, k + (3 + kw) * plane, k + (6 + kw) * plane, t[kw], cw);
       for (int64_t p = 0; p < kIn; ++p) {
         g_rows(t[0][p], t[1][p], t[2][p], r, cw);
-        for (int64_t q = 0; q < kIn; ++q)
-          store_streaming(u + (i * kWinogradPoints + p * kIn + q) * co + c0, r[q], cw);
+        for (int64_t q = 0; q < kIn; ++q) store_u(u, r[q], i, p * kIn + q, c0, cw, ci, co);
       }
     }
 #ifdef PYEXT_WINOGRAD_STREAM

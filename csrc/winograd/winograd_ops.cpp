@@ -1,6 +1,6 @@
 // Torch glue of the Winograd convolution: schema of torch.ops.pyext_C.winograd_conv3x3 and its
-// CPU implementation. Per chunk of tiles: input transform, one batched GEMM over the 36 points
-// (at::bmm, torch's BLAS), output transform. The weight is transformed on every call (cheap
+// CPU implementation. Per chunk of tiles: input transform, the 36 GEMMs (the SIMD unit's own where
+// it has one, else one batched at::bmm, torch's BLAS), output transform. The weight is transformed on every call (cheap
 // next to the convolutions this is chosen for), so no second copy of the weights is kept.
 // User-facing validation lives in pyext/ops/winograd.py; the TORCH_CHECKs here only keep the
 // raw-pointer kernels inside their buffers.
@@ -86,14 +86,13 @@ at::Tensor winograd_conv3x3_cpu(const at::Tensor& x, const at::Tensor& weight, c
 
   const int64_t per_tile = kWinogradPoints * (ci + co) * 4;
   const int64_t chunk = std::min(tiles, std::max(kMinChunkTiles, kChunkBytes / per_tile));
-  const int64_t u_size = kWinogradPoints * ci * co;
+  const int64_t u_size = kWinogradPoints * ci * (k.gemm ? panels(co) * kPanel : co);
   Workspace& ws = workspace();
   std::lock_guard<std::mutex> guard(ws.lock);
   const at::Tensor buffer = ws.get(u_size + kWinogradPoints * chunk * (ci + co));
   float* base = buffer.data_ptr<float>();
   const auto f32 = at::TensorOptions().dtype(at::kFloat);
-  at::Tensor u = at::from_blob(base, {kWinogradPoints, ci, co}, {co, kWinogradPoints * co, 1}, f32);  // stored (Ci, 36, Co)
-  at::parallel_for(0, ci, 1, [&](int64_t lo, int64_t hi) { k.weight(g.data_ptr<float>(), u.data_ptr<float>(), ci, co, lo, hi); });
+  at::parallel_for(0, ci, 1, [&](int64_t lo, int64_t hi) { k.weight(g.data_ptr<float>(), base, ci, co, lo, hi); });
 
   std::atomic<bool> finite{true};
   for (int64_t first = 0; first < tiles; first += chunk) {
@@ -103,7 +102,13 @@ at::Tensor winograd_conv3x3_cpu(const at::Tensor& x, const at::Tensor& weight, c
     at::parallel_for(first, first + count, 1, [&](int64_t lo, int64_t hi) {
       k.input(a, v.data_ptr<float>(), first, count, lo, hi);
     });
-    at::bmm_out(m, v, u);
+    if (k.gemm) {
+      at::parallel_for(0, kWinogradPoints * panels(co), 1, [&](int64_t lo, int64_t hi) {
+        k.gemm(v.data_ptr<float>(), base, m.data_ptr<float>(), count, ci, co, lo, hi);
+      });
+    } else {
+      at::bmm_out(m, v, at::from_blob(base, {kWinogradPoints, ci, co}, {co, kWinogradPoints * co, 1}, f32));
+    }
     at::parallel_for(first, first + count, 1, [&](int64_t lo, int64_t hi) {
       if (!k.output(a, m.data_ptr<float>(), first, count, lo, hi)) finite = false;
     });

@@ -37,14 +37,16 @@ MIN_PIXELS, MIN_CHANNELS, PIXELS_PER_CHANNEL = 512, 32, 0.25
 # kMinChunkTiles): 1280x1280 channels fit (225 MiB of weight), the largest of the SD UNets. A call
 # that needs more gets a fresh buffer per call, whose page faults cost more than Winograd saves.
 KEPT_WORKSPACE_BYTES, CHUNK_BYTES, MIN_CHUNK_TILES = 256 << 20, 8 << 20, 64
+PANEL = 32  # csrc/winograd/winograd_cpu.h: kPanel
 
 
 def workspace_bytes(batch: int, in_channels: int, out_channels: int, height: int, width: int) -> int:
-    """Bytes of the workspace the C++ op needs for this shape: transformed weight plus one tile chunk."""
+    """Bytes of the workspace the C++ op needs for this shape: transformed weight plus one tile chunk
+    (the weight's output channels padded to whole panels, as the AVX-512 unit stores them)."""
     tiles = batch * -(-height // 4) * -(-width // 4)
     per_tile = 36 * 4 * (in_channels + out_channels)
     chunk = min(tiles, max(MIN_CHUNK_TILES, CHUNK_BYTES // per_tile))
-    return 36 * 4 * in_channels * out_channels + chunk * per_tile
+    return 36 * 4 * in_channels * -(-out_channels // PANEL) * PANEL + chunk * per_tile
 
 
 def winograd_reason(batch: int, in_channels: int, out_channels: int, height: int, width: int) -> Optional[str]:
