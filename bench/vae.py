@@ -4,6 +4,7 @@
     python -m bench.vae --preset full [--json PATH] # the issue-14 table (an hour or more on 2 cores)
     python -m bench.vae --shapes sd --sizes 1024 2048 --encode-sizes 1024 [--max-full-mpix 4.2]
     python -m bench.vae --preset quick --pyext '{}' '{"compact_state": true}'  # one pyext row per option set
+    python -m bench.vae --shapes sd --sizes 1024 --prepack --pyext '{"state_dir": "/var/tmp"}'  # pyext as optimize() runs it
 
 Image VAEs (AutoencoderKL, seeded random weights): "sd" (SD 1.5's VAE, 512-px tiles), "flux"
 (Flux's: 16 latent channels, no quant convs, 512-px tiles) and "small" (4 blocks of 32/32/64/64
@@ -113,7 +114,7 @@ def _rss_kib(field: str) -> int:
 
 
 def _prepare(spec: dict):
-    """(callable, input, warm-up input) for one run."""
+    """(callable, input, warm-up input, facts for the row) for one run."""
     from pyext.vae import tile_vae, tile_video_vae
     method, hw = spec["method"].split()[0], _size(spec["size"])  # "pyext <options>" runs pyext
     if spec["direction"] == "video":
@@ -124,23 +125,27 @@ def _prepare(spec: dict):
             vae.enable_tiling(**kwargs)
         elif method == "pyext":
             tile_video_vae(vae, **kwargs)
-        return (lambda t: vae.decode(t).sample), z, z[..., :2, :4, :4]
+        return (lambda t: vae.decode(t).sample), z, z[..., :2, :4, :4], {}
     vae = image_vae(spec["shape"], spec["tile"])
     if spec.get("channels_last"):  # diffusers' own switch, for every method of the row set alike
         vae.to(memory_format=torch.channels_last)
     x = image_input(vae, spec["direction"], hw, spec.get("latents", "smooth"))
+    facts = {}
     if method == "diffusers":
         vae.enable_tiling()
     elif method == "pyext":
         tile_vae(vae, **spec.get("pyext", {}))
+        if spec.get("prepack"):  # what pyext.optimize does to a CPU pipeline's VAE besides tiling
+            from pyext.nn.packed import pack
+            facts["packed_layers"] = len(pack(vae).packed)
     if spec["direction"] == "encode":
-        return (lambda t: vae.encode(t).latent_dist.parameters), x, x[..., :64, :64]
-    return (lambda t: vae.decode(t).sample), x, x[..., :8, :8]
+        return (lambda t: vae.encode(t).latent_dist.parameters), x, x[..., :64, :64], facts
+    return (lambda t: vae.decode(t).sample), x, x[..., :8, :8], facts
 
 
 def _child(spec: dict) -> None:
     torch.set_num_threads(int(os.environ.get("BENCH_THREADS", "2")))
-    run, x, warm_up = _prepare(spec)
+    run, x, warm_up, facts = _prepare(spec)
     with torch.no_grad():
         run(warm_up)  # kernels and allocator paths outside the measurement
         try:
@@ -156,7 +161,7 @@ def _child(spec: dict) -> None:
         peak = _rss_kib("VmHWM")
     torch.save(out, spec["out"])
     print(json.dumps({"seconds": seconds, "peak_extra_mib": (peak - base) / 1024, "hwm_reset": reset,
-                      "out_mib": out.numel() * out.element_size() / 2**20}))
+                      "out_mib": out.numel() * out.element_size() / 2**20, **facts}))
 
 
 # glibc's settings for a child. "live": every block above 64 KiB is its own mapping, returned when
@@ -183,8 +188,8 @@ def psnr(a: torch.Tensor, ref: torch.Tensor) -> float:
 
 # ----------------------------------------------------------------------------- tables
 
-def _label(options: dict) -> str:
-    return "pyext" + "".join(f" {k}={json.dumps(v)}" for k, v in options.items())
+def _label(options: dict, prepack: bool = False) -> str:
+    return "pyext" + " prepacked" * prepack + "".join(f" {k}={json.dumps(v)}" for k, v in options.items())
 
 
 def _rows_for(base: dict, methods, max_full_mpix: float, tmp: str, pyext_options=({},), malloc: str = "live") -> list[dict]:
@@ -194,7 +199,7 @@ def _rows_for(base: dict, methods, max_full_mpix: float, tmp: str, pyext_options
     rows, outs = [], {}
     runs = [(m, {}) for m in methods if m != "pyext"] + [("pyext", o) for o in pyext_options]
     for method, options in runs:
-        m = _label(options) if method == "pyext" else method
+        m = _label(options, base.get("prepack", False)) if method == "pyext" else method
         row = dict(base, method=m, pyext=options) if method == "pyext" else dict(base, method=m)
         if m == "full" and base["direction"] != "encode" and mpix > max_full_mpix:
             row["skipped"] = f"untiled run above --max-full-mpix {max_full_mpix} ({mpix:.1f} Mpix)"
@@ -220,10 +225,11 @@ def _rows_for(base: dict, methods, max_full_mpix: float, tmp: str, pyext_options
 
 def run(preset: str = "quick", shapes=None, sizes=None, encode_sizes=None, video: bool = True,
         max_full_mpix: float = 4.2, latents: str = "smooth", pyext_options=({},), malloc: str = "live",
-        channels_last: bool = False) -> list[dict]:
+        channels_last: bool = False, prepack: bool = False) -> list[dict]:
     """All rows of a preset, or of the given shapes x sizes (decode) and encode sizes; one pyext
     row per dict of tile_vae options in pyext_options; children under MALLOC[malloc]; image
-    VAEs in channels-last for every method where channels_last."""
+    VAEs in channels-last for every method where channels_last; the pyext rows' image VAEs
+    also packed (pyext.nn.packed) where prepack."""
     if len({_label(o) for o in pyext_options}) < len(pyext_options):
         raise SystemExit(f"--pyext: each option set once, got {list(pyext_options)}")
     if shapes or sizes or encode_sizes:
@@ -237,7 +243,8 @@ def run(preset: str = "quick", shapes=None, sizes=None, encode_sizes=None, video
     with tempfile.TemporaryDirectory() as tmp:
         for shape, direction, size, tile in runs:
             base = {"bench": f"vae_{direction}", "shape": shape, "direction": direction, "size": size, "tile": tile,
-                    "latents": latents, "threads": threads, "malloc": malloc, "channels_last": channels_last}
+                    "latents": latents, "threads": threads, "malloc": malloc, "channels_last": channels_last,
+                    "prepack": prepack}
             rows += _rows_for(base, METHODS, max_full_mpix, tmp, pyext_options, malloc)
         if video:
             v = PRESETS[preset]["video"]
@@ -287,6 +294,9 @@ def main(argv=None) -> None:
                    help="glibc's settings in each child: 'live' (default) for peaks of live memory, 'default' as users run")
     p.add_argument("--channels-last", action="store_true",
                    help="every image VAE (untiled, diffusers, pyext) in channels-last, diffusers' own switch")
+    p.add_argument("--prepack", action="store_true",
+                   help="pyext rows also pack the image VAE's weights (oneDNN's layout, 3x3 convs by Winograd where "
+                        "faster), as pyext.optimize does on a CPU pipeline")
     p.add_argument("--json", help="also write the rows here")
     p.add_argument("--child", help=argparse.SUPPRESS)
     a = p.parse_args(argv)
@@ -294,7 +304,7 @@ def main(argv=None) -> None:
         _child(json.loads(a.child))
         return
     rows = run(a.preset, a.shapes, a.sizes, a.encode_sizes, not a.no_video, a.max_full_mpix, a.latents,
-               [json.loads(o) for o in a.pyext], a.malloc, a.channels_last)
+               [json.loads(o) for o in a.pyext], a.malloc, a.channels_last, a.prepack)
     print(table(rows))
     if a.json:
         with open(a.json, "w") as f:

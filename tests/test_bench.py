@@ -193,22 +193,25 @@ def test_cpu_runtimes_pairs_rounds_and_checks_outputs(tmp_path):
     assert "| openvino | n/a: openvino not installed |" in cpu_runtimes.markdown(fake)
 
 
-@pytest.mark.parametrize("channels_last", [False, True])
-def test_vae_bench_rows_compare_each_tiled_run_with_the_untiled_one(tmp_path, channels_last):
+@pytest.mark.parametrize("channels_last, prepack", [(False, False), (True, True)])
+def test_vae_bench_rows_compare_each_tiled_run_with_the_untiled_one(tmp_path, channels_last, prepack):
     """bench.vae on the small VAE at 512x256 (2 x 1 tiles): a row per method and per pyext option
-    set, each in its own process under the chosen allocator (and layout); the exact rows (state
-    in memory and in a file) give the untiled image, diffusers' tiling does not."""
+    set, each in its own process under the chosen allocator (and layout, and with the pyext rows'
+    weights packed); the exact rows (state in memory and in a file) give the untiled image,
+    diffusers' tiling does not."""
     from bench import vae
     from pyext.vae import spill
 
     options = [{}] + ([{"state_dir": str(tmp_path)}] if spill.unsupported(tmp_path) is None else [])
     rows = vae.run(shapes=["small"], sizes=["512x256"], video=False, pyext_options=options, malloc="default",
-                   channels_last=channels_last)
-    assert [r["method"] for r in rows] == ["full", "diffusers"] + [vae._label(o) for o in options]
+                   channels_last=channels_last, prepack=prepack)
+    assert [r["method"] for r in rows] == ["full", "diffusers"] + [vae._label(o, prepack) for o in options]
     for row in rows:
         assert row["malloc"] == "default" and row["seconds"] > 0 and "peak_extra_mib" in row, row
         assert row["channels_last"] is channels_last
+        assert (row.get("packed_layers", 0) > 0) is (prepack and row["method"].startswith("pyext")), row
     assert rows[1]["psnr_vs_full_db"] < 60
     assert all(r["psnr_vs_full_db"] >= 100 for r in rows[2:])
     run = "decode, channels-last" if channels_last else "decode"
-    assert f"| small | {run} | 512x256 | 256 | pyext |" in vae.table(rows)
+    label = "pyext prepacked" if prepack else "pyext"
+    assert f"| small | {run} | 512x256 | 256 | {label} |" in vae.table(rows)
