@@ -79,12 +79,31 @@ def test_exact_with_tiles_shrunk_by_the_element_budget(kind, monkeypatch):
     x = torch.randn(1, vae.config.latent_channels if kind == "decode" else 3, *side)
     grids = []
     real = exact.Segment.grid
-    monkeypatch.setattr(exact.Segment, "grid", lambda seg, n, t, b=1: grids.append((n, t, real(seg, n, t, b))) or grids[-1][2])
+    monkeypatch.setattr(exact.Segment, "grid",
+                        lambda seg, n, t, b=1, e=exact.TILE_ELEMENTS: grids.append((n, t, real(seg, n, t, b, e))) or grids[-1][2])
     got = tiled_run(vae, x, kind)
     assert any(len(spans) > -(-n // t) for n, t, spans in grids)  # the budget bound somewhere
     full = _full(vae, kind, x)
     assert psnr(got, full) >= 100
     torch.testing.assert_close(got, full, rtol=1e-4, atol=1e-4 * float(full.abs().max()))
+
+
+@pytest.mark.parametrize("kind", ["decode", "encode"])
+def test_tiles_hold_a_share_of_the_vaes_own_tile_and_at_most_tile_elements(kind):
+    """The element budget is TILE_SHARE of the widest tensor that a tile of the VAE's size makes
+    in any segment (so the run's tile and the state's chunks it holds stay under one VAE tile),
+    and never above TILE_ELEMENTS."""
+    vae = _vae("3 blocks, 8 groups")
+    segs = exact.segments(stages.split_resnets(stages.split(stages.steps_of(vae, kind), kind, exact=True)[1]))
+    tile = vae.tile_latent_min_size if kind == "decode" else vae.tile_sample_min_size
+    widest, res = 0, Fraction(1)
+    for seg in segs:
+        widest = max(widest, (tile * res) ** 2 * seg.width)
+        res *= seg.scale
+    assert widest * exact.TILE_SHARE < exact.TILE_ELEMENTS
+    assert exact.element_budget(segs, tile, 1) == int(widest * exact.TILE_SHARE)
+    assert exact.element_budget(segs, tile, 3) == int(3 * widest * exact.TILE_SHARE)
+    assert exact.element_budget(segs, 64 * tile, 1) == exact.TILE_ELEMENTS
 
 
 @torch.no_grad()
@@ -238,12 +257,13 @@ def test_each_segment_runs_once_per_group_norm_plus_once(kind, monkeypatch):
     assert written == {1}  # one tensor per state: no resnet's input is written again as its residual
     assert layouts == {True}
     tile = vae.tile_latent_min_size if kind == "decode" else vae.tile_sample_min_size
+    elements = exact.element_budget(segs, tile, 1)
     n, size, res = x.shape[-2], list(x.shape[-2:]), Fraction(1)
     for seg in segs:  # each segment on its own grid of abutting tiles
         if seg.steps[0].attends_whole:  # once over the whole image, not by tiles
             assert len(seg.steps) == 1 and runs.count(key(seg.steps)) == 0
             continue
-        tiles = len(seg.grid(size[0], int(tile * res))) * len(seg.grid(size[1], int(tile * res)))
+        tiles = len(seg.grid(size[0], int(tile * res), 1, elements)) * len(seg.grid(size[1], int(tile * res), 1, elements))
         assert tiles >= 4
         # minus the reading pass where the previous segment gathered this one's input moments
         gathered = seg is not segs[0] and seg.steps[0].input_norm is not None

@@ -79,7 +79,7 @@ def _same_attention(monkeypatch):
     """The whole-image attention on SDPA in memory too, as it runs with the state on disk
     (exact._attention), so the two runs differ only in where the state is kept."""
     real = exact._attention
-    monkeypatch.setattr(exact, "_attention", lambda q, keys, scale, lean: real(q, keys, scale, True))
+    monkeypatch.setattr(exact, "_attention", lambda q, keys, scale, lean, elements: real(q, keys, scale, True, 0))
 
 
 @torch.no_grad()

@@ -31,8 +31,8 @@ Between segments the whole-image state (the activation; inside a resnet conv1's 
 along with the block's input, which is kept for the second half rather than copied) lives on
 the host (pyext.vae.state: pinned when the network runs on a GPU, so only one tile's working
 set is on the device; banded, each band freed as soon as no later tile reads it). Each segment
-tiles on its own grid, its tiles bounded by TILE_ELEMENTS, so the working set does not grow
-with the resolution. The host holds about the largest state of the whole image between two
+tiles on its own grid, its tiles bounded by element_budget (TILE_ELEMENTS, and a share of the
+VAE's own tile), so the working set does not grow with the resolution. The host holds about the largest state of the whole image between two
 GroupNorms (for the SD VAE: 256 channels at full resolution, 1 KiB per output pixel in
 float32; half that with the compact state). That is the price of exact statistics in one
 pass: holding less memory means recomputing the network up to each GroupNorm, or keeping the
@@ -63,6 +63,12 @@ from pyext.vae.statistics import Moments, Stop, SyncedGroupNorms, normalize
 # small tile at every resolution, and a band of the whole-image state is freed soon after the
 # last tile that reads it.
 TILE_ELEMENTS = 2 ** 22
+# Exact tiles are also smaller than the VAE's own (diffusers') tiles: their widest tensor holds at
+# most this share of the widest one that a tile of the VAE's size makes (element_budget). Besides
+# its tile the run holds a few tile-sized chunks of the state (with state_dir: the pieces read back
+# and the writes in flight, spill.CACHED_CHUNKS and WRITES_IN_FLIGHT), where diffusers' tiling
+# holds only its tile's activations. For the SD and Flux VAEs TILE_ELEMENTS is the smaller bound.
+TILE_SHARE = Fraction(1, 4)
 
 
 @dataclass(frozen=True)
@@ -73,11 +79,22 @@ class Segment:
     align: int       # input pixels a tile starts on (stages.alignment)
     width: Fraction  # elements per input pixel of the widest tensor a tile makes (stages.width)
 
-    def grid(self, n: int, tile: int, batch: int = 1) -> list[Span]:
+    def grid(self, n: int, tile: int, batch: int = 1, elements: int = TILE_ELEMENTS) -> list[Span]:
         """Abutting tiles along an axis of n input pixels: at most `tile`, and small enough that
-        a square tile's widest tensor (over `batch` samples) stays within TILE_ELEMENTS."""
-        side = min(tile, math.isqrt(int(TILE_ELEMENTS / max(self.width * batch, 1))))
+        a square tile's widest tensor (over `batch` samples) stays within `elements`."""
+        side = min(tile, math.isqrt(int(elements / max(self.width * batch, 1))))
         return equal_cores(n, max(side, self.align), self.align)
+
+
+def element_budget(segs: list[Segment], tile: int, batch: int) -> int:
+    """The elements a tile's widest tensor may hold: TILE_SHARE of the widest tensor that a tile of
+    `tile` pixels of the input makes in any segment, and at most TILE_ELEMENTS."""
+    res, widest = Fraction(1), Fraction(0)
+    for seg in segs:
+        at = max(1, math.floor(tile * res))
+        widest = max(widest, at * at * seg.width * batch)
+        res *= seg.scale
+    return max(1, min(TILE_ELEMENTS, int(widest * TILE_SHARE)))
 
 
 def segments(steps) -> list[Segment]:
@@ -142,12 +159,13 @@ def _run_segment(seg: Segment, state, rows: list[Span], cols: list[Span], device
         known.append(moments.result())
 
 
-def _attention(q: torch.Tensor, keys: torch.Tensor, scale: float, lean: bool) -> torch.Tensor:
+def _attention(q: torch.Tensor, keys: torch.Tensor, scale: float, lean: bool, elements: int) -> torch.Tensor:
     """One band of queries over the whole image's keys (which are the values). Where the run
-    bounds memory (lean: the state on disk) on a CPU, torch's SDPA, which keeps no copy of the
-    keys: the C++ kernel that the dispatch prefers with AVX-512 packs keys and values on every
-    call, twice the normed tokens, for its speed (README, "Tiled VAE")."""
-    if lean and q.device.type == "cpu":
+    bounds memory (lean: the state on disk) on a CPU and the keys outgrow a tile (`elements`),
+    torch's SDPA, which keeps no copy of the keys: the C++ kernel that the dispatch prefers with
+    AVX-512 packs keys and values on every call, twice the normed tokens, for its speed (README,
+    "Tiled VAE")."""
+    if lean and q.device.type == "cpu" and 2 * keys.numel() > elements:
         try:
             return ops.attention(q, keys, keys, scale=scale, backend="sdpa")
         except PyextError:  # inputs SDPA cannot take (NaN, scores that overflow): the dispatch's choice
@@ -155,19 +173,21 @@ def _attention(q: torch.Tensor, keys: torch.Tensor, scale: float, lean: bool) ->
     return ops.attention(q, keys, keys, scale=scale)
 
 
-def _attend(attn, state, batch: int, device, new_state, first: Moments, gather: bool, lean: bool = False) -> tuple:
+def _attend(attn, state, batch: int, device, new_state, first: Moments, gather: bool, lean: bool = False,
+            elements: int = TILE_ELEMENTS) -> tuple:
     """A whole-image self-attention (Step.attends_whole) over the state: each output pixel
     reads every input pixel, so it is not tiled. Its GroupNorm is applied with the whole
     image's statistics, band by band of rows, into the normed tokens of the whole image (the
     one tensor of this size held: the keys and values fold into it, stages.fold_query); then
     each band's queries attend over all of them and its output is written as the next state,
     as a segment's tiles are. first: the per-channel moments of the state, which the previous
-    segment gathered (the step's input_norm is its GroupNorm). lean: see _attention."""
+    segment gathered (the step's input_norm is its GroupNorm). lean, elements: see _attention
+    (elements also bounds the bands of rows read)."""
     H, W = state.height, state.width
     norm, c = attn.group_norm, attn.group_norm.num_channels
     # bands of at most stages.QUERY_CHUNK queries, as the untiled lean attention runs them (an
     # attention backend without a memory-efficient kernel for this head size holds their scores)
-    rows = equal_cores(H, max(1, min(TILE_ELEMENTS // (W * c * batch), stages.QUERY_CHUNK // W)), 1)
+    rows = equal_cores(H, max(1, min(elements // (W * c * batch), stages.QUERY_CHUNK // W)), 1)
     bands = [(ys, (0, W)) for ys in rows]
     mean, var = first.grouped(norm.num_groups).result()
     state.plan(bands * 2)  # each band is read twice: normed, then added back as the residual
@@ -179,7 +199,7 @@ def _attend(attn, state, batch: int, device, new_state, first: Moments, gather: 
     out, written = new_state(rows, W), Moments() if gather else None
     for r, ((a, b), xs) in enumerate(bands):
         x, = state.read((a, b), xs, device)
-        mixed = _attention(stages.fold_query(attn, normed[:, a * W:b * W])[:, None], keys, attn.scale, lean)
+        mixed = _attention(stages.fold_query(attn, normed[:, a * W:b * W])[:, None], keys, attn.scale, lean, elements)
         y = stages.unfold_output(attn, mixed[:, 0], x)
         out.write(r, xs, (y,))
         if written is not None:
@@ -202,18 +222,19 @@ def run(tiled_steps, x: torch.Tensor, tile: int, config: TilingConfig = TilingCo
 
     state, res, moments, batch = None, Fraction(1), None, x.shape[0]  # res: pixels of the state per pixel of x
     segs = segments(stages.split_resnets(tiled_steps))
+    elements = element_budget(segs, tile, batch)
     for i, seg in enumerate(segs):
         at = max(1, math.floor(tile * res))
         gather = i + 1 < len(segs) and segs[i + 1].steps[0].input_norm is not None
-        rows = seg.grid(x.shape[-2] if state is None else state.height, at, batch)
+        rows = seg.grid(x.shape[-2] if state is None else state.height, at, batch, elements)
         if state is None:
             state = Bands.of(x, rows)
         keep = seg.steps[-1].passes_input  # a resnet's first half: its second half adds this state
         if seg.steps[0].attends_whole:
             done, moments = _attend(seg.steps[0].module, state, batch, x.device, new_state, moments, gather,
-                                    lean=config.state_dir is not None)
+                                    config.state_dir is not None, elements)
         else:
-            cols = seg.grid(state.width, at, batch)
+            cols = seg.grid(state.width, at, batch, elements)
             done, moments = _run_segment(seg, state, rows, cols, x.device, new_state, moments, gather, keep)
         if keep:  # the next segment reads both, and frees both as it goes
             done = Joined(done, state)
