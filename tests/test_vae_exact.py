@@ -80,7 +80,7 @@ def test_exact_with_tiles_shrunk_by_the_element_budget(kind, monkeypatch):
     grids = []
     real = exact.Segment.grid
     monkeypatch.setattr(exact.Segment, "grid",
-                        lambda seg, n, t, b=1, e=exact.TILE_ELEMENTS: grids.append((n, t, real(seg, n, t, b, e))) or grids[-1][2])
+                        lambda seg, n, t, b, e: grids.append((n, t, real(seg, n, t, b, e))) or grids[-1][2])
     got = tiled_run(vae, x, kind)
     assert any(len(spans) > -(-n // t) for n, t, spans in grids)  # the budget bound somewhere
     full = _full(vae, kind, x)

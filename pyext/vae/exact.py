@@ -79,7 +79,7 @@ class Segment:
     align: int       # input pixels a tile starts on (stages.alignment)
     width: Fraction  # elements per input pixel of the widest tensor a tile makes (stages.width)
 
-    def grid(self, n: int, tile: int, batch: int = 1, elements: int = TILE_ELEMENTS) -> list[Span]:
+    def grid(self, n: int, tile: int, batch: int, elements: int) -> list[Span]:
         """Abutting tiles along an axis of n input pixels: at most `tile`, and small enough that
         a square tile's widest tensor (over `batch` samples) stays within `elements`."""
         side = min(tile, math.isqrt(int(elements / max(self.width * batch, 1))))
@@ -173,8 +173,8 @@ def _attention(q: torch.Tensor, keys: torch.Tensor, scale: float, lean: bool, el
     return ops.attention(q, keys, keys, scale=scale)
 
 
-def _attend(attn, state, batch: int, device, new_state, first: Moments, gather: bool, lean: bool = False,
-            elements: int = TILE_ELEMENTS) -> tuple:
+def _attend(attn, state, batch: int, device, new_state, first: Moments, gather: bool, lean: bool,
+            elements: int) -> tuple:
     """A whole-image self-attention (Step.attends_whole) over the state: each output pixel
     reads every input pixel, so it is not tiled. Its GroupNorm is applied with the whole
     image's statistics, band by band of rows, into the normed tokens of the whole image (the
