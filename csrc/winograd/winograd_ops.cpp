@@ -1,7 +1,8 @@
 // Torch glue of the Winograd convolution: schema of torch.ops.pyext_C.winograd_conv3x3 and its
-// CPU implementation. Per chunk of tiles: input transform, the 36 GEMMs (the SIMD unit's own where
-// it has one, else one batched at::bmm, torch's BLAS), output transform. The weight is transformed on every call (cheap
-// next to the convolutions this is chosen for), so no second copy of the weights is kept.
+// CPU implementation. Per chunk of tiles: input transform, the 36 GEMMs (the SIMD unit's own
+// where it has one, else one batched at::bmm, torch's BLAS), output transform. The weight is
+// transformed on every call (cheap next to the convolutions this is chosen for), so no second
+// copy of the weights is kept.
 // User-facing validation lives in pyext/ops/winograd.py; the TORCH_CHECKs here only keep the
 // raw-pointer kernels inside their buffers.
 #include <ATen/ATen.h>

@@ -32,12 +32,12 @@ along with the block's input, which is kept for the second half rather than copi
 the host (pyext.vae.state: pinned when the network runs on a GPU, so only one tile's working
 set is on the device; banded, each band freed as soon as no later tile reads it). Each segment
 tiles on its own grid, its tiles bounded by element_budget (TILE_ELEMENTS, and a share of the
-VAE's own tile), so the working set does not grow with the resolution. The host holds about the largest state of the whole image between two
-GroupNorms (for the SD VAE: 256 channels at full resolution, 1 KiB per output pixel in
-float32; half that with the compact state). That is the price of exact statistics in one
-pass: holding less memory means recomputing the network up to each GroupNorm, or keeping the
-state on disk (pyext.vae.spill: memory then holds one tile and a few pieces of the state read
-back).
+VAE's own tile), so the working set does not grow with the resolution. The host holds about
+the largest state of the whole image between two GroupNorms (for the SD VAE: 256 channels at
+full resolution, 1 KiB per output pixel in float32; half that with the compact state). That is
+the price of exact statistics in one pass: holding less memory means recomputing the network
+up to each GroupNorm, or keeping the state on disk (pyext.vae.spill: memory then holds one tile
+and a few pieces of the state read back).
 """
 from __future__ import annotations
 
