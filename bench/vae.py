@@ -192,15 +192,17 @@ def _label(options: dict, prepack: bool = False) -> str:
     return "pyext" + " prepacked" * prepack + "".join(f" {k}={json.dumps(v)}" for k, v in options.items())
 
 
-def _rows_for(base: dict, methods, max_full_mpix: float, tmp: str, pyext_options=({},), malloc: str = "live") -> list[dict]:
-    """One row per method, "pyext" once per option set (its label names the options)."""
+def _rows_for(base: dict, methods, max_full_mpix: float, tmp: str, pyext_options=({},), malloc: str = "live",
+              prepack: bool = False) -> list[dict]:
+    """One row per method, "pyext" once per option set (its label names the options; its VAE
+    packed where prepack)."""
     hw = _size(base["size"])
     mpix = hw[0] * hw[1] * base.get("frames", 1) / 1e6
     rows, outs = [], {}
     runs = [(m, {}) for m in methods if m != "pyext"] + [("pyext", o) for o in pyext_options]
     for method, options in runs:
-        m = _label(options, base.get("prepack", False)) if method == "pyext" else method
-        row = dict(base, method=m, pyext=options) if method == "pyext" else dict(base, method=m)
+        m = _label(options, prepack) if method == "pyext" else method
+        row = dict(base, method=m, pyext=options, prepack=prepack) if method == "pyext" else dict(base, method=m)
         if m == "full" and base["direction"] != "encode" and mpix > max_full_mpix:
             row["skipped"] = f"untiled run above --max-full-mpix {max_full_mpix} ({mpix:.1f} Mpix)"
         else:
@@ -243,9 +245,8 @@ def run(preset: str = "quick", shapes=None, sizes=None, encode_sizes=None, video
     with tempfile.TemporaryDirectory() as tmp:
         for shape, direction, size, tile in runs:
             base = {"bench": f"vae_{direction}", "shape": shape, "direction": direction, "size": size, "tile": tile,
-                    "latents": latents, "threads": threads, "malloc": malloc, "channels_last": channels_last,
-                    "prepack": prepack}
-            rows += _rows_for(base, METHODS, max_full_mpix, tmp, pyext_options, malloc)
+                    "latents": latents, "threads": threads, "malloc": malloc, "channels_last": channels_last}
+            rows += _rows_for(base, METHODS, max_full_mpix, tmp, pyext_options, malloc, prepack)
         if video:
             v = PRESETS[preset]["video"]
             base = {"bench": "video_decode", "shape": "cogvideox-2b", "direction": "video", "size": v["size"],

@@ -209,7 +209,9 @@ def test_vae_bench_rows_compare_each_tiled_run_with_the_untiled_one(tmp_path, ch
     for row in rows:
         assert row["malloc"] == "default" and row["seconds"] > 0 and "peak_extra_mib" in row, row
         assert row["channels_last"] is channels_last
-        assert (row.get("packed_layers", 0) > 0) is (prepack and row["method"].startswith("pyext")), row
+        pyext = row["method"].startswith("pyext")
+        assert (row.get("packed_layers", 0) > 0) is (prepack and pyext), row
+        assert row.get("prepack", False) is (prepack and pyext), row  # only the rows that packed say so
     assert rows[1]["psnr_vs_full_db"] < 60
     assert all(r["psnr_vs_full_db"] >= 100 for r in rows[2:])
     run = "decode, channels-last" if channels_last else "decode"
