@@ -1,7 +1,8 @@
 // Drives every CPU attention kernel (raw-pointer API, no torch) over awkward shapes with
 // exact-size heap buffers; built with -fsanitize=address,undefined by
 // tests/test_attention_op.py::test_kernels_clean_under_sanitizers. v = 1 makes every fp32
-// output exactly 1, so a wrong softmax normalisation is caught too.
+// output exactly 1, so a wrong softmax normalisation is caught too; each shape runs once over
+// all keys and once in two chunks of keys (AttnCarry).
 #include <cstdio>
 #include <cstdlib>
 #include <cstring>
@@ -32,11 +33,23 @@ int main() {
         for (int64_t i = 0; i < sq * d * (int64_t)es; ++i) q[i] = (i % 2) ? 0x3f : 0x00;  // small positive values
         for (int64_t i = 0; i < skv * d * (int64_t)es; ++i) { k[i] = (i % 2) ? 0x3e : 0x11; v[i] = (i % 2) ? 0x3f : 0x22; }
         if (t == PYEXT_F32) { for (int64_t i=0;i<sq*d;++i) ((float*)q)[i]=0.01f*(i%7); for (int64_t i=0;i<skv*d;++i) {((float*)k)[i]=0.02f*(i%5); ((float*)v)[i]=1.0f;} }
-        void* p = malloc(ks[ki].packed_bytes(skv, d));
-        ks[ki].pack(k, v, skv, d, t, p);
-        ks[ki].forward(q, sq, p, skv, d, 0.1f, t, o);
-        if (t == PYEXT_F32) for (int64_t i=0;i<sq*d;++i) if (std::fabs(((float*)o)[i]-1.0f) > 1e-5f) { if (fails++ < 5) printf("bad %s d=%ld sq=%ld skv=%ld %f\n", names[ki], d, sq, skv, ((float*)o)[i]); break; }
-        free(q); free(k); free(v); free(o); free(p);
+        // all keys in one call, then (skv > 1) in two chunks with exact-size carry buffers
+        for (int64_t split : {skv, skv / 2}) {
+          if (split == 0) continue;
+          float* co = (float*)malloc(sq * d * sizeof(float)); float* cm = (float*)malloc(sq * sizeof(float));
+          float* cl = (float*)malloc(sq * sizeof(float));
+          for (int64_t j0 = 0; j0 < skv; j0 = j0 ? skv : split) {
+            const int64_t n = j0 ? skv - j0 : split;
+            void* p = malloc(ks[ki].packed_bytes(n, d));
+            ks[ki].pack(k + j0 * d * es, v + j0 * d * es, n, d, t, p);
+            AttnCarry carry{co, cm, cl, j0 == 0, j0 + n == skv};
+            ks[ki].forward(q, sq, p, n, d, 0.1f, t, o, split == skv ? nullptr : &carry);
+            free(p);
+          }
+          free(co); free(cm); free(cl);
+          if (t == PYEXT_F32) for (int64_t i=0;i<sq*d;++i) if (std::fabs(((float*)o)[i]-1.0f) > 1e-5f) { if (fails++ < 5) printf("bad %s d=%ld sq=%ld skv=%ld split=%ld %f\n", names[ki], d, sq, skv, split, ((float*)o)[i]); break; }
+        }
+        free(q); free(k); free(v); free(o);
       }
     }
   }

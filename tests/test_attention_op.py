@@ -91,6 +91,21 @@ def test_cpp_long_sequences(d, dtype):
 
 @needs_kernel
 @pytest.mark.parametrize("dtype", DTYPES, ids=str)
+@pytest.mark.parametrize("b,h,sq,skv,d", [(1, 1, 70, 2500, 512), (2, 3, 33, 2049, 500), (1, 2, 5, 8500, 64)])
+def test_cpp_keys_in_chunks(b, h, sq, skv, d, dtype):
+    """Keys past the glue's chunk (4 MiB packed per head: 1024 fp32 keys at d=512, 2048 bf16,
+    8192 fp32 at d=64) are packed and attended a chunk at a time, each query row's running
+    output, max and sum carried between chunks: ragged last chunks, several heads and samples
+    (each with its own carry rows), every path."""
+    q, k, v = make_qkv(b, h, sq, skv, d, dtype)
+    for path in cpu_paths():
+        if path == "avx512_bf16" and dtype != torch.bfloat16:
+            continue
+        assert_close_to_oracle(torch.ops.pyext_C.attention(q, k, v, d ** -0.5, path), q, k, v)
+
+
+@needs_kernel
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
 def test_cpp_large_scores_stay_stable(dtype):
     """Scores in the hundreds: the online softmax must subtract the running max, not overflow."""
     q, k, v = make_qkv(1, 2, 40, 300, 64, dtype, spread=30.0)
@@ -134,19 +149,18 @@ def test_simd_cap_env(level, expect):
     assert result == {"paths": expect, "same": True}
 
 
-@needs_kernel
-def test_cpp_memory_is_linear_in_sequence():
-    """16384 queries and keys, 1 head, dim 64: the score matrix alone would be 1 GiB in fp32.
-    The kernel's extra peak RSS (VmHWM reset before the call; ru_maxrss would carry the
-    pytest parent's peak over fork+exec) must stay far below it."""
+def _extra_mib(sq: int, skv: int, d: int, dtype: str) -> dict:
+    """The kernel's extra peak RSS for one call (VmHWM reset before it; ru_maxrss would carry
+    the pytest parent's peak over fork+exec), in a fresh process."""
     if not os.path.exists("/proc/self/clear_refs"):
         pytest.skip("needs Linux /proc to reset the RSS high-water mark")
-    script = textwrap.dedent("""
+    script = textwrap.dedent(f"""
         import json, torch, pyext
         def kib(key):
             return next(int(l.split()[1]) for l in open("/proc/self/status") if l.startswith(key))
         torch.manual_seed(0)
-        q, k, v = (torch.randn(1, 1, 16384, 64, dtype=torch.bfloat16) for _ in range(3))
+        q = torch.randn(1, 1, {sq}, {d}, dtype=torch.{dtype})
+        k, v = (torch.randn(1, 1, {skv}, {d}, dtype=torch.{dtype}) for _ in range(2))
         torch.ops.pyext_C.attention(q[:, :, :64], k[:, :, :64], v[:, :, :64], 0.125, "")  # load code, threads
         open("/proc/self/clear_refs", "w").write("5")
         before = kib("VmRSS")
@@ -157,8 +171,24 @@ def test_cpp_memory_is_linear_in_sequence():
     assert proc.returncode == 0, proc.stderr[-3000:]
     result = json.loads(proc.stdout.strip().splitlines()[-1])
     assert result["finite"]
+    return result
+
+
+@needs_kernel
+def test_cpp_memory_is_linear_in_sequence():
+    """16384 queries and keys, 1 head, dim 64: the score matrix alone would be 1 GiB in fp32."""
+    result = _extra_mib(16384, 16384, 64, "bfloat16")
     # output 2 MiB + packed k/v ~4 MiB + per-thread scratch; 1024 MiB if scores were materialised.
     assert result["extra_mib"] < 64, result
+
+
+@needs_kernel
+def test_cpp_packs_long_keys_a_chunk_at_a_time():
+    """65536 fp32 keys and values of dim 512 (128 MiB each): packing them whole would take
+    256 MiB more; a chunk at a time the kernel holds 4 MiB of them, plus the carry and output
+    of 64 queries (128 KiB each) and per-thread scratch."""
+    result = _extra_mib(64, 65536, 512, "float32")
+    assert result["extra_mib"] < 24, result
 
 
 # ----------------------------------------------------------------------------- the public op

@@ -75,13 +75,6 @@ def test_file_bands_keep_a_few_pieces_and_read_each_chunk_about_once(state_dir, 
     assert sum(read) <= 1.6 * t.numel() * 4, sum(read) / (t.numel() * 4)  # margins: 2 rows of 16, twice
 
 
-def _same_attention(monkeypatch):
-    """The whole-image attention on SDPA in memory too, as it runs with the state on disk
-    (exact._attention), so the two runs differ only in where the state is kept."""
-    real = exact._attention
-    monkeypatch.setattr(exact, "_attention", lambda q, keys, scale, lean, elements: real(q, keys, scale, True, 0))
-
-
 @torch.no_grad()
 @pytest.mark.parametrize("compact", [False, True])
 @pytest.mark.parametrize("kind", ["decode", "encode"])
@@ -89,7 +82,6 @@ def test_exact_run_with_its_state_in_a_file_is_the_run_in_memory(state_dir, kind
     """Bit for bit, on grids that differ between segments (a small TILE_ELEMENTS), and the
     state's files are closed (their blocks freed) after the run."""
     monkeypatch.setattr(exact, "TILE_ELEMENTS", 2 ** 14)
-    _same_attention(monkeypatch)
     vae = _vae("3 blocks, 8 groups")
     tile = vae.tile_latent_min_size if kind == "decode" else vae.tile_sample_min_size
     x = _smooth((2, vae.config.latent_channels if kind == "decode" else 3, 2 * tile + 5, tile + 3), 1)
@@ -123,7 +115,6 @@ def test_a_memory_budget_keeps_the_first_chunks_in_memory_and_is_all_given_back(
     taken = []
     real_take = spill.Budget.take
     monkeypatch.setattr(spill.Budget, "take", lambda self, n: taken.append(real_take(self, n)) or taken[-1])
-    _same_attention(monkeypatch)
     vae = _vae("3 blocks, 8 groups")
     z = _smooth((1, 4, 2 * vae.tile_latent_min_size + 5, vae.tile_latent_min_size + 3), 1)
     in_file = tiled_run(vae, z, "decode", TilingConfig(state_dir=state_dir, state_memory_mib=1))

@@ -315,33 +315,3 @@ def test_exact_run_tiles_the_mid_block_and_attends_over_the_folded_normed_input(
     assert attended and all(k is v and k.shape[-2:] == (40 * 40, channels) for _, k, v in attended)
     assert len(attended) == 20 and {q.shape[-2] for q, _, _ in attended} == {80}
     torch.testing.assert_close(got, vae.decoder(vae.post_quant_conv(z)), rtol=1e-4, atol=1e-4)
-
-
-@torch.no_grad()
-def test_whole_image_attention_keeps_no_copy_of_the_keys_when_the_state_is_on_disk(vae, tmp_path, monkeypatch):
-    """With the state on disk (memory bounded) and keys larger than a tile, the folded attention
-    runs each band on SDPA, which keeps no packed copy of the keys; in memory, or with keys whose
-    packed copy fits a tile, it takes the dispatch's choice; inputs SDPA cannot take go to the
-    dispatch's choice too."""
-    from pyext.vae import exact, spill
-    if spill.unsupported(tmp_path) is not None:
-        pytest.skip(spill.unsupported(tmp_path))
-    backends, real = [], exact.ops.attention
-    monkeypatch.setattr(exact.ops, "attention", lambda q, k, v, **kw: backends.append(kw.get("backend")) or real(q, k, v, **kw))
-    z = torch.randn(1, 4, 40, 40)
-    monkeypatch.setattr(exact, "TILE_ELEMENTS", 2 ** 12)  # tiles smaller than the keys (1600 tokens)
-    on_disk = tiled_run(vae, z, "decode", TilingConfig(state_dir=str(tmp_path)))
-    assert backends and set(backends) == {"sdpa"}
-    backends.clear()
-    assert torch.equal(tiled_run(vae, z, "decode"), tiled_run(vae, z, "decode")) and set(backends) == {None}
-    torch.testing.assert_close(on_disk, vae.decoder(vae.post_quant_conv(z)), rtol=1e-4, atol=1e-4)
-    backends.clear()
-    q, keys = torch.randn(1, 1, 5, 8), torch.randn(1, 1, 9, 8)
-    keys[0, 0, 3, 0] = float("nan")  # SDPA's guard refuses it: the dispatch picks a backend that gives NaN rows
-    assert torch.isnan(exact._attention(q, keys, 1.0, lean=True, elements=0)).all()
-    assert backends == ["sdpa", None]
-    backends.clear()
-    keys = torch.randn(1, 1, 9, 8)
-    exact._attention(q, keys, 1.0, lean=True, elements=2 * keys.numel() - 1)
-    exact._attention(q, keys, 1.0, lean=True, elements=2 * keys.numel())  # its packed copy fits a tile
-    assert backends == ["sdpa", None]

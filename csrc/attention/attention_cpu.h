@@ -3,8 +3,9 @@
 //
 // The glue (attention_ops.cpp) makes q/k/v contiguous (B, H, S, D), packs each
 // (batch, head)'s k and v once into a SIMD-friendly layout (O(seq * D) memory),
-// then runs `forward` over blocks of query rows in parallel. Scores exist only
-// for 4-8 query rows x 256 keys at a time; the full (Sq, Skv) matrix never does.
+// then runs `forward` over blocks of query rows in parallel (long k/v: a chunk at
+// a time, AttnCarry). Scores exist only for 4-8 query rows x 256 keys at a time;
+// the full (Sq, Skv) matrix never does.
 #pragma once
 #include <cstddef>
 #include <cstdint>
@@ -14,14 +15,26 @@
 
 namespace pyext::cpu {
 
+// Where keys come in chunks (the glue packs long k/v a chunk at a time, so the packed copy
+// stays small), each query row's running output, max and sum go from one chunk's call to the
+// next: o is rows x d fp32, m and l rows each. first: nothing carried in yet. last: the final
+// chunk, whose call normalises into `out` instead of carrying out.
+struct AttnCarry {
+  float* o;
+  float* m;
+  float* l;
+  bool first, last;
+};
+
 struct AttnKernel {
   // Bytes of packed k+v for one (batch, head).
   size_t (*packed_bytes)(int64_t skv, int64_t d);
   // Packs k and v (each skv x d, contiguous, type t) into `packed`.
   void (*pack)(const void* k, const void* v, int64_t skv, int64_t d, PyextDtype t, void* packed);
-  // out[rows x d] = attention of q[rows x d] (contiguous, type t) over one packed k/v.
+  // out[rows x d] = attention of q[rows x d] (contiguous, type t) over one packed k/v; with a
+  // carry (else null), over one chunk of the keys: out is written by the last chunk only.
   void (*forward)(const void* q, int64_t rows, const void* packed, int64_t skv, int64_t d, float scale,
-                  PyextDtype t, void* out);
+                  PyextDtype t, void* out, const AttnCarry* carry);
 };
 
 // fp32 accumulation everywhere; the *_bf16dot kernel (bf16 inputs only, needs

@@ -83,8 +83,8 @@ inline void pv_tile(const uint32_t* pb, int64_t npairs, const uint16_t* vp, int6
     for (int n = 0; n < N; ++n) _mm512_storeu_ps(o + r * dv + c + n * 16, acc[r][n]);
 }
 
-void forward(const void* q, int64_t rows, const void* packed, int64_t skv, int64_t d, float scale, PyextDtype,
-             void* out) {
+void forward(const void* q, int64_t rows, const void* packed, int64_t skv, int64_t d, float scale, PyextDtype t,
+             void* out, const AttnCarry* carry) {
   const int64_t d2 = round_up(d, 2), dv = round_up(d, 16);
   const uint16_t* kp = static_cast<const uint16_t*>(packed);
   const uint16_t* vp = kp + round_up(skv, 16) * d2;
@@ -106,8 +106,7 @@ void forward(const void* q, int64_t rows, const void* packed, int64_t skv, int64
     uint16_t* qh = reinterpret_cast<uint16_t*>(qall);
     for (int64_t r = 0; r < ng * R; ++r)
       for (int64_t c = 0; c < d2; ++c) qh[r * d2 + c] = (r < nr && c < d) ? qs[(r0 + r) * d + c] : 0;
-    std::fill(o, o + ng * R * dv, 0.0f);
-    for (int64_t r = 0; r < ng * R; ++r) m_all[r] = -INFINITY, l_all[r] = 0.0f;
+    carry_in(carry, r0, nr, ng * R, d, dv, o, m_all, l_all);
 
     for (int64_t j0 = 0; j0 < skv; j0 += kBlockKv) {
       const int64_t nc = std::min(kBlockKv, skv - j0), ncp = round_up(nc, 16);
@@ -173,11 +172,7 @@ void forward(const void* q, int64_t rows, const void* packed, int64_t skv, int64
       for (; c < dv; c += 16) pv_tile<1>(pb, npairs, vblk, dv, c, og, alpha);
       }
     }
-    uint16_t* os = static_cast<uint16_t*>(out);
-    for (int64_t r = 0; r < nr; ++r) {
-      const float inv = 1.0f / l_all[r];
-      for (int64_t c = 0; c < d; ++c) os[(r0 + r) * d + c] = float_to_bf16(o[r * dv + c] * inv);
-    }
+    carry_out(carry, r0, nr, d, dv, o, m_all, l_all, t, out);
   }
 }
 

@@ -47,6 +47,35 @@ inline void store_elem(void* p, int64_t i, float f, PyextDtype t) {
   }
 }
 
+// A pass of nr query rows (from row r0) starts from the carried o, m, l, or from nothing: o in
+// scratch rows of dv columns (padding columns stay 0), `tile_rows` of them (whole tiles).
+inline void carry_in(const AttnCarry* carry, int64_t r0, int64_t nr, int64_t tile_rows, int64_t d, int64_t dv,
+                     float* o, float* m, float* l) {
+  std::fill(o, o + tile_rows * dv, 0.0f);
+  for (int64_t r = 0; r < tile_rows; ++r) m[r] = -INFINITY, l[r] = 0.0f;
+  if (carry == nullptr || carry->first) return;
+  for (int64_t r = 0; r < nr; ++r) {
+    std::copy(carry->o + (r0 + r) * d, carry->o + (r0 + r + 1) * d, o + r * dv);
+    m[r] = carry->m[r0 + r], l[r] = carry->l[r0 + r];
+  }
+}
+
+// The end of a pass: carry o, m, l on to the next chunk, or normalise into out (type t).
+inline void carry_out(const AttnCarry* carry, int64_t r0, int64_t nr, int64_t d, int64_t dv, const float* o,
+                      const float* m, const float* l, PyextDtype t, void* out) {
+  if (carry != nullptr && !carry->last) {
+    for (int64_t r = 0; r < nr; ++r) {
+      std::copy(o + r * dv, o + r * dv + d, carry->o + (r0 + r) * d);
+      carry->m[r0 + r] = m[r], carry->l[r0 + r] = l[r];
+    }
+    return;
+  }
+  for (int64_t r = 0; r < nr; ++r) {
+    const float inv = 1.0f / l[r];
+    for (int64_t c = 0; c < d; ++c) store_elem(out, (r0 + r) * d + c, o[r * dv + c] * inv, t);
+  }
+}
+
 // Per-thread scratch that grows and is reused across calls (no allocation per block).
 struct Scratch {
   std::unique_ptr<float[]> data;
@@ -101,7 +130,7 @@ struct Fp32Attention {
   }
 
   static void forward(const void* q, int64_t rows, const void* packed, int64_t skv, int64_t d, float scale,
-                      PyextDtype t, void* out) {
+                      PyextDtype t, void* out, const AttnCarry* carry) {
     const float* kp = static_cast<const float*>(packed);
     const float* vp = kp + round_up(skv, W) * d;
     const int64_t dv = round_up(d, W);
@@ -111,7 +140,6 @@ struct Fp32Attention {
     float* o = qall + kPass * d;
     float* s = o + kPass * dv;
     float m_all[kPass], l_all[kPass], alpha_all[kPass];
-    const int64_t esize = PYEXT_DTYPE_SIZE(t);
 
     // Up to kPass query rows share each block of keys (kept in L2) before the next block,
     // so k/v that outgrow L2 (fp32 packs, long sequences) are streamed kPass / R times less.
@@ -120,8 +148,7 @@ struct Fp32Attention {
       // Rows past the end compute on zeros and are never stored.
       for (int64_t r = 0; r < ng * R; ++r)
         for (int64_t c = 0; c < d; ++c) qall[r * d + c] = r < nr ? load_elem(q, (r0 + r) * d + c, t) : 0.0f;
-      std::fill(o, o + ng * R * dv, 0.0f);
-      for (int64_t r = 0; r < ng * R; ++r) m_all[r] = -INFINITY, l_all[r] = 0.0f;
+      carry_in(carry, r0, nr, ng * R, d, dv, o, m_all, l_all);
 
       for (int64_t j0 = 0; j0 < skv; j0 += kBlockKv) {
         const int64_t nc = std::min(kBlockKv, skv - j0), ncp = round_up(nc, W);
@@ -167,11 +194,7 @@ struct Fp32Attention {
           for (; c < dv; c += W) pv_tile<1>(s, nc, vp + j0 * dv, dv, c, og, alpha);
         }
       }
-      for (int64_t r = 0; r < nr; ++r) {
-        const float inv = 1.0f / l_all[r];
-        void* orow = static_cast<char*>(out) + (r0 + r) * d * esize;
-        for (int64_t c = 0; c < d; ++c) store_elem(orow, c, o[r * dv + c] * inv, t);
-      }
+      carry_out(carry, r0, nr, d, dv, o, m_all, l_all, t, out);
     }
   }
 

@@ -16,6 +16,12 @@ namespace pyext::cpu {
 namespace {
 
 constexpr int64_t kQueryBlock = 64;  // query rows per parallel task
+// Packed k/v per (batch, head) beyond which keys are packed and attended a chunk at a time
+// (AttnCarry): the copy stays this size however long the sequence (a VAE's whole-image
+// attention: 133,440 keys at 3840x2224), at the cost of a pass over each query block's
+// running output per chunk.
+constexpr size_t kChunkBytes = size_t{4} << 20;
+constexpr int64_t kChunkAlign = 256;  // keys: a chunk is whole blocks of the kernels' loops
 // Minimum work (multiply-adds, or elements packed) per thread: smaller calls run on the
 // calling thread, since waking a pool thread on a busy machine can cost milliseconds.
 constexpr int64_t kMinWorkPerThread = int64_t{1} << 20;
@@ -79,26 +85,46 @@ at::Tensor attention_cpu(const at::Tensor& q, const at::Tensor& k, const at::Ten
   const AttnKernel kernel = pick_kernel(std::string(path), q.scalar_type());
   const at::Tensor qc = q.contiguous(), kc = k.contiguous(), vc = v.contiguous();
   const int64_t esize = q.element_size(), BH = B * H;
-  const size_t per_head = kernel.packed_bytes(Skv, D);
+  // keys per chunk: as many whole blocks as fit kChunkBytes packed (at least one block)
+  const int64_t chunk = std::min(Skv, kChunkAlign * std::max<int64_t>(
+      1, static_cast<int64_t>(kChunkBytes / kernel.packed_bytes(kChunkAlign, D))));
+  const size_t per_head = kernel.packed_bytes(chunk, D);
   at::Tensor packed = at::empty({static_cast<int64_t>(per_head) * BH}, q.options().dtype(at::kByte));
+  at::Tensor carry_o, carry_ml;  // each query row's running output, max and sum between chunks
+  if (chunk < Skv) {
+    carry_o = at::empty({BH * Sq * D}, q.options().dtype(at::kFloat));
+    carry_ml = at::empty({2 * BH * Sq}, q.options().dtype(at::kFloat));
+  }
   const char* qp = static_cast<const char*>(qc.data_ptr());
   const char* kp = static_cast<const char*>(kc.data_ptr());
   const char* vp = static_cast<const char*>(vc.data_ptr());
   char* pp = static_cast<char*>(packed.data_ptr());
   char* op = static_cast<char*>(out.data_ptr());
-  at::parallel_for(0, BH, grain(Skv * D), [&](int64_t b, int64_t e) {
-    for (int64_t i = b; i < e; ++i)
-      kernel.pack(kp + i * Skv * D * esize, vp + i * Skv * D * esize, Skv, D, type, pp + i * per_head);
-  });
   const int64_t nqb = (Sq + kQueryBlock - 1) / kQueryBlock;
   const float fscale = static_cast<float>(scale);
-  at::parallel_for(0, BH * nqb, grain(std::min(kQueryBlock, Sq) * Skv * D), [&](int64_t b, int64_t e) {
-    for (int64_t t = b; t < e; ++t) {
-      const int64_t i = t / nqb, q0 = (t % nqb) * kQueryBlock, rows = std::min(kQueryBlock, Sq - q0);
-      const int64_t off = (i * Sq + q0) * D * esize;
-      kernel.forward(qp + off, rows, pp + i * per_head, Skv, D, fscale, type, op + off);
-    }
-  });
+  for (int64_t j0 = 0; j0 < Skv; j0 += chunk) {
+    const int64_t n = std::min(chunk, Skv - j0);
+    at::parallel_for(0, BH, grain(n * D), [&](int64_t b, int64_t e) {
+      for (int64_t i = b; i < e; ++i) {
+        const int64_t off = (i * Skv + j0) * D * esize;
+        kernel.pack(kp + off, vp + off, n, D, type, pp + i * per_head);
+      }
+    });
+    at::parallel_for(0, BH * nqb, grain(std::min(kQueryBlock, Sq) * n * D), [&](int64_t b, int64_t e) {
+      for (int64_t t = b; t < e; ++t) {
+        const int64_t i = t / nqb, q0 = (t % nqb) * kQueryBlock, rows = std::min(kQueryBlock, Sq - q0);
+        const int64_t row = i * Sq + q0, off = row * D * esize;
+        AttnCarry carry{nullptr, nullptr, nullptr, j0 == 0, j0 + n == Skv};
+        if (carry_o.defined()) {
+          carry.o = carry_o.data_ptr<float>() + row * D;
+          carry.m = carry_ml.data_ptr<float>() + row;
+          carry.l = carry_ml.data_ptr<float>() + BH * Sq + row;
+        }
+        kernel.forward(qp + off, rows, pp + i * per_head, n, D, fscale, type, op + off,
+                       carry_o.defined() ? &carry : nullptr);
+      }
+    });
+  }
   return out;
 }
 

@@ -49,7 +49,6 @@ from typing import Optional
 import torch
 
 from pyext import ops
-from pyext.dispatch import PyextError
 from pyext.vae import stages
 from pyext.vae.config import TilingConfig, fail
 from pyext.vae.geometry import Span, equal_cores, rescale, window
@@ -159,30 +158,16 @@ def _run_segment(seg: Segment, state, rows: list[Span], cols: list[Span], device
         known.append(moments.result())
 
 
-def _attention(q: torch.Tensor, keys: torch.Tensor, scale: float, lean: bool, elements: int) -> torch.Tensor:
-    """One band of queries over the whole image's keys (which are the values). Where the run
-    bounds memory (lean: the state on disk) on a CPU and the keys outgrow a tile (`elements`),
-    torch's SDPA, which keeps no copy of the keys: the C++ kernel that the dispatch prefers with
-    AVX-512 packs keys and values on every call, twice the normed tokens, for its speed (README,
-    "Tiled VAE")."""
-    if lean and q.device.type == "cpu" and 2 * keys.numel() > elements:
-        try:
-            return ops.attention(q, keys, keys, scale=scale, backend="sdpa")
-        except PyextError:  # inputs SDPA cannot take (NaN, scores that overflow): the dispatch's choice
-            pass
-    return ops.attention(q, keys, keys, scale=scale)
-
-
-def _attend(attn, state, batch: int, device, new_state, first: Moments, gather: bool, lean: bool,
-            elements: int) -> tuple:
+def _attend(attn, state, batch: int, device, new_state, first: Moments, gather: bool, elements: int) -> tuple:
     """A whole-image self-attention (Step.attends_whole) over the state: each output pixel
     reads every input pixel, so it is not tiled. Its GroupNorm is applied with the whole
     image's statistics, band by band of rows, into the normed tokens of the whole image (the
     one tensor of this size held: the keys and values fold into it, stages.fold_query); then
     each band's queries attend over all of them and its output is written as the next state,
     as a segment's tiles are. first: the per-channel moments of the state, which the previous
-    segment gathered (the step's input_norm is its GroupNorm). lean, elements: see _attention
-    (elements also bounds the bands of rows read)."""
+    segment gathered (the step's input_norm is its GroupNorm). elements bounds the bands of rows
+    read. The attention op's own copy of the keys stays small however many there are (the C++
+    kernel packs long keys a chunk at a time)."""
     H, W = state.height, state.width
     norm, c = attn.group_norm, attn.group_norm.num_channels
     # bands of at most stages.QUERY_CHUNK queries, as the untiled lean attention runs them (an
@@ -199,7 +184,7 @@ def _attend(attn, state, batch: int, device, new_state, first: Moments, gather: 
     out, written = new_state(rows, W), Moments() if gather else None
     for r, ((a, b), xs) in enumerate(bands):
         x, = state.read((a, b), xs, device)
-        mixed = _attention(stages.fold_query(attn, normed[:, a * W:b * W])[:, None], keys, attn.scale, lean, elements)
+        mixed = ops.attention(stages.fold_query(attn, normed[:, a * W:b * W])[:, None], keys, keys, scale=attn.scale)
         y = stages.unfold_output(attn, mixed[:, 0], x)
         out.write(r, xs, (y,))
         if written is not None:
@@ -231,8 +216,7 @@ def run(tiled_steps, x: torch.Tensor, tile: int, config: TilingConfig = TilingCo
             state = Bands.of(x, rows)
         keep = seg.steps[-1].passes_input  # a resnet's first half: its second half adds this state
         if seg.steps[0].attends_whole:
-            done, moments = _attend(seg.steps[0].module, state, batch, x.device, new_state, moments, gather,
-                                    config.state_dir is not None, elements)
+            done, moments = _attend(seg.steps[0].module, state, batch, x.device, new_state, moments, gather, elements)
         else:
             cols = seg.grid(state.width, at, batch, elements)
             done, moments = _run_segment(seg, state, rows, cols, x.device, new_state, moments, gather, keep)
