@@ -49,7 +49,7 @@ from typing import Optional
 import torch
 
 from pyext import ops
-from pyext.vae import stages
+from pyext.vae import spill, stages
 from pyext.vae.config import TilingConfig, fail
 from pyext.vae.geometry import Span, equal_cores, rescale, window
 from pyext.vae.spill import Budget, FileBands
@@ -229,4 +229,5 @@ def run(tiled_steps, x: torch.Tensor, tile: int, config: TilingConfig = TilingCo
         return x
     out, = state.whole(x.device)
     state.release()
+    spill.wait_closed()  # the run leaves no state file behind
     return out
