@@ -95,6 +95,35 @@ def test_exact_run_with_its_state_in_a_file_is_the_run_in_memory(state_dir, kind
     assert psnr(in_file, _full(vae, kind, x)) >= (70 if compact else 100)
 
 
+def test_a_released_state_closes_its_file_in_the_background_and_keeps_none_of_its_reads(state_dir, monkeypatch):
+    """release() closes the file in an I/O thread, after the reads still running; once that
+    close is done, no piece that the file's reads filled is referenced any more (a close that
+    kept its reads' futures kept their pieces until the run's end), and after wait_closed()
+    the file is closed."""
+    import weakref
+    pieces, real = [], spill.FileBands._load
+    monkeypatch.setattr(spill.FileBands, "_load", lambda self, key, chunk: (
+        lambda got: pieces.extend(weakref.ref(p) for p in got) or got)(real(self, key, chunk)))
+    t = torch.randn(1, 4, 40, 48)
+    rows, cols = equal_cores(40, 10), equal_cores(48, 16)
+    disk = spill.FileBands(rows, 48, state_dir)
+    _write(disk, t, rows, cols)
+    disk.plan([(window(ys, 40, 2), window(xs, 48, 2)) for ys in rows for xs in cols])
+    for ys in rows:
+        for xs in cols:
+            disk.read(window(ys, 40, 2), window(xs, 48, 2))
+    fd = disk.file.fd
+    disk.release()
+    for closing in list(spill._closing):  # done, but still listed: the run waits at its end
+        closing.result()
+    gc.collect()
+    assert pieces and all(p() is None for p in pieces)
+    spill.wait_closed()
+    assert not spill._closing
+    with pytest.raises(OSError):
+        os.fstat(fd)
+
+
 def test_a_directory_without_direct_io_or_in_memory_is_refused_up_front(tmp_path):
     with pytest.raises(PyextError, match=r"pyext.tile_vae: state_dir '/proc': an unlinked direct-I/O file cannot be "
                                          r"made there \(.+\); give a directory on a disk file system"):

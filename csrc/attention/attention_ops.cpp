@@ -19,8 +19,9 @@ constexpr int64_t kQueryBlock = 64;  // query rows per parallel task
 // Packed k/v per (batch, head) beyond which keys are packed and attended a chunk at a time
 // (AttnCarry): the copy stays this size however long the sequence (a VAE's whole-image
 // attention: 133,440 keys at 3840x2224), at the cost of a pass over each query block's
-// running output per chunk.
-constexpr size_t kChunkBytes = size_t{4} << 20;
+// running output per chunk. A chunk this size also stays in a core's L2 cache while every
+// query block reads it, which makes long-key calls faster than one pack of all keys.
+constexpr size_t kChunkBytes = size_t{1} << 20;
 constexpr int64_t kChunkAlign = 256;  // keys: a chunk is whole blocks of the kernels' loops
 // Minimum work (multiply-adds, or elements packed) per thread: smaller calls run on the
 // calling thread, since waking a pool thread on a busy machine can cost milliseconds.

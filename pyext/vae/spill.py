@@ -96,6 +96,11 @@ def wait_closed() -> None:
         _closing.pop().result()
 
 
+def _close_after(tasks: list, close) -> None:
+    wait(tasks)  # (returns the futures, results and all: not kept)
+    close()
+
+
 class _File:
     def __init__(self, directory):
         self.fd, self.end, self.pending = _open(directory), 0, deque()
@@ -132,8 +137,9 @@ class _File:
         file's blocks takes tens of milliseconds. The close waits there for the file's reads
         still running (pieces read ahead and never used); they were submitted before it, so the
         pool has started them all before it starts the close (wait_closed: until it is done)."""
-        tasks, self.tasks = self.tasks, []
-        _closing.append(_io().submit(lambda: (wait(tasks), self._close())))
+        _closing[:] = [c for c in _closing if not c.done()]
+        _closing.append(_io().submit(_close_after, self.tasks, self._close))
+        self.tasks = []
 
     def read(self, start: int, stop: int) -> tuple[torch.Tensor, int]:
         """Bytes [start, stop) (after a flush): the whole blocks around them, and where `start`
