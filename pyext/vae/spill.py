@@ -98,6 +98,7 @@ def wait_closed() -> None:
 
 def _close_after(tasks: list, close) -> None:
     wait(tasks)  # (returns the futures, results and all: not kept)
+    tasks.clear()  # nor by this task's own arguments, which the pool drops only after it is done
     close()
 
 
