@@ -2,6 +2,7 @@
 memory reads, holds only a few pieces in memory, and gives the in-memory run's numbers."""
 import gc
 import os
+import threading
 
 import pytest
 import torch
@@ -112,8 +113,20 @@ def test_a_released_state_closes_its_file_in_the_background_and_keeps_none_of_it
     for ys in rows:
         for xs in cols:
             disk.read(window(ys, 40, 2), window(xs, 48, 2))
-    fd = disk.file.fd
-    disk.release()
+    fd, pool, gate = disk.file.fd, spill._io(), threading.Event()
+
+    class Gated:  # the I/O threads, holding each task until the gate opens
+        def submit(self, fn, *args):
+            return pool.submit(lambda: (gate.wait(), fn(*args))[1])
+
+    monkeypatch.setattr(spill, "_io", Gated)
+    try:
+        disk.release()
+        del disk
+        gc.collect()  # the state dropped before its close ran: the task holds the file, so nothing closes it here
+        os.fstat(fd)
+    finally:
+        gate.set()
     for closing in list(spill._closing):  # done, but still listed: the run waits at its end
         closing.result()
     gc.collect()

@@ -96,10 +96,10 @@ def wait_closed() -> None:
         _closing.pop().result()
 
 
-def _close_after(tasks: list, close) -> None:
+def _close_after(tasks: list, file: "_File") -> None:
     wait(tasks)  # (returns the futures, results and all: not kept)
     tasks.clear()  # nor by this task's own arguments, which the pool drops only after it is done
-    close()
+    file._close()  # (the task holds the file: were it collected first, its finalizer would close it here)
 
 
 class _File:
@@ -139,7 +139,7 @@ class _File:
         still running (pieces read ahead and never used); they were submitted before it, so the
         pool has started them all before it starts the close (wait_closed: until it is done)."""
         _closing[:] = [c for c in _closing if not c.done()]
-        _closing.append(_io().submit(_close_after, self.tasks, self._close))
+        _closing.append(_io().submit(_close_after, self.tasks, self))
         self.tasks = []
 
     def read(self, start: int, stop: int) -> tuple[torch.Tensor, int]:
