@@ -1,6 +1,7 @@
 """Attention kernel bench: throughput and latency of pyext's backends vs PyTorch.
 
     python -m bench.attention [--json PATH] [--repeats N] [--threads N] [--vae-tokens N]
+    python -m bench.attention --whole-image    # fp32, the exact tiled VAE's whole-image attention
 
 Times every backend that can run here on SD1.5 / SDXL / Flux attention shapes in
 bf16 (GFLOP/s counts 4*B*H*Sq*Skv*D flops), as the median of --repeats runs after
@@ -8,7 +9,9 @@ one warm-up, with the backends interleaved so machine noise hits them alike. The
 measures peak extra memory at a long sequence (the VAE mid-block attention at
 1024x1024: 1 head, dim 512, 16384 tokens; --vae-tokens 8192 for a 4x quicker proxy)
 for pyext vs naive, each in a fresh process (VmHWM after a reset, and polled RSS,
-on CPU; the allocator's high-water mark on CUDA).
+on CPU; the allocator's high-water mark on CUDA). --whole-image times instead, in fp32, one band
+of queries of the exact tiled VAE's mid-block attention over every latent pixel (pyext.vae.exact):
+long keys, which the C++ kernel packs a chunk at a time.
 On CPU: cpp, sdpa, naive. On CUDA: triton, sdpa, xformers (if installed), naive.
 """
 from __future__ import annotations
@@ -46,6 +49,10 @@ SHAPES = [
     Shape("sdxl self 64x64", 2, 10, 4096, 4096, 64),
     # Flux at 1024^2 is (1, 24, 4608, 4608, 128): ~260 GFLOP a call, minutes on a 2-core CPU.
     Shape("flux-ish (1024 tokens proxy)", 1, 24, 1024, 1024, 128),
+]
+WHOLE_IMAGE = [  # one head, the keys folded into the normed tokens; a band of queries per call
+    Shape("small VAE, 2048: a band x 65,536 keys", 1, 1, 4096, 65536, 64),
+    Shape("SD VAE, 3840x2224: a band x half its keys", 1, 1, 1024, 66720, 512),
 ]
 NAIVE_MAX_SCORE_BYTES = 1 << 30  # skip naive where its fp32 score matrix would exceed 1 GiB
 
@@ -158,14 +165,15 @@ def peak_memory(tokens: int, dim: int = 512, device: str = "cpu") -> list[dict]:
     return rows
 
 
-def run(shapes=None, repeats: int = 5, vae_tokens: int = 16384, device: str | None = None) -> list[dict]:
-    """Throughput rows for `shapes` (default SHAPES; Shape or (b, h, sq, skv, d) tuples) in bf16;
-    with the default shapes also the long-sequence peak-memory rows."""
+def run(shapes=None, repeats: int = 5, vae_tokens: int = 16384, device: str | None = None,
+        dtype: torch.dtype = torch.bfloat16) -> list[dict]:
+    """Throughput rows for `shapes` (default SHAPES; Shape or (b, h, sq, skv, d) tuples) in
+    `dtype`; with the default shapes also the long-sequence peak-memory rows."""
     device = device or ("cuda" if torch.cuda.is_available() else "cpu")
     todo = SHAPES if shapes is None else [s if isinstance(s, Shape) else Shape(str(tuple(s)), *s) for s in shapes]
     rows = []
     for shape in todo:
-        rows += _time_shape(shape, device, torch.bfloat16, repeats)
+        rows += _time_shape(shape, device, dtype, repeats)
     if shapes is None and vae_tokens:
         rows += peak_memory(vae_tokens, 512, device)
     return rows
@@ -199,10 +207,15 @@ def main(argv=None) -> None:
     ap.add_argument("--threads", type=int, help="torch.set_num_threads (CPU)")
     ap.add_argument("--vae-tokens", type=int, default=16384,
                     help="tokens for the peak-memory check (16384 = VAE at 1024x1024; 0 skips it)")
+    ap.add_argument("--whole-image", action="store_true",
+                    help="time the exact tiled VAE's whole-image attention shapes in fp32 instead")
     args = ap.parse_args(argv)
     if args.threads:
         torch.set_num_threads(args.threads)
-    rows = run(repeats=args.repeats, vae_tokens=args.vae_tokens)
+    if args.whole_image:
+        rows = run(WHOLE_IMAGE, args.repeats, 0, dtype=torch.float32)
+    else:
+        rows = run(repeats=args.repeats, vae_tokens=args.vae_tokens)
     _print(rows)
     if args.json:
         with open(args.json, "w") as f:
