@@ -178,7 +178,7 @@ def _extra_mib(sq: int, skv: int, d: int, dtype: str) -> dict:
 def test_cpp_memory_is_linear_in_sequence():
     """16384 queries and keys, 1 head, dim 64: the score matrix alone would be 1 GiB in fp32."""
     result = _extra_mib(16384, 16384, 64, "bfloat16")
-    # output 2 MiB + packed k/v ~4 MiB + per-thread scratch; 1024 MiB if scores were materialised.
+    # output 2 MiB + packed k/v at most 1 MiB (a chunk) + per-thread scratch; 1024 MiB if scores were materialised.
     assert result["extra_mib"] < 64, result
 
 

@@ -2,10 +2,10 @@
 // time, on raw pointers so the SIMD units include no torch headers.
 //
 // The glue (attention_ops.cpp) makes q/k/v contiguous (B, H, S, D), packs each
-// (batch, head)'s k and v once into a SIMD-friendly layout (O(seq * D) memory),
-// then runs `forward` over blocks of query rows in parallel (long k/v: a chunk at
-// a time, AttnCarry). Scores exist only for 4-8 query rows x 256 keys at a time;
-// the full (Sq, Skv) matrix never does.
+// (batch, head)'s k and v into a SIMD-friendly layout (long k/v a chunk at a time,
+// AttnCarry, so the packed copy stays small), then runs `forward` over blocks of
+// query rows in parallel. Scores exist only for 4-8 query rows x 256 keys at a
+// time; the full (Sq, Skv) matrix never does.
 #pragma once
 #include <cstddef>
 #include <cstdint>
