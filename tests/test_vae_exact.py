@@ -186,16 +186,20 @@ def test_batch_of_two_gets_per_sample_statistics():
     torch.testing.assert_close(tiled_run(vae, z, "decode"), _full(vae, "decode", z), rtol=1e-4, atol=1e-4)
 
 
-def test_moments_merge_equals_the_whole():
-    """Chan's merge of tile moments gives the whole tensor's mean and variance per (sample, group)."""
+@pytest.mark.parametrize("layout", [torch.contiguous_format, torch.channels_last])
+@pytest.mark.parametrize("dtype", [torch.float64, torch.float32])
+def test_moments_merge_equals_the_whole(dtype, layout):
+    """Chan's merge of tile moments gives the whole tensor's mean and variance per (sample, group),
+    from crops of the tensor, channels-last ones read in place by the C++ kernel."""
     gen = torch.Generator().manual_seed(0)
     x = torch.randn(2, 8, 23, 17, generator=gen, dtype=torch.float64) * 5 + 100  # offset: cancellation
+    x = x.to(dtype).contiguous(memory_format=layout)
     m = Moments()
     for a, b in ((0, 5), (5, 6), (6, 23)):
         for c, d in ((0, 9), (9, 17)):
             m.add(x[..., a:b, c:d], 4)
     mean, var = m.result()
-    want_var, want_mean = torch.var_mean(x.reshape(2, 4, -1), dim=-1, correction=0)
+    want_var, want_mean = torch.var_mean(x.double().reshape(2, 4, -1), dim=-1, correction=0)
     torch.testing.assert_close(mean, want_mean, rtol=1e-6, atol=1e-6)  # tiles reduce in fp32
     torch.testing.assert_close(var, want_var, rtol=1e-4, atol=1e-6)
     per_channel = Moments()  # gathered per channel, then grouped as GroupNorm groups channels
@@ -203,7 +207,7 @@ def test_moments_merge_equals_the_whole():
         per_channel.add(x[..., a:b, :], 8)
     for groups in (4, 2, 8):
         mean, var = per_channel.grouped(groups).result()
-        want_var, want_mean = torch.var_mean(x.reshape(2, groups, -1), dim=-1, correction=0)
+        want_var, want_mean = torch.var_mean(x.double().reshape(2, groups, -1), dim=-1, correction=0)
         torch.testing.assert_close(mean, want_mean, rtol=1e-6, atol=1e-6)
         torch.testing.assert_close(var, want_var, rtol=1e-4, atol=1e-6)
 

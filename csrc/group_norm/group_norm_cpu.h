@@ -45,6 +45,18 @@ struct ChannelParams {
   float* offset;
 };
 
+// group_moments: the moments of every (n, group) of a 4-D x whose pixels each hold their C
+// channels contiguously, and each row its pixels (channels-last, or a crop of a channels-last
+// tensor: a tile's own pixels inside its window). Items are blocks of `rows` rows by `cols`
+// columns of one sample, fixed by the shape alone, so the result does not depend on the threads.
+struct MomentsArgs {
+  PyextDtype dtype;
+  const void* x;
+  int64_t N, C, H, W, G;
+  int64_t sample_stride, row_stride;  // in elements
+  int64_t rows, cols, row_blocks, col_blocks;
+};
+
 struct GroupNormKernel {
   // Stats items: channels-first item (n * G + g) * chunks + k writes parts[item];
   // channels-last item n * chunks + k (a block of rows) writes parts[item * G + g] for every g.
@@ -53,6 +65,11 @@ struct GroupNormKernel {
   void (*finish)(const GroupNormArgs& a, const Moments* parts, const ChannelParams& p);
   // Apply items: channels-first (n * C + c) * ceil(S / apply_block) + b; channels-last as stats.
   void (*apply)(const GroupNormArgs& a, const ChannelParams& p, int64_t begin, int64_t end);
+  // group_moments: item (n * row_blocks + block row) * col_blocks + block column writes
+  // parts[item * G + g] for every g; merge_moments merges each (n, g)'s parts in item order into
+  // mean and m2, each (N, G).
+  void (*moments)(const MomentsArgs& a, Moments* parts, int64_t begin, int64_t end);
+  void (*merge_moments)(const MomentsArgs& a, const Moments* parts, double* mean, double* m2);
 };
 
 // The kernels for x's dtype, from each SIMD unit (the AVX2/AVX-512 units fall back to the

@@ -264,7 +264,57 @@ void stats_cl(const GroupNormArgs& a, Moments* parts, int64_t begin, int64_t end
   }
 }
 
+// A block of rows x cols pixels of a (cropped) channels-last sample, all groups at once, as
+// stats_cl: per-channel sums along each row's contiguous pixels, a pivot per group, then the
+// sums of deviations from it.
+template <PyextDtype D>
+void moments_cl(const MomentsArgs& a, Moments* parts, int64_t begin, int64_t end) {
+  const int64_t C = a.C, cg = C / a.G;
+  Scratch scratch(5 * C + a.G + (D == PYEXT_F32 ? 0 : a.cols * C));
+  // per channel: column sums, zero (no shift), its group's pivot, the deviation sums; per group: pivot; a row
+  float *col = scratch.p, *zero = col + C, *pivot = zero + C, *s1 = pivot + C, *s2 = s1 + C, *gm = s2 + C;
+  float* row_fp32 = gm + a.G;
+  for (int64_t c = 0; c < C; ++c) zero[c] = 0.0f;
+  for (int64_t item = begin; item < end; ++item) {
+    const int64_t n = item / (a.row_blocks * a.col_blocks), block_row = item / a.col_blocks % a.row_blocks;
+    const int64_t h0 = block_row * a.rows, h1 = std::min(a.H, h0 + a.rows);
+    const int64_t w0 = item % a.col_blocks * a.cols, width = std::min(a.W - w0, a.cols);
+    auto row = [&](int64_t h) -> const float* {  // row h of the block, as fp32
+      const Elem<D>* x = static_cast<const Elem<D>*>(a.x) + n * a.sample_stride + h * a.row_stride + w0 * C;
+      if constexpr (D == PYEXT_F32) return x;
+      load_run<D>(x, row_fp32, width * C, 0.0f);
+      return row_fp32;
+    };
+    for (int64_t c = 0; c < C; ++c) col[c] = s1[c] = s2[c] = 0.0f;
+    for (int64_t h = h0; h < h1; ++h) add_columns(col, row(h), C, width);
+    const double count = static_cast<double>((h1 - h0) * width * cg);
+    for (int64_t g = 0; g < a.G; ++g) {
+      double s = 0;
+      for (int64_t c = g * cg; c < (g + 1) * cg; ++c) s += col[c];
+      gm[g] = static_cast<float>(s / count);
+      for (int64_t c = g * cg; c < (g + 1) * cg; ++c) pivot[c] = gm[g];
+    }
+    for (int64_t h = h0; h < h1; ++h) add_column_deviations(s1, s2, zero, pivot, row(h), C, width);
+    for (int64_t g = 0; g < a.G; ++g) {
+      double t1 = 0, t2 = 0;
+      for (int64_t c = g * cg; c < (g + 1) * cg; ++c) t1 += s1[c], t2 += s2[c];
+      parts[item * a.G + g] = corrected(count, gm[g], t1, t2);
+    }
+  }
+}
+
 // ----------------------------------------------------------------------------- merge, fold
+
+void merge_moments(const MomentsArgs& a, const Moments* parts, double* mean, double* m2) {
+  const int64_t items = a.row_blocks * a.col_blocks;
+  for (int64_t n = 0; n < a.N; ++n)
+    for (int64_t g = 0; g < a.G; ++g) {
+      Moments m = parts[n * items * a.G + g];
+      for (int64_t k = 1; k < items; ++k) m = merge(m, parts[(n * items + k) * a.G + g]);
+      mean[n * a.G + g] = m.mean;
+      m2[n * a.G + g] = m.m2;
+    }
+}
 
 template <PyextDtype D>
 void finish(const GroupNormArgs& a, const Moments* parts, const ChannelParams& p) {
@@ -357,7 +407,7 @@ void apply_any(const GroupNormArgs& a, const ChannelParams& p, int64_t begin, in
 
 template <PyextDtype D>
 GroupNormKernel kernel_of() {
-  return {stats<D>, finish<D>, apply_any<D>};
+  return {stats<D>, finish<D>, apply_any<D>, moments_cl<D>, merge_moments};
 }
 
 inline GroupNormKernel kernel_for(PyextDtype dtype) {

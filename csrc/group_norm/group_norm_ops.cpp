@@ -6,6 +6,8 @@
 #include <torch/library.h>
 
 #include <algorithm>
+#include <cmath>
+#include <tuple>
 #include <vector>
 
 #include "common/dtype_codes_torch.h"
@@ -102,13 +104,50 @@ at::Tensor group_norm_cpu(const at::Tensor& x, int64_t num_groups, const std::op
   return y;
 }
 
+// group_moments' blocks: at most kMomentPixels pixels (the per-channel fp32 sums run over no more),
+// whole rows where a row is that short.
+constexpr int64_t kMomentPixels = 256;
+
+// (mean, m2), each (N, G) float64: the mean and the sum of squared deviations from it of every
+// (sample, group) of x, whose pixels hold their channels contiguously and rows their pixels.
+std::tuple<at::Tensor, at::Tensor> group_moments_cpu(const at::Tensor& x, int64_t num_groups) {
+  constexpr const char* op = "pyext group_moments";
+  TORCH_CHECK(x.dim() == 4, op, ": x must be (N, C, H, W)");
+  MomentsArgs a{};
+  a.dtype = dtype_code(x.scalar_type(), op);
+  a.N = x.size(0), a.C = x.size(1), a.H = x.size(2), a.W = x.size(3), a.G = num_groups;
+  TORCH_CHECK(a.G >= 1 && a.C % a.G == 0, op, ": num_groups must divide the channels");
+  TORCH_CHECK((a.C == 1 || x.stride(1) == 1) && (a.W == 1 || x.stride(3) == a.C), op,
+              ": each pixel's channels, and each row's pixels, must be contiguous (channels-last or a crop of it)");
+  auto opts = x.options().dtype(at::kDouble);
+  at::Tensor mean = at::empty({a.N, a.G}, opts), m2 = at::empty({a.N, a.G}, opts);
+  if (a.N == 0) return {mean, m2};
+  if (a.H * a.W == 0) return {mean.fill_(NAN), m2.zero_()};  // torch's mean of nothing
+  a.x = x.data_ptr();
+  a.sample_stride = x.stride(0), a.row_stride = x.stride(2);
+  a.cols = std::min(a.W, kMomentPixels);
+  a.rows = std::max<int64_t>(1, kMomentPixels / a.cols);
+  a.row_blocks = (a.H + a.rows - 1) / a.rows, a.col_blocks = (a.W + a.cols - 1) / a.cols;
+  const int64_t items = a.N * a.row_blocks * a.col_blocks;
+  const GroupNormKernel k = kernel_for_level(a.dtype);
+  std::vector<Moments> parts(items * a.G);
+  at::parallel_for(0, items, grain(a.rows * a.cols * a.C),
+                   [&](int64_t b, int64_t e) { k.moments(a, parts.data(), b, e); });
+  k.merge_moments(a, parts.data(), mean.data_ptr<double>(), m2.data_ptr<double>());
+  return {mean, m2};
+}
+
 }  // namespace
 
 TORCH_LIBRARY_FRAGMENT(pyext_C, m) {
   m.def("group_norm(Tensor x, int num_groups, Tensor? weight, Tensor? bias, Tensor? shift, float eps, bool silu) "
         "-> Tensor");
+  m.def("group_moments(Tensor x, int num_groups) -> (Tensor, Tensor)");
 }
 
-TORCH_LIBRARY_IMPL(pyext_C, CPU, m) { m.impl("group_norm", group_norm_cpu); }
+TORCH_LIBRARY_IMPL(pyext_C, CPU, m) {
+  m.impl("group_norm", group_norm_cpu);
+  m.impl("group_moments", group_moments_cpu);
+}
 
 }  // namespace pyext::cpu

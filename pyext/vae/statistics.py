@@ -15,6 +15,9 @@ import torch
 import torch.nn.functional as F
 from torch.overrides import TorchFunctionMode
 
+from pyext.ops import group_moments
+from pyext.ops.group_moments import DTYPES as MOMENT_DTYPES
+
 
 class Stop(Exception):
     """Ends a tile's run at the first GroupNorm whose statistics are not known yet."""
@@ -28,16 +31,10 @@ class Moments:
         self.mean = self.m2 = None
 
     def add(self, x: torch.Tensor, groups: int) -> None:
-        if groups == x.shape[1]:  # per channel: reduce the (strided) spatial dims in place, no reshape copy
-            x, dims = x.float(), tuple(range(2, x.dim()))
-        else:
-            x, dims = x.reshape(x.shape[0], groups, -1).float(), (-1,)
-        n = math.prod(x.shape[d] for d in dims)
-        # two passes, the mean and then the squares about it: as accurate as var_mean's single
-        # pass, and faster on CPU (var_mean's Welford loop does not vectorise)
-        mean = x.mean(dims, keepdim=True)
-        var = (x - mean).square_().mean(dims)
-        mean, m2 = mean.flatten(1).double(), var.double() * n
+        """Merges in the moments of x (N, C, H, W), typically a crop of a tile (its own pixels),
+        which pyext.ops.group_moments reads in place."""
+        mean, m2 = group_moments(x if x.dtype in MOMENT_DTYPES else x.float(), groups)  # float64: in float32
+        n = math.prod(x.shape[2:]) * (x.shape[1] // groups)
         if self.count == 0:
             self.count, self.mean, self.m2 = n, mean, m2
             return
