@@ -256,3 +256,27 @@ def test_written_tensors_that_share_memory_are_an_error():
     with pytest.raises(PyextError, match="pyext.tile_blend: out and bottom share memory"):
         torch.ops.pyext.tile_blend(tile, out, 0, 0, MODE_DIFFUSERS, [4, 4], None, None, out[..., :2, :4],
                                    tile.new_empty(1, 1, 4, 0), "reference")
+
+
+@needs_cpp
+def test_self_check_on_arguments_with_nan_and_inf_keeps_the_kernel(tmp_path, monkeypatch):
+    """The self-check runs on the call's own arguments: NaN and inf in them (a diverged image), which
+    kernel and reference carry to the same places, must not mark the kernel unusable (that mark is
+    kept per device across processes); a NaN where the reference has a number still fails."""
+    from pyext import dispatch
+    from pyext.ops import tile_blend as blend
+
+    monkeypatch.setenv("PYEXT_CACHE_DIR", str(tmp_path))
+    dispatch.reset()
+    op = dispatch.ops()["tile_blend"]
+    args = list(blend._example(blend.TEST_SHAPES[0], torch.float32, "cpu"))
+    args[0][0, 0, 3, 4], args[0][0, 1, 5, 6], args[0][0, 2, 7, 8] = float("nan"), float("inf"), -float("inf")
+    args = tuple(args)
+    ref = dispatch.run_on_copy(op, dispatch.reference(op), args)
+    assert any(not t.isfinite().all() for t in ref)
+    assert op.close(dispatch.run_on_copy(op, next(b for b in op.backends if b.name == "cpp"), args), ref, args) is None
+    assert dispatch.select("tile_blend", args).name == "cpp" and dispatch.unusable() == []
+    broken = tuple(t.clone() for t in ref)
+    broken[0].view(-1)[0] = float("nan")
+    assert op.close(broken, ref, args) is not None
+    dispatch.reset()
