@@ -94,7 +94,7 @@ def test_tiles_hold_a_share_of_the_vaes_own_tile_and_at_most_tile_elements(kind)
     in any segment (so the run's tile and the state's chunks it holds stay under one VAE tile),
     and never above TILE_ELEMENTS."""
     vae = _vae("3 blocks, 8 groups")
-    segs = exact.segments(stages.split_resnets(stages.split(stages.steps_of(vae, kind), kind, exact=True)[1]))
+    segs = exact.plan(stages.split(stages.steps_of(vae, kind), kind, exact=True)[1])
     tile = vae.tile_latent_min_size if kind == "decode" else vae.tile_sample_min_size
     widest, res = 0, Fraction(1)
     for seg in segs:
@@ -254,8 +254,8 @@ def test_each_segment_runs_once_per_group_norm_plus_once(kind, monkeypatch):
     monkeypatch.setattr(state.Bands, "write", lambda self, row, xs, t: written.add(len(t)) or real_write(self, row, xs, t))
     monkeypatch.setattr(state.Bands, "read", read)
     monkeypatch.setattr(exact, "_attend", attend)
-    plan_steps = stages.split_resnets(stages.split(stages.steps_of(vae, kind), kind, exact=True)[1])
-    segs = exact.segments(plan_steps)
+    plan_steps = stages.split(stages.steps_of(vae, kind), kind, exact=True)[1]
+    segs = exact.plan(plan_steps)
     tiled_run(vae, x, kind)
     assert attended == [m for m in (vae.decoder if kind == "decode" else vae.encoder).mid_block.attentions]
     assert written == {1}  # one tensor per state: no resnet's input is written again as its residual
@@ -278,6 +278,34 @@ def test_each_segment_runs_once_per_group_norm_plus_once(kind, monkeypatch):
     for height, h, w in windows[:-1]:  # the last read is the whole output
         res = height / n  # this segment's pixels per pixel of the input
         assert max(h, w) <= tile * res + 2 * margin, (height, h, w)
+
+
+@torch.no_grad()
+@pytest.mark.parametrize("kind", ["decode", "encode"])
+def test_a_cheap_head_joins_the_first_segment_with_its_resnet_whole(kind, monkeypatch):
+    """The convs before the first GroupNorm (from the image or the latent: few channels) run again
+    in each pass of the first segment, whose resnet is whole, instead of being kept as two
+    whole-image states; a head that reads more than HEAD_CHANNELS is a segment of its own. Both
+    give the untiled result."""
+    vae = _vae("4 blocks, 16 groups, 16 latent channels")
+    steps = stages.split(stages.steps_of(vae, kind), kind, exact=True)[1]
+    coder = vae.decoder if kind == "decode" else vae.encoder
+    first = exact.plan(steps)[0]
+    assert coder.conv_in in [s.module for s in first.steps]
+    assert _group_norm_calls(first.steps) == 2 and not any(s.passes_input for s in first.steps)
+    tile = vae.tile_latent_min_size if kind == "decode" else vae.tile_sample_min_size
+    x = _smooth((1, vae.config.latent_channels if kind == "decode" else 3, 2 * tile + 5, tile + 3), 1)
+    states, real_init = [], state.Bands.__init__
+    monkeypatch.setattr(state.Bands, "__init__", lambda self, *a, **k: states.append(a[0]) or real_init(self, *a, **k))
+    full, folded = _full(vae, kind, x), tiled_run(vae, x, kind)
+    folded_states = len(states)
+    monkeypatch.setattr(exact, "HEAD_CHANNELS", 2)  # fewer than the 16 latent channels and the 3 of the image
+    segs = exact.plan(steps)
+    assert _group_norm_calls(segs[0].steps) == 0 and segs[1].steps[-1].passes_input
+    states.clear()
+    apart = tiled_run(vae, x, kind)
+    assert len(states) == folded_states + 2  # the head's output and the first conv1's
+    assert psnr(folded, full) >= 100 and psnr(apart, full) >= 100
 
 
 @torch.no_grad()

@@ -11,7 +11,9 @@ statistics and runs every tile to the end. So each layer runs once, as in the un
 network; the first passes only read. Where a segment starts with a GroupNorm of its input
 (Step.input_norm), the previous segment gathers those moments per channel while it writes that
 input, and the reading pass is skipped. (A segment with more GroupNorm calls, from a block
-that is not split, runs once more per call, each pass stopping at the next one.)
+that is not split, runs once more per call, each pass stopping at the next one. The first
+segment is one: a cheap head, the convs before the first GroupNorm, runs again in each of its
+passes with the first resnet whole, rather than being kept as two whole-image states: plan.)
 
 Each tile runs with `margin` more pixels of the segment's input on each side (its receptive
 field, a few pixels) and keeps only its own pixels of the output, which are then those of the
@@ -68,6 +70,9 @@ TILE_ELEMENTS = 2 ** 22
 # and the writes in flight, spill.CACHED_CHUNKS and WRITES_IN_FLIGHT), where diffusers' tiling
 # holds only its tile's activations. For the SD and Flux VAEs TILE_ELEMENTS is the smaller bound.
 TILE_SHARE = Fraction(1, 4)
+# A head (the steps before the first GroupNorm) whose convs read at most this many channels is
+# run again in each pass of the first segment rather than kept as a state (plan).
+HEAD_CHANNELS = 16
 
 
 @dataclass(frozen=True)
@@ -96,16 +101,32 @@ def element_budget(segs: list[Segment], tile: int, batch: int) -> int:
     return max(1, min(TILE_ELEMENTS, int(widest * TILE_SHARE)))
 
 
-def segments(steps) -> list[Segment]:
-    """A new segment at each step with a GroupNorm (and one for the steps before the first);
-    a whole-image attention (Step.attends_whole) is a segment of its own."""
+def segments(steps, fold_head: bool = False) -> list[Segment]:
+    """A new segment at each step with a GroupNorm (and one for the steps before the first,
+    the head, unless fold_head: then the first step with a GroupNorm joins it); a whole-image
+    attention (Step.attends_whole) is a segment of its own."""
     groups: list[list] = []
     for step in steps:
-        if not groups or stages.has_group_norm(step) or groups[-1][-1].attends_whole:
+        joins_head = fold_head and len(groups) == 1 and not any(stages.has_group_norm(s) for s in groups[0])
+        if (not groups or (stages.has_group_norm(step) and not joins_head) or groups[-1][-1].attends_whole
+                or step.attends_whole):
             groups.append([])
         groups[-1].append(step)
     return [Segment(g, math.prod((s.scale for s in g), start=Fraction(1)), stages.margin(g), stages.alignment(g),
                     stages.width(g)) for g in groups]
+
+
+def plan(steps) -> list[Segment]:
+    """The segments of the tiled steps, resnets split (stages.split_resnets). A head whose convs
+    read at most HEAD_CHANNELS channels (the encoder's conv_in from the image, the decoder's
+    from the latent) joins the first segment, and the resnet there is not split: the head's
+    output and that resnet's conv1 output would each be a whole-image state, written once and
+    read twice, where running the head again in each pass and conv1 once more costs less."""
+    k = next((i for i, s in enumerate(steps) if stages.has_group_norm(s)), len(steps))
+    fold = 0 < k < len(steps) and not steps[k].attends_whole and stages.reads_at_most(steps[:k], HEAD_CHANNELS)
+    if not fold:
+        return segments(stages.split_resnets(steps))
+    return segments(list(steps[:k + 1]) + stages.split_resnets(steps[k + 1:]), fold_head=True)
 
 
 def _run_segment(seg: Segment, state, rows: list[Span], cols: list[Span], device, new_state,
@@ -122,9 +143,9 @@ def _run_segment(seg: Segment, state, rows: list[Span], cols: list[Span], device
     out_rows = rescale(rows, seg.scale, math.floor(H * seg.scale))
     out_cols = rescale(cols, seg.scale, math.floor(W * seg.scale))
     known: list = [] if first is None else [first.grouped(seg.steps[0].input_norm.num_groups).result()]
+    out = new_state(out_rows, out_cols[-1][1])  # only the last pass writes it
     while True:
         written = Moments() if gather else None
-        out = new_state(out_rows, out_cols[-1][1])
         moments, finished = Moments(), 0
         state.plan([(window(ys, H, seg.margin), window(xs, W, seg.margin)) for ys in rows for xs in cols])
         for r, ys in enumerate(rows):
@@ -206,7 +227,7 @@ def run(tiled_steps, x: torch.Tensor, tile: int, config: TilingConfig = TilingCo
         return Bands(rows, width, x.is_cuda, config.compact_state)
 
     state, res, moments, batch = None, Fraction(1), None, x.shape[0]  # res: pixels of the state per pixel of x
-    segs = segments(stages.split_resnets(tiled_steps))
+    segs = plan(tiled_steps)
     elements = element_budget(segs, tile, batch)
     for i, seg in enumerate(segs):
         at = max(1, math.floor(tile * res))

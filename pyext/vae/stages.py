@@ -70,6 +70,11 @@ def _convs(steps):
         res *= step.scale
 
 
+def reads_at_most(steps, channels: int) -> bool:
+    """Whether every Conv2d of `steps` reads at most `channels` channels."""
+    return all(m.in_channels <= channels for m, _ in _convs(steps))
+
+
 def radius(steps) -> float:
     """Input pixels (per side) that one output pixel of `steps` depends on, convolutions only."""
     r = 0.0
