@@ -354,6 +354,7 @@ def test_resnet_halves_are_the_resnet(channels, scale, act):
     assert first.passes_input and not second.passes_input
     kept = x.clone()
     assert torch.equal(second.call(first.call(x), x), r(x, None))
+    assert torch.equal(stages.whole_resnet(stages.Step(lambda x: r(x, None), r)).call(x), r(x, None))
     assert torch.equal(x, kept)  # the input, which the run keeps for the second half, is not written
     with torch.enable_grad():  # out of place where autograd records
         assert torch.equal(second.call(first.call(x), x), r(x, None))

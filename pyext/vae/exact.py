@@ -126,7 +126,7 @@ def plan(steps) -> list[Segment]:
     fold = 0 < k < len(steps) and not steps[k].attends_whole and stages.reads_at_most(steps[:k], HEAD_CHANNELS)
     if not fold:
         return segments(stages.split_resnets(steps))
-    return segments(list(steps[:k + 1]) + stages.split_resnets(steps[k + 1:]), fold_head=True)
+    return segments([*steps[:k], stages.whole_resnet(steps[k]), *stages.split_resnets(steps[k + 1:])], fold_head=True)
 
 
 def _run_segment(seg: Segment, state, rows: list[Span], cols: list[Span], device, new_state,

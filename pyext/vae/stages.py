@@ -261,6 +261,16 @@ def resnet_second_half(r, h: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
     return h.div_(r.output_scale_factor) if r.output_scale_factor != 1 else h  # x / 1 is x
 
 
+def whole_resnet(step: Step) -> Step:
+    """A plain resnet step as its two halves run back to back: its forward bit for bit, with the
+    halves' in-place activations and sum (a tile allocates three tensors fewer); other steps as
+    they are."""
+    r = step.module
+    if not _splittable(r):
+        return step
+    return Step(lambda x, r=r: resnet_second_half(r, resnet_first_half(r, x), x), r, input_norm=r.norm1)
+
+
 def split_resnets(steps) -> list[Step]:
     """Each plain resnet step as two, cut before its second GroupNorm, so a run can store the
     state there instead of recomputing conv1 (pyext.vae.exact). The second half also takes the
