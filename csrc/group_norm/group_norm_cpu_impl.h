@@ -227,15 +227,38 @@ inline void add_column_deviations(float* __restrict s1, float* __restrict s2, co
   }
 }
 
-// Channels-last: a block of rows of sample n, all groups at once. Per-channel sums run along
-// contiguous rows (vectorised over channels), then each group adds up its channels.
+// The moments of a block of channels-last pixels, all groups at once, into parts[0..G): `runs`
+// runs of `width` pixels, run(i) the i-th as fp32 (C channels per pixel, contiguous), each value
+// plus its channel's sh[c]. Per-channel sums run along the runs (vectorised over channels), each
+// group adds up its channels for a pivot, then the sums of deviations from it. work: 4C + G floats.
+template <class Run>
+void block_moments(int64_t C, int64_t G, int64_t runs, int64_t width, const float* sh, Run run, float* work,
+                   Moments* parts) {
+  const int64_t cg = C / G, pixels = runs * width;
+  float *col = work, *pivot = col + C, *s1 = pivot + C, *s2 = s1 + C, *gm = s2 + C;
+  for (int64_t c = 0; c < C; ++c) col[c] = s1[c] = s2[c] = 0.0f;
+  for (int64_t i = 0; i < runs; ++i) add_columns(col, run(i), C, width);
+  const double count = static_cast<double>(pixels * cg);
+  for (int64_t g = 0; g < G; ++g) {
+    double s = 0;
+    for (int64_t c = g * cg; c < (g + 1) * cg; ++c) s += col[c] + static_cast<double>(pixels) * sh[c];
+    gm[g] = static_cast<float>(s / count);
+    for (int64_t c = g * cg; c < (g + 1) * cg; ++c) pivot[c] = gm[g];
+  }
+  for (int64_t i = 0; i < runs; ++i) add_column_deviations(s1, s2, sh, pivot, run(i), C, width);
+  for (int64_t g = 0; g < G; ++g) {
+    double t1 = 0, t2 = 0;
+    for (int64_t c = g * cg; c < (g + 1) * cg; ++c) t1 += s1[c], t2 += s2[c];
+    parts[g] = corrected(count, gm[g], t1, t2);
+  }
+}
+
+// Channels-last: a block of rows of sample n (one contiguous run of pixels), with its shift.
 template <PyextDtype D>
 void stats_cl(const GroupNormArgs& a, Moments* parts, int64_t begin, int64_t end) {
-  const int64_t C = a.C, cg = C / a.G;
-  Scratch scratch(5 * C + a.G + (D == PYEXT_F32 ? 0 : a.chunk * C));
-  // per channel: column sums, shift, its group's pivot, the deviation sums; per group: pivot; rows
-  float *col = scratch.p, *sh = col + C, *pivot = sh + C, *s1 = pivot + C, *s2 = s1 + C, *gm = s2 + C;
-  float* rows_fp32 = gm + a.G;
+  const int64_t C = a.C;
+  Scratch scratch(5 * C + a.G + (D == PYEXT_F32 ? 0 : a.chunk * C));  // shift, block_moments' work, rows
+  float *sh = scratch.p, *work = sh + C, *rows_fp32 = work + 4 * C + a.G;
   for (int64_t item = begin; item < end; ++item) {
     const int64_t n = item / a.chunks, r0 = item % a.chunks * a.chunk, rows = std::min(a.chunk, a.S - r0);
     const Elem<D>* x = static_cast<const Elem<D>*>(a.x) + (n * a.S + r0) * C;
@@ -243,63 +266,30 @@ void stats_cl(const GroupNormArgs& a, Moments* parts, int64_t begin, int64_t end
     if constexpr (D == PYEXT_F32) v = x;
     else load_run<D>(x, rows_fp32, rows * C, 0.0f);
     const Elem<D>* shift = a.shift ? static_cast<const Elem<D>*>(a.shift) + n * C : nullptr;
-    for (int64_t c = 0; c < C; ++c) {
-      col[c] = s1[c] = s2[c] = 0.0f;
-      sh[c] = shift ? Io<D>::load(shift[c]) : 0.0f;
-    }
-    add_columns(col, v, C, rows);
-    const double count = static_cast<double>(rows * cg);
-    for (int64_t g = 0; g < a.G; ++g) {
-      double s = 0;
-      for (int64_t c = g * cg; c < (g + 1) * cg; ++c) s += col[c] + static_cast<double>(rows) * sh[c];
-      gm[g] = static_cast<float>(s / count);
-      for (int64_t c = g * cg; c < (g + 1) * cg; ++c) pivot[c] = gm[g];
-    }
-    add_column_deviations(s1, s2, sh, pivot, v, C, rows);
-    for (int64_t g = 0; g < a.G; ++g) {
-      double t1 = 0, t2 = 0;
-      for (int64_t c = g * cg; c < (g + 1) * cg; ++c) t1 += s1[c], t2 += s2[c];
-      parts[item * a.G + g] = corrected(count, gm[g], t1, t2);
-    }
+    for (int64_t c = 0; c < C; ++c) sh[c] = shift ? Io<D>::load(shift[c]) : 0.0f;
+    block_moments(C, a.G, 1, rows, sh, [&](int64_t) { return v; }, work, parts + item * a.G);
   }
 }
 
-// A block of rows x cols pixels of a (cropped) channels-last sample, all groups at once, as
-// stats_cl: per-channel sums along each row's contiguous pixels, a pivot per group, then the
-// sums of deviations from it.
+// group_moments: a block of rows x cols pixels of a (cropped) channels-last sample, each row
+// of the block a run (the rows of a crop are apart), no shift.
 template <PyextDtype D>
 void moments_cl(const MomentsArgs& a, Moments* parts, int64_t begin, int64_t end) {
-  const int64_t C = a.C, cg = C / a.G;
-  Scratch scratch(5 * C + a.G + (D == PYEXT_F32 ? 0 : a.cols * C));
-  // per channel: column sums, zero (no shift), its group's pivot, the deviation sums; per group: pivot; a row
-  float *col = scratch.p, *zero = col + C, *pivot = zero + C, *s1 = pivot + C, *s2 = s1 + C, *gm = s2 + C;
-  float* row_fp32 = gm + a.G;
+  const int64_t C = a.C;
+  Scratch scratch(5 * C + a.G + (D == PYEXT_F32 ? 0 : a.cols * C));  // zero shift, block_moments' work, a row
+  float *zero = scratch.p, *work = zero + C, *row_fp32 = work + 4 * C + a.G;
   for (int64_t c = 0; c < C; ++c) zero[c] = 0.0f;
   for (int64_t item = begin; item < end; ++item) {
     const int64_t n = item / (a.row_blocks * a.col_blocks), block_row = item / a.col_blocks % a.row_blocks;
     const int64_t h0 = block_row * a.rows, h1 = std::min(a.H, h0 + a.rows);
     const int64_t w0 = item % a.col_blocks * a.cols, width = std::min(a.W - w0, a.cols);
-    auto row = [&](int64_t h) -> const float* {  // row h of the block, as fp32
-      const Elem<D>* x = static_cast<const Elem<D>*>(a.x) + n * a.sample_stride + h * a.row_stride + w0 * C;
+    auto row = [&](int64_t i) -> const float* {  // row h0 + i of the block, as fp32
+      const Elem<D>* x = static_cast<const Elem<D>*>(a.x) + n * a.sample_stride + (h0 + i) * a.row_stride + w0 * C;
       if constexpr (D == PYEXT_F32) return x;
       load_run<D>(x, row_fp32, width * C, 0.0f);
       return row_fp32;
     };
-    for (int64_t c = 0; c < C; ++c) col[c] = s1[c] = s2[c] = 0.0f;
-    for (int64_t h = h0; h < h1; ++h) add_columns(col, row(h), C, width);
-    const double count = static_cast<double>((h1 - h0) * width * cg);
-    for (int64_t g = 0; g < a.G; ++g) {
-      double s = 0;
-      for (int64_t c = g * cg; c < (g + 1) * cg; ++c) s += col[c];
-      gm[g] = static_cast<float>(s / count);
-      for (int64_t c = g * cg; c < (g + 1) * cg; ++c) pivot[c] = gm[g];
-    }
-    for (int64_t h = h0; h < h1; ++h) add_column_deviations(s1, s2, zero, pivot, row(h), C, width);
-    for (int64_t g = 0; g < a.G; ++g) {
-      double t1 = 0, t2 = 0;
-      for (int64_t c = g * cg; c < (g + 1) * cg; ++c) t1 += s1[c], t2 += s2[c];
-      parts[item * a.G + g] = corrected(count, gm[g], t1, t2);
-    }
+    block_moments(C, a.G, h1 - h0, width, zero, row, work, parts + item * a.G);
   }
 }
 
