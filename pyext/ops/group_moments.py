@@ -39,8 +39,8 @@ def check_inputs(x, num_groups) -> None:
 
 def group_moments_reference(x: torch.Tensor, num_groups: int) -> tuple[torch.Tensor, torch.Tensor]:
     """Two passes in float32, the mean and then the squares about it (as accurate as a single
-    Welford pass, and vectorised), the results in float64. Per channel it reduces the spatial
-    dims in place, without a copy of x."""
+    Welford pass, and vectorised), the results in float64. Per channel it reduces the strided
+    spatial dims without a reshape copy; the deviations are one temporary of x's size."""
     n = x.shape[0]
     if num_groups == x.shape[1]:
         x, dims = x.float(), (2, 3)
