@@ -163,3 +163,23 @@ def test_a_memory_budget_keeps_the_first_chunks_in_memory_and_is_all_given_back(
     assert True in taken and False in taken  # some chunks in memory, some in the file
     assert budgets[0].left == 300_000
     assert torch.equal(in_file, tiled_run(vae, z, "decode"))
+
+
+def test_a_failed_background_close_is_kept_until_wait_closed_raises_it(state_dir):
+    """close() drops finished closes from the list the run waits on at its end, but not one that
+    raised: wait_closed() raises its error rather than losing it."""
+    broken, other = spill._File(state_dir), spill._File(state_dir)
+    real_close = broken._close
+
+    def fail():
+        real_close()
+        raise OSError("closing the state file failed")
+
+    broken._close = fail
+    broken.close()
+    spill._closing[-1].exception()  # (waits for it)
+    other.close()  # prunes the finished closes
+    with pytest.raises(OSError, match="closing the state file failed"):
+        spill.wait_closed()
+    spill.wait_closed()
+    assert not spill._closing

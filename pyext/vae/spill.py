@@ -138,7 +138,7 @@ class _File:
         file's blocks takes tens of milliseconds. The close waits there for the file's reads
         still running (pieces read ahead and never used); they were submitted before it, so the
         pool has started them all before it starts the close (wait_closed: until it is done)."""
-        _closing[:] = [c for c in _closing if not c.done()]
+        _closing[:] = [c for c in _closing if not c.done() or c.exception()]  # a failed close raises in wait_closed
         _closing.append(_io().submit(_close_after, self.tasks, self))
         self.tasks = []
 
