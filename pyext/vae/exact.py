@@ -43,6 +43,7 @@ and a few pieces of the state read back).
 """
 from __future__ import annotations
 
+import contextlib
 import math
 from dataclasses import dataclass
 from fractions import Fraction
@@ -51,6 +52,7 @@ from typing import Optional
 import torch
 
 from pyext import ops
+from pyext._memory import reused_blocks
 from pyext.vae import spill, stages
 from pyext.vae.config import TilingConfig, fail
 from pyext.vae.geometry import Span, equal_cores, rescale, window
@@ -70,6 +72,10 @@ TILE_ELEMENTS = 2 ** 22
 # and the writes in flight, spill.CACHED_CHUNKS and WRITES_IN_FLIGHT), where diffusers' tiling
 # holds only its tile's activations. For the SD and Flux VAEs TILE_ELEMENTS is the smaller bound.
 TILE_SHARE = Fraction(1, 4)
+# Freed tensors kept for the next tiles (pyext._memory.reused_blocks), in widest tile tensors (as
+# element_budget bounds them): a tile's working set, the pieces of the state it read and the chunks
+# being written.
+POOL_TILES = 8
 # A head (the steps before the first GroupNorm) whose convs read at most this many channels is
 # run again in each pass of the first segment rather than kept as a state (plan).
 HEAD_CHANNELS = 16
@@ -226,9 +232,17 @@ def run(tiled_steps, x: torch.Tensor, tile: int, config: TilingConfig = TilingCo
             return FileBands(rows, width, config.state_dir, config.compact_state, budget)
         return Bands(rows, width, x.is_cuda, config.compact_state)
 
-    state, res, moments, batch = None, Fraction(1), None, x.shape[0]  # res: pixels of the state per pixel of x
     segs = plan(tiled_steps)
-    elements = element_budget(segs, tile, batch)
+    elements = element_budget(segs, tile, x.shape[0])
+    # on a GPU the device's allocator keeps its blocks already
+    with contextlib.nullcontext() if x.is_cuda else reused_blocks(POOL_TILES * elements * x.element_size()):
+        out = _run(segs, x, tile, elements, new_state)
+    spill.wait_closed()  # the run leaves no state file behind
+    return out
+
+
+def _run(segs: list[Segment], x: torch.Tensor, tile: int, elements: int, new_state) -> torch.Tensor:
+    state, res, moments, batch = None, Fraction(1), None, x.shape[0]  # res: pixels of the state per pixel of x
     for i, seg in enumerate(segs):
         at = max(1, math.floor(tile * res))
         gather = i + 1 < len(segs) and segs[i + 1].steps[0].input_norm is not None
@@ -250,5 +264,4 @@ def run(tiled_steps, x: torch.Tensor, tile: int, config: TilingConfig = TilingCo
         return x
     out, = state.whole(x.device)
     state.release()
-    spill.wait_closed()  # the run leaves no state file behind
     return out
