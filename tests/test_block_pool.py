@@ -32,6 +32,19 @@ def test_a_freed_block_serves_the_next_tensor_of_its_size():
         assert stats()["cached_bytes"] == 0
 
 
+def test_a_block_serves_a_tensor_at_most_a_quarter_smaller():
+    with reused_blocks(64 * MIB):
+        a = torch.empty(MIB // 4)  # 1 MiB
+        where = a.data_ptr()
+        del a
+        b = torch.empty(MIB // 4 - MIB // 32)  # 896 KiB
+        assert b.data_ptr() == where and stats()["hits"] == 1
+        del b
+        half = torch.empty(MIB // 8)  # 512 KiB: a new block
+        assert stats()["hits"] == 1 and stats()["misses"] == 2
+        del half
+
+
 def test_small_tensors_and_tensors_after_the_scope_are_torch_s():
     with reused_blocks(64 * MIB):
         small = torch.empty(1000)  # 4 KB: below the pool's 64 KiB
