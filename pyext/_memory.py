@@ -16,14 +16,13 @@ import sys
 def reused_blocks(cache_bytes: int):
     """While the block runs, torch's CPU tensors of 64 KiB or more come from a pool that keeps
     up to `cache_bytes` of the freed ones (the newest) for the next tensors of about their size,
-    and hands them all back to the OS at its end (csrc/common/block_pool.h).
+    and frees them all at its end (csrc/common/block_pool.h).
 
     For loops over tiles: each fresh large tensor is new pages, a fault per page on first touch,
-    where malloc returns large blocks to the OS at once; where it keeps them instead, its heap
-    stays as large as its most fragmented moment. This is torch's CPU allocator, replaced for the
-    whole process while a scope is open (scopes nest; other threads' tensors come from the pool
-    too, which changes nothing for them). Without the compiled extension, or where another
-    allocator has the place, nothing changes. Yields whether the pool is in place."""
+    where malloc returns large blocks to the OS at once. This is torch's CPU allocator, replaced
+    for the whole process while a scope is open (scopes nest; other threads' tensors come from
+    the pool too, which changes nothing for them). Without the compiled extension, or where
+    another allocator has the place, nothing changes. Yields whether the pool is in place."""
     from pyext._ext import EXT
     if isinstance(cache_bytes, bool) or not isinstance(cache_bytes, int) or cache_bytes < 0:
         from pyext.dispatch import PyextError

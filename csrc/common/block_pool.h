@@ -4,9 +4,8 @@
 // Why: a tiled run allocates the same few tile-sized tensors over and over. Each fresh large
 // allocation is new pages, and every page costs a fault on first touch; where malloc hands large
 // blocks back to the OS at once (glibc with a low mmap threshold, musl), the faults take as long
-// as the convolutions. Where it keeps them instead (glibc's defaults), its heap stays as large as
-// its most fragmented moment. The pool keeps at most `cache_bytes` of freed blocks, and hands
-// all of them back when the last scope closes.
+// as the convolutions. The pool keeps at most `cache_bytes` of freed blocks, and frees all of
+// them when the last scope closes.
 #pragma once
 
 #include <cstddef>
@@ -17,12 +16,12 @@ struct Stats {
   bool open;
   size_t cached_bytes;  // freed blocks kept for reuse
   size_t hits;          // allocations served from them since the outermost scope opened
-  size_t misses;        // allocations that mapped new memory in that time
+  size_t misses;        // allocations that took new memory in that time
 };
 
 // Opens a scope (scopes nest: the widest cache_bytes of the open ones applies). Returns false,
-// and changes nothing, if torch's CPU allocator could not be replaced (another one is set with
-// a higher priority).
+// and changes nothing, where torch's CPU allocator is not its default one, or could not be
+// replaced (another one was set with a higher priority).
 bool open(size_t cache_bytes);
 // Closes a scope; the last one frees the cache and puts back the allocator it replaced.
 void close();
