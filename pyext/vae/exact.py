@@ -52,7 +52,7 @@ from typing import Optional
 import torch
 
 from pyext import ops
-from pyext._memory import reused_blocks
+from pyext._memory import reused_blocks, trim_heap
 from pyext.vae import spill, stages
 from pyext.vae.config import TilingConfig, fail
 from pyext.vae.geometry import Span, equal_cores, rescale, window
@@ -259,6 +259,9 @@ def _run(segs: list[Segment], x: torch.Tensor, tile: int, elements: int, new_sta
             done = Joined(done, state)
         else:
             state.release()
+        # glibc keeps the blocks freed in its heap, where the next segment's tiles, of other
+        # sizes, may not fit: under its default settings that raised the peak by 1.5-2.3x (README)
+        trim_heap()
         state, res = done, res * seg.scale
     if state is None:  # nothing to tile (a VAE without resampling blocks)
         return x
