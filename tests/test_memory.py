@@ -107,3 +107,33 @@ def test_optimize_reclaims_the_mapped_pages_of_the_weights_it_rewrote(tmp_path):
     pyext.optimize(pipe, dtype="keep")  # no cast: where "auto" picks bf16 (AVX512-BF16) the bias would be rewritten too
     mapped_bias = pipe.unet.conv_in.bias  # not rewritten: still on the file's mapping
     assert resident_kib(mapped_bias) < before / 2
+
+
+def test_trim_heap_hands_free_heap_pages_back():
+    """Blocks freed in the middle of glibc's heap (a live one above them) stay resident until
+    trimmed; malloc_trim gives their pages back."""
+    import ctypes
+
+    from pyext._memory import trim_heap
+    try:
+        libc = ctypes.CDLL("libc.so.6")
+    except OSError:
+        pytest.skip("not glibc")
+    libc.malloc.restype, libc.malloc.argtypes = ctypes.c_void_p, [ctypes.c_size_t]
+    libc.free.argtypes = [ctypes.c_void_p]
+    size, count = 40 << 10, 800  # 32 MB in blocks below any mmap threshold
+    blocks = [libc.malloc(size) for _ in range(count)]
+    for b in blocks:
+        ctypes.memset(b, 1, size)
+    top = libc.malloc(size)  # keeps the heap's top in use: nothing is trimmed on free
+    for b in blocks:
+        libc.free(b)
+
+    def resident() -> int:
+        with open("/proc/self/statm") as f:
+            return int(f.read().split()[1]) * os.sysconf("SC_PAGE_SIZE")
+
+    before = resident()
+    trim_heap()
+    assert before - resident() > (size * count) // 2
+    libc.free(top)
