@@ -8,7 +8,7 @@ import pytest
 import torch
 
 from pyext.dispatch import PyextError
-from pyext.vae import TilingConfig, exact, spill, state, tiled_run
+from pyext.vae import TilingConfig, exact, spill, stages, state, tiled_run
 from pyext.vae.geometry import equal_cores, window
 
 from test_vae_exact import _full, _smooth, _vae, psnr
@@ -81,8 +81,10 @@ def test_file_bands_keep_a_few_pieces_and_read_each_chunk_about_once(state_dir, 
 @pytest.mark.parametrize("kind", ["decode", "encode"])
 def test_exact_run_with_its_state_in_a_file_is_the_run_in_memory(state_dir, kind, compact, monkeypatch):
     """Bit for bit, on grids that differ between segments (a small TILE_ELEMENTS), and the
-    state's files are closed (their blocks freed) after the run."""
+    state's files are closed (their blocks freed) after the run. (With the same plan: by
+    default a file keeps narrow resnets whole, whose convs then see other windows.)"""
     monkeypatch.setattr(exact, "TILE_ELEMENTS", 2 ** 14)
+    monkeypatch.setattr(exact, "RECOMPUTE_CHANNELS", 0)
     vae = _vae("3 blocks, 8 groups")
     tile = vae.tile_latent_min_size if kind == "decode" else vae.tile_sample_min_size
     x = _smooth((2, vae.config.latent_channels if kind == "decode" else 3, 2 * tile + 5, tile + 3), 1)
@@ -151,7 +153,9 @@ def test_a_directory_without_direct_io_or_in_memory_is_refused_up_front(tmp_path
 @torch.no_grad()
 def test_a_memory_budget_keeps_the_first_chunks_in_memory_and_is_all_given_back(state_dir, monkeypatch):
     """With part of the state in memory and the rest in the file, the run is still the one in
-    memory, bit for bit; every byte taken from the budget is given back by the end."""
+    memory, bit for bit (with the same plan); every byte taken from the budget is given back by
+    the end."""
+    monkeypatch.setattr(exact, "RECOMPUTE_CHANNELS", 0)
     budgets = []
     monkeypatch.setattr(exact, "Budget", lambda n: budgets.append(spill.Budget(300_000)) or budgets[-1])
     taken = []
@@ -203,3 +207,28 @@ def test_the_exact_run_reuses_its_blocks_and_gives_the_same_bits(state_dir, kind
     import contextlib
     monkeypatch.setattr(exact, "reused_blocks", lambda cache_bytes: contextlib.nullcontext(False))
     assert torch.equal(pooled, tiled_run(vae, x, kind, config))
+
+
+@torch.no_grad()
+@pytest.mark.parametrize("kind", ["decode", "encode"])
+def test_with_state_dir_narrow_resnets_run_whole_and_write_no_conv1_state(state_dir, kind, monkeypatch):
+    """With the state on disk, a resnet whose conv1 reads at most RECOMPUTE_CHANNELS stays whole
+    (conv1 runs in two passes): one state file fewer per such resnet, and the untiled result."""
+    vae = _vae("3 blocks, 8 groups")
+    tile = vae.tile_latent_min_size if kind == "decode" else vae.tile_sample_min_size
+    x = _smooth((1, vae.config.latent_channels if kind == "decode" else 3, 2 * tile + 5, tile + 3), 3)
+    files, real_init = [], spill.FileBands.__init__
+    monkeypatch.setattr(spill.FileBands, "__init__", lambda self, *a, **k: files.append(a[0]) or real_init(self, *a, **k))
+    counts, outs = [], []
+    for channels in (0, 32, 64):  # none whole; the 32-channel resnets; all (the VAE's widest is 64)
+        monkeypatch.setattr(exact, "RECOMPUTE_CHANNELS", channels)
+        files.clear()
+        outs.append(tiled_run(vae, x, kind, TilingConfig(state_dir=state_dir)))
+        counts.append(len(files))
+    steps = stages.split(stages.steps_of(vae, kind), kind, exact=True)[1]
+    # a state per segment (its output): a whole resnet's conv1 output is none of them
+    assert counts == [len(exact.plan(steps, c)) for c in (0, 32, 64)]
+    assert counts[0] > counts[1] > counts[2]
+    full = _full(vae, kind, x)
+    for got in outs:
+        assert psnr(got, full) >= 100

@@ -79,6 +79,12 @@ POOL_TILES = 8
 # A head (the steps before the first GroupNorm) whose convs read at most this many channels is
 # run again in each pass of the first segment rather than kept as a state (plan).
 HEAD_CHANNELS = 16
+# With the state on disk (state_dir), a resnet whose conv1 reads at most this many channels stays
+# whole: conv1 runs twice rather than its output being written and read back. Recomputing costs
+# 2.25 * C_in FLOPs per byte of fp32 output it saves writing and reading: at 64 channels 144, about
+# what the convs do (200 GFLOP/s on two cores) in the time the disk moves a byte (1.3 GB/s) here
+# (README: 0.89x the split run's time for the small VAE's decode at 2048; SD's resnets read 128+).
+RECOMPUTE_CHANNELS = 64
 
 
 @dataclass(frozen=True)
@@ -122,17 +128,19 @@ def segments(steps, fold_head: bool = False) -> list[Segment]:
                     stages.width(g)) for g in groups]
 
 
-def plan(steps) -> list[Segment]:
-    """The segments of the tiled steps, resnets split (stages.split_resnets). A head whose convs
-    read at most HEAD_CHANNELS channels (the encoder's conv_in from the image, the decoder's
-    from the latent) joins the first segment, and the resnet there is not split: the head's
-    output and that resnet's conv1 output would each be a whole-image state, written once and
-    read twice, where running the head again in each pass and conv1 once more costs less."""
+def plan(steps, whole_channels: int = 0) -> list[Segment]:
+    """The segments of the tiled steps, resnets split (stages.split_resnets), except those whose
+    conv1 reads at most `whole_channels`. A head whose convs read at most HEAD_CHANNELS channels
+    (the encoder's conv_in from the image, the decoder's from the latent) joins the first
+    segment, and the resnet there is not split: the head's output and that resnet's conv1 output
+    would each be a whole-image state, written once and read twice, where running the head again
+    in each pass and conv1 once more costs less."""
     k = next((i for i, s in enumerate(steps) if stages.has_group_norm(s)), len(steps))
     fold = 0 < k < len(steps) and not steps[k].attends_whole and stages.reads_at_most(steps[:k], HEAD_CHANNELS)
     if not fold:
-        return segments(stages.split_resnets(steps))
-    return segments([*steps[:k], stages.whole_resnet(steps[k]), *stages.split_resnets(steps[k + 1:])], fold_head=True)
+        return segments(stages.split_resnets(steps, whole_channels))
+    return segments([*steps[:k], stages.whole_resnet(steps[k]), *stages.split_resnets(steps[k + 1:], whole_channels)],
+                    fold_head=True)
 
 
 def _run_segment(seg: Segment, state, rows: list[Span], cols: list[Span], device, new_state,
@@ -232,7 +240,7 @@ def run(tiled_steps, x: torch.Tensor, tile: int, config: TilingConfig = TilingCo
             return FileBands(rows, width, config.state_dir, config.compact_state, budget)
         return Bands(rows, width, x.is_cuda, config.compact_state)
 
-    segs = plan(tiled_steps)
+    segs = plan(tiled_steps, RECOMPUTE_CHANNELS if config.state_dir is not None else 0)
     elements = element_budget(segs, tile, x.shape[0])
     # on a GPU the device's allocator keeps its blocks already
     with contextlib.nullcontext() if x.is_cuda else reused_blocks(POOL_TILES * elements * x.element_size()):

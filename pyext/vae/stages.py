@@ -271,14 +271,17 @@ def whole_resnet(step: Step) -> Step:
     return Step(lambda x, r=r: resnet_second_half(r, resnet_first_half(r, x), x), r, input_norm=r.norm1)
 
 
-def split_resnets(steps) -> list[Step]:
+def split_resnets(steps, whole_channels: int = 0) -> list[Step]:
     """Each plain resnet step as two, cut before its second GroupNorm, so a run can store the
     state there instead of recomputing conv1 (pyext.vae.exact). The second half also takes the
-    block's input (Step.passes_input)."""
+    block's input (Step.passes_input). A resnet whose conv1 reads at most `whole_channels`
+    channels stays whole (whole_resnet): conv1 then runs in two passes of the run instead."""
     out = []
     for step in steps:
         r = step.module
-        if _splittable(r):
+        if _splittable(r) and r.conv1.in_channels <= whole_channels:
+            out.append(whole_resnet(step))
+        elif _splittable(r):
             second = nn.ModuleList([m for m in (r.norm2, r.conv2, r.conv_shortcut) if m is not None])
             out += [Step(lambda x, r=r: resnet_first_half(r, x), nn.ModuleList([r.norm1, r.conv1]),
                          input_norm=r.norm1, passes_input=True),
