@@ -13,7 +13,8 @@ network; the first passes only read. Where a segment starts with a GroupNorm of 
 input, and the reading pass is skipped. (A segment with more GroupNorm calls, from a block
 that is not split, runs once more per call, each pass stopping at the next one. The first
 segment is one: a cheap head, the convs before the first GroupNorm, runs again in each of its
-passes with the first resnet whole, rather than being kept as two whole-image states: plan.)
+passes with the first resnet whole, rather than being kept as two whole-image states; and with
+the state on disk, so is each resnet whose conv1 reads few channels: plan.)
 
 Each tile runs with `margin` more pixels of the segment's input on each side (its receptive
 field, a few pixels) and keeps only its own pixels of the output, which are then those of the
