@@ -40,17 +40,19 @@ class BlockPool final : public c10::Allocator {
  public:
   c10::DataPtr allocate(size_t n) override {
     size_t bytes = n < kMinBytes ? 0 : size_class(n);
-    void* ptr = nullptr;
+    void* ptr;
     std::list<Block> freed;
     {
       std::lock_guard<std::mutex> lock(mu_);
       if (caps_.empty() || bytes == 0) return c10::GetDefaultCPUAllocator()->allocate(n);
       Block got = take(bytes, freed);
-      ptr = got.ptr;
-      bytes = got.bytes;
+      if (got.ptr != nullptr) {  // a hit: one lock
+        handed_[got.ptr] = got.bytes;
+        return {got.ptr, got.ptr, &BlockPool::release, c10::Device(c10::DeviceType::CPU)};
+      }
     }
-    for (const Block& b : freed) c10::free_cpu(b.ptr);
-    if (ptr == nullptr) ptr = c10::alloc_cpu(bytes);  // throws torch's out-of-memory error
+    for (const Block& b : freed) c10::free_cpu(b.ptr);  // outside the lock, as the new block's allocation
+    ptr = c10::alloc_cpu(bytes);  // throws torch's out-of-memory error
     {
       std::lock_guard<std::mutex> lock(mu_);
       if (!caps_.empty()) handed_[ptr] = bytes;  // else the scope closed meanwhile: free_cpu frees it

@@ -268,9 +268,10 @@ def _run(segs: list[Segment], x: torch.Tensor, tile: int, elements: int, new_sta
             done = Joined(done, state)
         else:
             state.release()
-        # glibc keeps the blocks freed in its heap, where the next segment's tiles, of other
-        # sizes, may not fit: under its default settings that raised the peak by 1.5-2.3x (README)
-        trim_heap()
+        if not x.is_cuda:  # (on a GPU the tiles are the device's, the state pinned memory)
+            # glibc keeps the blocks freed in its heap, where the next segment's tiles, of other
+            # sizes, may not fit: under its default settings that raised the peak by 1.5-2.3x (README)
+            trim_heap()
         state, res = done, res * seg.scale
     if state is None:  # nothing to tile (a VAE without resampling blocks)
         return x
