@@ -12,11 +12,17 @@ import os
 import sys
 
 
+_UNBOUNDED = sys.maxsize  # the pool's bound (size_t) when reused_blocks has none
+
+
 @contextlib.contextmanager
-def reused_blocks(cache_bytes: int):
+def reused_blocks(cache_bytes: int | None = None):
     """While the block runs, torch's CPU tensors of 64 KiB or more come from a pool that keeps
     up to `cache_bytes` of the freed ones (the newest) for the next tensors of about their size,
-    and frees them all at its end (csrc/common/block_pool.h).
+    and frees them all at its end (csrc/common/block_pool.h). None: no bound of its own. A tensor
+    that finds no block frees as many cached bytes first either way, so the pool and the tensors
+    in use never hold more than those tensors held at their peak; a bound only gives back sooner
+    what the work no longer uses.
 
     For loops over tiles: each fresh large tensor is new pages, a fault per page on first touch,
     where malloc returns large blocks to the OS at once. This is torch's CPU allocator, replaced
@@ -24,9 +30,11 @@ def reused_blocks(cache_bytes: int):
     the pool too, which changes nothing for them). Without the compiled extension, or where
     another allocator has the place, nothing changes. Yields whether the pool is in place."""
     from pyext._ext import EXT
-    if isinstance(cache_bytes, bool) or not isinstance(cache_bytes, int) or cache_bytes < 0:
+    if cache_bytes is None:
+        cache_bytes = _UNBOUNDED
+    elif isinstance(cache_bytes, bool) or not isinstance(cache_bytes, int) or not 0 <= cache_bytes <= _UNBOUNDED:
         from pyext.dispatch import PyextError
-        raise PyextError(f"pyext reused_blocks: cache_bytes must be a non-negative int, got {cache_bytes!r}")
+        raise PyextError(f"pyext reused_blocks: cache_bytes must be None or an int in [0, 2**63), got {cache_bytes!r}")
     opened = EXT is not None and bool(EXT.pool_open(cache_bytes))
     try:
         yield opened

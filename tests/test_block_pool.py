@@ -139,8 +139,20 @@ def test_onednn_convolutions_before_in_and_after_a_scope():
         assert torch.equal(y, ref)
 
 
+def test_without_a_bound_the_cache_keeps_what_the_peak_held_and_no_more():
+    with reused_blocks() as opened:
+        assert opened
+        big = [torch.empty(64 * MIB // 4) for _ in range(4)]  # 4 x 64 MiB in use
+        del big
+        assert stats()["cached_bytes"] >= 256 * MIB  # a bound of 8 MiB would have kept none
+        other = torch.empty(100 * MIB // 4)  # no block of its size: cached blocks go first
+        assert stats()["misses"] == 5 and stats()["cached_bytes"] <= 156 * MIB + MIB
+        del other
+    assert stats()["cached_bytes"] == 0 and not stats()["open"]
+
+
 def test_a_bad_bound_is_refused_and_nothing_opens():
-    for bad in (-1, 1.5, True, "8"):
+    for bad in (-1, 1.5, True, "8", 1 << 64):
         with pytest.raises(PyextError, match="cache_bytes"):
             with reused_blocks(bad):
                 pass

@@ -73,10 +73,6 @@ TILE_ELEMENTS = 2 ** 22
 # and the writes in flight, spill.CACHED_CHUNKS and WRITES_IN_FLIGHT), where diffusers' tiling
 # holds only its tile's activations. For the SD and Flux VAEs TILE_ELEMENTS is the smaller bound.
 TILE_SHARE = Fraction(1, 4)
-# Freed tensors kept for the next tiles (pyext._memory.reused_blocks), in widest tile tensors (as
-# element_budget bounds them): a tile's working set, the pieces of the state it read and the chunks
-# being written.
-POOL_TILES = 8
 # A head (the steps before the first GroupNorm) whose convs read at most this many channels is
 # run again in each pass of the first segment rather than kept as a state (plan).
 HEAD_CHANNELS = 16
@@ -243,8 +239,11 @@ def run(tiled_steps, x: torch.Tensor, tile: int, config: TilingConfig = TilingCo
 
     segs = plan(tiled_steps, RECOMPUTE_CHANNELS if config.state_dir is not None else 0)
     elements = element_budget(segs, tile, x.shape[0])
-    # on a GPU the device's allocator keeps its blocks already
-    with contextlib.nullcontext() if x.is_cuda else reused_blocks(POOL_TILES * elements * x.element_size()):
+    # Freed tensors serve the next tiles, and a state's freed bands the next state's (on a GPU the
+    # device's allocator keeps its blocks already). No bound: the pool frees cached blocks before
+    # it takes new memory, so the peak is that of the tensors in use (README: a bound of 8 tiles
+    # kept too few bands, and cost time)
+    with contextlib.nullcontext() if x.is_cuda else reused_blocks():
         out = _run(segs, x, tile, elements, new_state)
     spill.wait_closed()  # the run leaves no state file behind
     return out
