@@ -4,7 +4,7 @@
     python -m bench.vae --preset full [--json PATH] # the issue-14 table (an hour or more on 2 cores)
     python -m bench.vae --shapes sd --sizes 1024 2048 --encode-sizes 1024 [--max-full-mpix 4.2]
     python -m bench.vae --preset quick --pyext '{}' '{"compact_state": true}'  # one pyext row per option set
-    python -m bench.vae --shapes sd --sizes 1024 --prepack --pyext '{"state_dir": "/var/tmp"}'  # pyext as optimize() runs it
+    python -m bench.vae --shapes sd --sizes 1024 --prepack --pyext '{}' '{"state_dir": null}'  # defaults (a large state in a temporary file), and all in memory
 
 Image VAEs (AutoencoderKL, seeded random weights): "sd" (SD 1.5's VAE, 512-px tiles), "flux"
 (Flux's: 16 latent channels, no quant convs, 512-px tiles) and "small" (4 blocks of 32/32/64/64

@@ -10,6 +10,7 @@ from pyext.vae.geometry import equal_cores
 from pyext.vae.statistics import Moments
 
 diffusers = pytest.importorskip("diffusers")
+IN_MEMORY = TilingConfig(state_dir=None)  # for tests of the state in memory (the default may put it in a file)
 
 SHAPES = {  # block_out_channels, norm_num_groups, layers_per_block, latent_channels, sample (tile) size
     "3 blocks, 8 groups": ((32, 64, 64), 8, 1, 4, 64),
@@ -120,10 +121,10 @@ def test_compact_state_is_float16_rounding_of_the_exact_run(name, kind, monkeypa
     monkeypatch.setattr(state.Bands, "write", lambda self, r, xs, t: real_write(self, r, xs, t) or stored.append(
         (id(self), self.parts[r][0].dtype)))
     monkeypatch.setattr(state.Bands, "of", classmethod(lambda cls, t, rows: inputs.append(real_of(cls, t, rows)) or inputs[-1]))
-    full, exact_run = _full(vae, kind, x), tiled_run(vae, x, kind)
+    full, exact_run = _full(vae, kind, x), tiled_run(vae, x, kind, IN_MEMORY)
     assert {d for _, d in stored} == {torch.float32}
     stored.clear()
-    compact = tiled_run(vae, x, kind, TilingConfig(compact_state=True))
+    compact = tiled_run(vae, x, kind, TilingConfig(compact_state=True, state_dir=None))
     assert {d for b, d in stored if b == id(inputs[-1])} == {torch.float32}  # the input, small, as it is
     assert {d for b, d in stored if b != id(inputs[-1])} == {torch.float16}
     assert psnr(exact_run, full) >= 100
@@ -256,7 +257,7 @@ def test_each_segment_runs_once_per_group_norm_plus_once(kind, monkeypatch):
     monkeypatch.setattr(exact, "_attend", attend)
     plan_steps = stages.split(stages.steps_of(vae, kind), kind, exact=True)[1]
     segs = exact.plan(plan_steps)
-    tiled_run(vae, x, kind)
+    tiled_run(vae, x, kind, IN_MEMORY)
     assert attended == [m for m in (vae.decoder if kind == "decode" else vae.encoder).mid_block.attentions]
     assert written == {1}  # one tensor per state: no resnet's input is written again as its residual
     assert layouts == {True}
@@ -297,13 +298,13 @@ def test_a_cheap_head_joins_the_first_segment_with_its_resnet_whole(kind, monkey
     x = _smooth((1, vae.config.latent_channels if kind == "decode" else 3, 2 * tile + 5, tile + 3), 1)
     states, real_init = [], state.Bands.__init__
     monkeypatch.setattr(state.Bands, "__init__", lambda self, *a, **k: states.append(a[0]) or real_init(self, *a, **k))
-    full, folded = _full(vae, kind, x), tiled_run(vae, x, kind)
+    full, folded = _full(vae, kind, x), tiled_run(vae, x, kind, IN_MEMORY)
     folded_states = len(states)
     monkeypatch.setattr(exact, "HEAD_CHANNELS", 2)  # fewer than the 16 latent channels and the 3 of the image
     segs = exact.plan(steps)
     assert _group_norm_calls(segs[0].steps) == 0 and segs[1].steps[-1].passes_input
     states.clear()
-    apart = tiled_run(vae, x, kind)
+    apart = tiled_run(vae, x, kind, IN_MEMORY)
     assert len(states) == folded_states + 2  # the head's output and the first conv1's
     assert psnr(folded, full) >= 100 and psnr(apart, full) >= 100
 

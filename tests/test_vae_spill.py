@@ -90,7 +90,7 @@ def test_exact_run_with_its_state_in_a_file_is_the_run_in_memory(state_dir, kind
     x = _smooth((2, vae.config.latent_channels if kind == "decode" else 3, 2 * tile + 5, tile + 3), 1)
     gc.collect()
     fds = len(os.listdir("/proc/self/fd"))
-    in_memory = tiled_run(vae, x, kind, TilingConfig(compact_state=compact))
+    in_memory = tiled_run(vae, x, kind, TilingConfig(compact_state=compact, state_dir=None))
     in_file = tiled_run(vae, x, kind, TilingConfig(compact_state=compact, state_dir=state_dir))
     gc.collect()
     assert len(os.listdir("/proc/self/fd")) == fds
@@ -166,7 +166,7 @@ def test_a_memory_budget_keeps_the_first_chunks_in_memory_and_is_all_given_back(
     in_file = tiled_run(vae, z, "decode", TilingConfig(state_dir=state_dir, state_memory_mib=1))
     assert True in taken and False in taken  # some chunks in memory, some in the file
     assert budgets[0].left == 300_000
-    assert torch.equal(in_file, tiled_run(vae, z, "decode"))
+    assert torch.equal(in_file, tiled_run(vae, z, "decode", TilingConfig(state_dir=None)))
 
 
 def test_a_failed_background_close_is_kept_until_wait_closed_raises_it(state_dir):
@@ -232,3 +232,59 @@ def test_with_state_dir_narrow_resnets_run_whole_and_write_no_conv1_state(state_
     full = _full(vae, kind, x)
     for got in outs:
         assert psnr(got, full) >= 100
+
+
+@torch.no_grad()
+def test_auto_keeps_a_small_state_in_memory_and_puts_a_large_one_in_a_temporary_file(state_dir, monkeypatch):
+    """state_dir "auto" (the default) on a CPU: the states stay in memory while the largest fits
+    in AUTO_MEMORY_TILES widest tiles; beyond, they go to a file in spill.default_dir (asked for
+    room for two states), that much of them kept in memory; in memory where no directory will
+    do. Exact every way."""
+    files, asked, offered = [], [], [state_dir]
+    real_init = spill.FileBands.__init__
+    monkeypatch.setattr(spill.FileBands, "__init__",
+                        lambda self, *a, **k: files.append((a[2], a[4].left)) or real_init(self, *a, **k))
+    monkeypatch.setattr(spill, "default_dir", lambda room: asked.append(room) or offered[0])
+    vae = _vae("3 blocks, 8 groups")
+    z = _smooth((1, 4, 2 * vae.tile_latent_min_size + 5, vae.tile_latent_min_size + 3), 1)
+    full = _full(vae, "decode", z)
+
+    def run(tiles=None, **options):
+        files.clear(), asked.clear()
+        if tiles is not None:
+            monkeypatch.setattr(exact, "AUTO_MEMORY_TILES", tiles)
+        out = tiled_run(vae, z, "decode", TilingConfig(**options))
+        assert psnr(out, full) >= 100
+        return out
+
+    run(tiles=10 ** 6)
+    assert files == [] and asked == []  # fits: in memory, no directory looked for
+    run(tiles=1)
+    assert files and {d for d, _ in files} == {state_dir}
+    keep = files[0][1]  # one widest tile's bytes
+    assert 0 < keep < asked[0] / 2  # a tile is less than the largest state
+    run(state_memory_mib=0)
+    assert files and files[0][1] == 0
+    offered[0] = None  # no directory with direct I/O and room: in memory
+    run(tiles=1)
+    assert files == [] and len(asked) == 1
+
+
+def test_auto_is_memory_on_a_gpu_and_an_explicit_state_dir_is_taken_as_it_is(state_dir):
+    gpu = type("OnGpu", (), {"is_cuda": True})()
+    assert exact.placement(TilingConfig(), [], gpu, 1) == (None, 0)
+    assert exact.placement(TilingConfig(state_dir=None), [], gpu, 1) == (None, 0)
+    assert exact.placement(TilingConfig(state_dir=state_dir, state_memory_mib=3), [], gpu, 1) == (state_dir, 3 << 20)
+    assert exact.placement(TilingConfig(state_dir=state_dir), [], gpu, 1) == (state_dir, 0)
+
+
+def test_the_default_directory_is_the_first_with_direct_io_and_room(state_dir, monkeypatch):
+    monkeypatch.setattr(spill.tempfile, "gettempdir", lambda: state_dir)
+    assert spill.default_dir(0) == state_dir
+    free = spill._free_bytes(state_dir)
+    assert spill.default_dir(free + (1 << 40)) is None  # no room here nor in /var/tmp
+    real = spill.unsupported
+    monkeypatch.setattr(spill, "unsupported", lambda d: "in memory" if d == state_dir else real(d))
+    assert spill.default_dir(0) == ("/var/tmp" if os.path.isdir("/var/tmp") and real("/var/tmp") is None else None)
+    monkeypatch.setattr(spill, "unsupported", lambda d: "no direct I/O")
+    assert spill.default_dir(0) is None

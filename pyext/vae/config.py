@@ -9,6 +9,7 @@ from pyext.dispatch import PyextError
 from pyext.vae import spill
 
 METHODS = ("exact", "tiles", "diffusers")
+AUTO = "auto"  # TilingConfig.state_dir: where the run decides (pyext.vae.exact.placement)
 
 
 def fail(msg: str) -> None:
@@ -48,9 +49,14 @@ class TilingConfig:
       working set, a few pieces of the state and the output, whatever the image size; the
       numbers are those of the state in memory. The directory must allow O_DIRECT, must not
       be in memory (tmpfs, ramfs: refused), and must have room for two whole-image states.
+      None: in memory (pinned host memory on a GPU). "auto" (default): on a CPU, where the host
+      memory is the device's, a file in the temporary directory (spill.default_dir) once the
+      largest state outgrows the memory that state_memory_mib allows; in memory on a GPU, or
+      where no directory has direct I/O and room. (A directory named auto: "./auto".)
     state_memory_mib: with state_dir: MiB of that state kept in memory rather than written to
       the file (its first chunks, which the next segment reads first and frees soonest): less
-      disk traffic for that much memory. 0 (default): all of it goes to the file.
+      disk traffic for that much memory. None (default): 0 with a directory; with "auto", the
+      bytes of exact.AUTO_MEMORY_TILES widest tiles.
     enable: also turn the VAE's use_tiling on.
     """
 
@@ -59,8 +65,8 @@ class TilingConfig:
     overlap: Optional[float] = None
     context: Optional[int] = None
     compact_state: bool = False
-    state_dir: Optional[str] = None
-    state_memory_mib: int = 0
+    state_dir: Optional[str] = AUTO
+    state_memory_mib: Optional[int] = None
     enable: bool = True
 
     def __post_init__(self):
@@ -82,17 +88,18 @@ class TilingConfig:
             fail(f"compact_state must be True or False, got {self.compact_state!r}")
         if self.compact_state and self.method != "exact":
             fail(f"compact_state applies to method 'exact' only (the state it keeps), got method={self.method!r}")
-        if self.state_dir is not None:
+        if self.state_dir is not None and not (isinstance(self.state_dir, str) and self.state_dir == AUTO):
             if self.method != "exact":
                 fail(f"state_dir applies to method 'exact' only (the state it keeps), got method={self.method!r}")
             if not isinstance(self.state_dir, (str, os.PathLike)) or not os.path.isdir(self.state_dir):
-                fail(f"state_dir must be an existing directory or None, got {self.state_dir!r}")
+                fail(f"state_dir must be an existing directory, {AUTO!r} or None, got {self.state_dir!r}")
             why = spill.unsupported(self.state_dir)
             if why:
                 fail(f"state_dir {str(self.state_dir)!r}: {why}; give a directory on a disk file system (ext4, xfs)")
-        if not _is_int(self.state_memory_mib) or self.state_memory_mib < 0:
-            fail(f"state_memory_mib must be a non-negative int (MiB), got {self.state_memory_mib!r}")
-        if self.state_memory_mib and self.state_dir is None:
-            fail("state_memory_mib applies with state_dir only (without it the whole state is in memory)")
+        if self.state_memory_mib is not None:
+            if not _is_int(self.state_memory_mib) or self.state_memory_mib < 0:
+                fail(f"state_memory_mib must be a non-negative int (MiB) or None, got {self.state_memory_mib!r}")
+            if self.state_dir is None:
+                fail("state_memory_mib applies with state_dir only (without it the whole state is in memory)")
         if not isinstance(self.enable, bool):
             fail(f"enable must be True or False, got {self.enable!r}")

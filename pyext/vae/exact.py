@@ -55,7 +55,7 @@ import torch
 from pyext import ops
 from pyext._memory import reused_blocks, trim_heap
 from pyext.vae import spill, stages
-from pyext.vae.config import TilingConfig, fail
+from pyext.vae.config import AUTO, TilingConfig, fail
 from pyext.vae.geometry import Span, equal_cores, rescale, window
 from pyext.vae.spill import Budget, FileBands
 from pyext.vae.state import LAYOUT, Bands, Joined
@@ -82,6 +82,10 @@ HEAD_CHANNELS = 16
 # what the convs do (200 GFLOP/s on two cores) in the time the disk moves a byte (1.3 GB/s) here
 # (README: 0.89x the split run's time for the small VAE's decode at 2048; SD's resnets read 128+).
 RECOMPUTE_CHANNELS = 64
+# With state_dir "auto" on a CPU, the run keeps its states in memory while the largest fits in the
+# bytes of this many widest tiles, and that much of them in memory once they go to a file: about
+# what it holds for its tiles anyway, so memory stays that of a few tiles plus the output.
+AUTO_MEMORY_TILES = 8
 
 
 @dataclass(frozen=True)
@@ -225,20 +229,50 @@ def _attend(attn, state, batch: int, device, new_state, first: Moments, gather: 
     return out, written
 
 
+def largest_state(segs: list[Segment], x: torch.Tensor) -> int:
+    """Bytes of the largest whole-image state between the segments, at most: a segment's output
+    holds at most as many elements per input pixel as its widest tensor (Segment.width)."""
+    res, most = Fraction(1), 0
+    for seg in segs:
+        pixels = math.floor(x.shape[-2] * res) * math.floor(x.shape[-1] * res)
+        most = max(most, math.ceil(pixels * seg.width * x.shape[0]))
+        res *= seg.scale
+    return most * x.element_size()
+
+
+def placement(config: TilingConfig, segs: list[Segment], x: torch.Tensor, elements: int) -> tuple:
+    """Where a run keeps its states: (a directory for the file, or None: in memory; bytes kept in
+    memory with a file). state_dir "auto" resolves here (TilingConfig)."""
+    mib = config.state_memory_mib
+    if config.state_dir != AUTO:
+        return config.state_dir, (mib or 0) << 20
+    if x.is_cuda:
+        return None, 0
+    keep = AUTO_MEMORY_TILES * elements * x.element_size() if mib is None else mib << 20
+    largest = largest_state(segs, x)
+    if largest <= keep:
+        return None, 0
+    directory = spill.default_dir(2 * largest)  # two states live at once: the one read, the one written
+    return directory, keep if directory else 0
+
+
 def run(tiled_steps, x: torch.Tensor, tile: int, config: TilingConfig = TilingConfig()) -> torch.Tensor:
     """The tiled steps on x, exactly, over abutting tiles of at most `tile` pixels of x (fewer
     where the resolution grows: Segment.grid), each segment on its own grid. The states between
     segments as the config says: float16 (compact_state, pyext.vae.state) and in a file
-    (state_dir, pyext.vae.spill); x itself, small, is kept as it is."""
-    budget = Budget(config.state_memory_mib << 20)
+    (state_dir, pyext.vae.spill; placement); x itself, small, is kept as it is."""
+    segs = plan(tiled_steps)
+    directory, keep = placement(config, segs, x, element_budget(segs, tile, x.shape[0]))
+    if directory is not None:
+        segs = plan(tiled_steps, RECOMPUTE_CHANNELS)
+    elements = element_budget(segs, tile, x.shape[0])
+    budget = Budget(keep)
 
     def new_state(rows, width):
-        if config.state_dir is not None:
-            return FileBands(rows, width, config.state_dir, config.compact_state, budget)
+        if directory is not None:
+            return FileBands(rows, width, directory, config.compact_state, budget)
         return Bands(rows, width, x.is_cuda, config.compact_state)
 
-    segs = plan(tiled_steps, RECOMPUTE_CHANNELS if config.state_dir is not None else 0)
-    elements = element_budget(segs, tile, x.shape[0])
     # Freed tensors serve the next tiles, and a state's freed bands the next state's (on a GPU the
     # device's allocator keeps its blocks already). No bound: the pool frees cached blocks before
     # it takes new memory, so the peak is that of the tensors in use (README: a bound of 8 tiles

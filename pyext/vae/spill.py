@@ -13,6 +13,7 @@ from __future__ import annotations
 import functools
 import math
 import os
+import tempfile
 import weakref
 from collections import OrderedDict, deque
 from concurrent.futures import ThreadPoolExecutor, wait
@@ -65,6 +66,21 @@ def unsupported(directory) -> Optional[str]:
     except OSError as e:
         return f"an unlinked direct-I/O file cannot be made there ({e.strerror})"
     return None
+
+
+def default_dir(room: int) -> Optional[str]:
+    """A directory for the state file when TilingConfig.state_dir is "auto": the system's
+    temporary directory (TMPDIR), else /var/tmp, the first that allows direct I/O, is not in
+    memory and has `room` bytes free; None if neither does."""
+    for directory in dict.fromkeys((tempfile.gettempdir(), "/var/tmp")):
+        if os.path.isdir(directory) and unsupported(directory) is None and _free_bytes(directory) >= room:
+            return directory
+    return None
+
+
+def _free_bytes(directory) -> int:
+    st = os.statvfs(directory)
+    return st.f_bavail * st.f_frsize
 
 
 def _aligned(nbytes: int) -> torch.Tensor:
