@@ -238,8 +238,8 @@ def test_with_state_dir_narrow_resnets_run_whole_and_write_no_conv1_state(state_
 def test_auto_keeps_a_small_state_in_memory_and_puts_a_large_one_in_a_temporary_file(state_dir, monkeypatch):
     """state_dir "auto" (the default) on a CPU: the states stay in memory while the largest fits
     in AUTO_MEMORY_TILES widest tiles; beyond, they go to a file in spill.default_dir (asked for
-    room for two states), that much of them kept in memory; in memory where no directory will
-    do. Exact every way."""
+    room for two states), state_memory_mib of them kept in memory; in memory where no directory
+    will do. Exact every way."""
     files, asked, offered = [], [], [state_dir]
     real_init = spill.FileBands.__init__
     monkeypatch.setattr(spill.FileBands, "__init__",
@@ -260,11 +260,12 @@ def test_auto_keeps_a_small_state_in_memory_and_puts_a_large_one_in_a_temporary_
     run(tiles=10 ** 6)
     assert files == [] and asked == []  # fits: in memory, no directory looked for
     run(tiles=1)
-    assert files and {d for d, _ in files} == {state_dir}
-    keep = files[0][1]  # one widest tile's bytes
-    assert 0 < keep < asked[0] / 2  # a tile is less than the largest state
-    run(state_memory_mib=0)
-    assert files and files[0][1] == 0
+    assert files and {d for d, _ in files} == {state_dir} and files[0][1] == 0
+    tile_bytes = exact.element_budget(exact.plan(stages.split(stages.steps_of(vae, "decode"), "decode", True)[1]),
+                                      vae.tile_latent_min_size, 1) * 4
+    assert asked[0] > 2 * tile_bytes  # room for two states, each larger than a tile
+    run(tiles=1, state_memory_mib=1)
+    assert files and files[0][1] == 1 << 20
     offered[0] = None  # no directory with direct I/O and room: in memory
     run(tiles=1)
     assert files == [] and len(asked) == 1
@@ -273,6 +274,7 @@ def test_auto_keeps_a_small_state_in_memory_and_puts_a_large_one_in_a_temporary_
 def test_auto_is_memory_on_a_gpu_and_an_explicit_state_dir_is_taken_as_it_is(state_dir):
     gpu = type("OnGpu", (), {"is_cuda": True})()
     assert exact.placement(TilingConfig(), [], gpu, 1) == (None, 0)
+    assert exact.placement(TilingConfig(state_memory_mib=3), [], gpu, 1) == (None, 0)
     assert exact.placement(TilingConfig(state_dir=None), [], gpu, 1) == (None, 0)
     assert exact.placement(TilingConfig(state_dir=state_dir, state_memory_mib=3), [], gpu, 1) == (state_dir, 3 << 20)
     assert exact.placement(TilingConfig(state_dir=state_dir), [], gpu, 1) == (state_dir, 0)

@@ -242,8 +242,8 @@ def test_exact_needs_tiled_blocks_without_attention():
     (dict(state_dir="/no/such/directory"), "state_dir must be an existing directory, 'auto' or None, got '/no/such/directory'"),
     (dict(state_dir=3), "state_dir must be an existing directory, 'auto' or None, got 3"),
     (dict(state_dir=None, state_memory_mib=64), "state_memory_mib applies with state_dir only"),
-    (dict(state_memory_mib=-1), "state_memory_mib must be a non-negative int (MiB) or None, got -1"),
-    (dict(state_memory_mib=1.5), "state_memory_mib must be a non-negative int (MiB) or None, got 1.5"),
+    (dict(state_memory_mib=-1), "state_memory_mib must be a non-negative int (MiB), got -1"),
+    (dict(state_memory_mib=1.5), "state_memory_mib must be a non-negative int (MiB), got 1.5"),
     (dict(exact_layers=2), "unknown option(s) ['exact_layers']; the options are"),
 ])
 def test_bad_options_name_what_is_wrong(vae, options, message):

@@ -51,12 +51,11 @@ class TilingConfig:
       be in memory (tmpfs, ramfs: refused), and must have room for two whole-image states.
       None: in memory (pinned host memory on a GPU). "auto" (default): on a CPU, where the host
       memory is the device's, a file in the temporary directory (spill.default_dir) once the
-      largest state outgrows the memory that state_memory_mib allows; in memory on a GPU, or
+      largest state outgrows exact.AUTO_MEMORY_TILES widest tiles; in memory on a GPU, or
       where no directory has direct I/O and room. (A directory named auto: "./auto".)
     state_memory_mib: with state_dir: MiB of that state kept in memory rather than written to
       the file (its first chunks, which the next segment reads first and frees soonest): less
-      disk traffic for that much memory. None (default): 0 with a directory; with "auto", the
-      bytes of exact.AUTO_MEMORY_TILES widest tiles.
+      disk traffic for that much memory. 0 (default): all of it goes to the file.
     enable: also turn the VAE's use_tiling on.
     """
 
@@ -66,7 +65,7 @@ class TilingConfig:
     context: Optional[int] = None
     compact_state: bool = False
     state_dir: Optional[str] = AUTO
-    state_memory_mib: Optional[int] = None
+    state_memory_mib: int = 0
     enable: bool = True
 
     def __post_init__(self):
@@ -96,10 +95,9 @@ class TilingConfig:
             why = spill.unsupported(self.state_dir)
             if why:
                 fail(f"state_dir {str(self.state_dir)!r}: {why}; give a directory on a disk file system (ext4, xfs)")
-        if self.state_memory_mib is not None:
-            if not _is_int(self.state_memory_mib) or self.state_memory_mib < 0:
-                fail(f"state_memory_mib must be a non-negative int (MiB) or None, got {self.state_memory_mib!r}")
-            if self.state_dir is None:
-                fail("state_memory_mib applies with state_dir only (without it the whole state is in memory)")
+        if not _is_int(self.state_memory_mib) or self.state_memory_mib < 0:
+            fail(f"state_memory_mib must be a non-negative int (MiB), got {self.state_memory_mib!r}")
+        if self.state_memory_mib and self.state_dir is None:
+            fail("state_memory_mib applies with state_dir only (without it the whole state is in memory)")
         if not isinstance(self.enable, bool):
             fail(f"enable must be True or False, got {self.enable!r}")
