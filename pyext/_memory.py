@@ -1,6 +1,6 @@
 """Returning memory to the OS after one-time work (weight casts, tracing, packing): freed heap
 blocks, and the pages of memory-mapped weight files that no weight uses any more. And keeping
-freed blocks, within a bound, while repetitive work runs (reused_blocks)."""
+freed blocks for the next tensors while repetitive work runs (reused_blocks)."""
 from __future__ import annotations
 
 import bisect

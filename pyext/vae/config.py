@@ -87,7 +87,7 @@ class TilingConfig:
             fail(f"compact_state must be True or False, got {self.compact_state!r}")
         if self.compact_state and self.method != "exact":
             fail(f"compact_state applies to method 'exact' only (the state it keeps), got method={self.method!r}")
-        if self.state_dir is not None and not (isinstance(self.state_dir, str) and self.state_dir == AUTO):
+        if self.state_dir not in (None, AUTO):
             if self.method != "exact":
                 fail(f"state_dir applies to method 'exact' only (the state it keeps), got method={self.method!r}")
             if not isinstance(self.state_dir, (str, os.PathLike)) or not os.path.isdir(self.state_dir):

@@ -80,12 +80,12 @@ HEAD_CHANNELS = 16
 # whole: conv1 runs twice rather than its output being written and read back. Recomputing costs
 # 2.25 * C_in FLOPs per byte of fp32 output it saves writing and reading: at 64 channels 144, about
 # what the convs do (200 GFLOP/s on two cores) in the time the disk moves a byte (1.3 GB/s) here
-# (README: 0.89x the split run's time for the small VAE's decode at 2048; SD's resnets read 128+).
+# (measured in the README, twelfth session; SD's resnets read 128+).
 RECOMPUTE_CHANNELS = 64
 # With state_dir "auto" on a CPU, the run keeps its states in memory while the largest fits in the
 # bytes of this many widest tiles (about what it holds for its tiles anyway), else in a file with
-# state_memory_mib of them in memory (0 by default: 16 MiB raised the small VAE's peak at 1024 to
-# 0.81-1.35x diffusers', README). So memory stays that of a few tiles plus the output.
+# state_memory_mib of them in memory (0 by default: 8 tiles' bytes there put the small VAE's peak
+# over diffusers', README). So memory stays that of a few tiles plus the output.
 AUTO_MEMORY_TILES = 8
 
 
@@ -303,7 +303,7 @@ def _run(segs: list[Segment], x: torch.Tensor, tile: int, elements: int, new_sta
             state.release()
         if not x.is_cuda:  # (on a GPU the tiles are the device's, the state pinned memory)
             # glibc keeps the blocks freed in its heap, where the next segment's tiles, of other
-            # sizes, may not fit: under its default settings that raised the peak by 1.5-2.3x (README)
+            # sizes, may not fit: under its default settings that raised the peak (README)
             trim_heap()
         state, res = done, res * seg.scale
     if state is None:  # nothing to tile (a VAE without resampling blocks)
