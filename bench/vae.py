@@ -54,7 +54,9 @@ def _size(text: str) -> tuple[int, int]:
 PRESETS = {
     # (shape, direction, size, tile): quick halves every tile: 2 x 1.5 tiles
     "quick": {"runs": [(s, d, "512x384", SHAPES[s][1] // 2) for s in SHAPES for d in ("decode", "encode")],
-              "video": {"frames": 5, "size": "240x160", "tile": 96}},
+              # (video tiles: width x height, each a size CogVideoX's overlap factors tile without a
+              # mismatch, pyext.vae.video.tiling_mismatch)
+              "video": {"frames": 5, "size": "240x160", "tile": "80x96"}},
     "full": {"runs": [(s, "decode", z, SHAPES[s][1]) for s in SHAPES for z in ("1024", "2048", "3840x2224")]
              + [(s, "encode", "1024", SHAPES[s][1]) for s in SHAPES],
              "video": {"frames": 9, "size": "720x480", "tile": None}},
@@ -120,7 +122,8 @@ def _prepare(spec: dict):
     if spec["direction"] == "video":
         vae, tile = video_vae(), spec.get("tile")
         z = video_latents(vae, spec["frames"], hw)
-        kwargs = {} if tile is None else {"tile_sample_min_height": tile, "tile_sample_min_width": tile}
+        th, tw = (None, None) if tile is None else _size(str(tile))
+        kwargs = {} if tile is None else {"tile_sample_min_height": th, "tile_sample_min_width": tw}
         if method == "diffusers":
             vae.enable_tiling(**kwargs)
         elif method == "pyext":

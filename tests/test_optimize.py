@@ -378,3 +378,15 @@ def test_force_upcast_vae_decodes_as_diffusers_does():
     out = generate(pipe)
     assert decoded_in == [torch.float32]
     assert psnr(out, generate(plain)) > 40, "fp16 with the upcast decode must match plain diffusers"
+
+
+def test_video_vae_whose_default_tiles_would_give_the_wrong_size_stays_untiled():
+    """CogVideoX's tiling with 96-px-wide tiles would return a video of the wrong width
+    (pyext.vae.video.tiling_mismatch): optimize leaves that VAE untiled and says why."""
+    pipe = build_pipeline("cogvideox", "tiny")
+    pipe.vae.tile_sample_min_width, pipe.vae.tile_latent_min_width = 96, 12  # as if its sample size were 192
+    pyext.optimize(pipe, dtype="keep", attention="off", fp8="off", vae_tiling="on")
+    entry = next(e for e in pyext.report(pipe).entries if e.technique == "vae_tiling")
+    assert entry.status == "skipped" and "tile_sample_min_width=96" in entry.detail and "wrong size" in entry.detail
+    assert not pipe.vae.use_tiling and pipe.vae.tile_sample_min_width == 96
+    pyext.restore(pipe)

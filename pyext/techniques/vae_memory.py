@@ -1,6 +1,7 @@
 """VAE memory: tiling only when the full decode would not fit, and slicing of batches."""
 from __future__ import annotations
 
+from pyext.dispatch import PyextError
 from pyext.families import vae_kind
 from pyext.techniques.base import Entry, Technique
 
@@ -31,7 +32,11 @@ class VAETiling(Technique):
             elif getattr(vae, "use_tiling", False):
                 entries.append(self.already(name, "diffusers' tiling was on"))
             elif hasattr(vae, "enable_tiling"):
-                fused = pvae.tile_video_vae(vae)["fused_blends"]
+                try:
+                    fused = pvae.tile_video_vae(vae)["fused_blends"]
+                except PyextError as e:  # its default tiles would give the wrong size: left untiled
+                    entries.append(self.skipped(name, str(e)))
+                    continue
                 blend = f", {' and '.join(fused)} fused" if fused else ""
                 entries.append(self.applied(name, f"diffusers' tiling for this {vae_kind(vae)} VAE{blend} "
                                                   f"({d.vae_tiling_reason})",

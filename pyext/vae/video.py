@@ -6,12 +6,20 @@ one Python-level op per overlap row or column (blend_v / blend_h). pyext keeps t
 it is and replaces just those two methods on the instance, where a probe shows the class's
 method is that linear blend: the fused op computes the same numbers (same rounding) in one
 kernel per blend. Their temporal blend (blend_t) stays theirs.
+
+Some of them (CogVideoX's among them) derive the stride between tiles and the part of each tile
+they keep from the tile size and an overlap factor separately, rounding each on its own; where
+the two disagree, the tiles' kept parts overlap or leave gaps, and the tiled video comes out the
+wrong size (tiling_mismatch). tile_video_vae refuses such tile settings.
 """
 from __future__ import annotations
+
+from typing import Optional
 
 import torch
 
 from pyext import _state
+from pyext.dispatch import PyextError
 from pyext.ops.tile_blend import tile_blend_diffusers
 
 STATE = "video_tiling"  # pyext._state key: the names of the methods replaced
@@ -55,12 +63,64 @@ def _is_linear_blend(vae, name: str) -> bool:
     return torch.equal(FUSED[name](a.clone(), b.clone(), _PROBE_EXTENT), want)
 
 
+def _kept_and_stride(tile: int, latent: int, factor: float) -> tuple:
+    """Output pixels kept of each tile and output pixels between tiles, decoding and encoding, as
+    the tiled_decode / tiled_encode of a VAE with overlap factors compute them (sample pixels
+    when decoding, latent pixels when encoding)."""
+    ratio = max(1, tile // latent)
+    decode = (tile - int(tile * factor), int(latent * (1 - factor)) * ratio)
+    encode = (latent - int(latent * factor), int(tile * (1 - factor)) / ratio)
+    return decode, encode
+
+
+def _works(tile: int, latent: int, factor: float) -> bool:
+    return tile % latent == 0 and tile >= latent and all(
+        kept == stride > 0 for kept, stride in _kept_and_stride(tile, latent, factor))
+
+
+def tiling_mismatch(vae) -> Optional[str]:
+    """Why this VAE's tiled decode or encode would come out the wrong size with its tile settings,
+    or None. Only VAEs that tile by an overlap factor (tile_overlap_factor[_height/_width]) can
+    mismatch; those that set a stride (Wan, LTX-Video, HunyuanVideo) keep the stride by design."""
+    for axis in ("height", "width"):
+        tile = getattr(vae, f"tile_sample_min_{axis}", getattr(vae, "tile_sample_min_size", None))
+        latent = getattr(vae, f"tile_latent_min_{axis}", getattr(vae, "tile_latent_min_size", None))
+        factor = getattr(vae, f"tile_overlap_factor_{axis}", getattr(vae, "tile_overlap_factor", None))
+        if not isinstance(tile, int) or not isinstance(latent, int) or factor is None or latent < 1:
+            continue
+        if _works(tile, latent, factor):
+            continue
+        ratio = max(1, tile // latent)
+        fits = [n * ratio for n in range(1, 4 * latent + 8) if _works(n * ratio, n, factor)]
+        near = sorted(fits, key=lambda t: (abs(t - tile), t))[:2]
+        (kept, stride), (kept_e, stride_e) = _kept_and_stride(tile, latent, factor)
+        what = (f"its decode would keep {kept} pixels of each tile where tiles start every {stride:g}"
+                if kept != stride else
+                f"its encode would keep {kept_e} latent pixels of each tile where tiles start every {stride_e:g}")
+        works = f"tile_sample_min_{axis} {' or '.join(map(str, sorted(near)))} works" if near else "no tile size works"
+        return (f"tile_sample_min_{axis}={tile} with overlap factor {factor:g} ({latent} latent pixels per tile): "
+                f"with {type(vae).__name__}'s tiling {what}, so the tiled output would be the wrong size; "
+                f"with this factor, {works}")
+    return None
+
+
+_TILE_SETTINGS = ("use_tiling", "tile_")  # the instance attributes enable_tiling sets
+
+
 def tile_video_vae(vae, **tiling) -> dict:
     """diffusers' enable_tiling(**tiling) on this VAE, its linear blend_v / blend_h fused
-    (instance only)."""
+    (instance only). Tile settings with which the tiled output would be the wrong size
+    (tiling_mismatch) raise PyextError, the VAE as it was."""
     if not hasattr(vae, "enable_tiling"):
         return {"patched": False, "class": type(vae).__name__, "reason": f"{type(vae).__name__} has no tiling"}
+    before = {k: v for k, v in vae.__dict__.items() if k.startswith(_TILE_SETTINGS)}
     vae.enable_tiling(**tiling)
+    why = tiling_mismatch(vae)
+    if why is not None:
+        for k in [k for k in vae.__dict__ if k.startswith(_TILE_SETTINGS)]:
+            del vae.__dict__[k]
+        vae.__dict__.update(before)
+        raise PyextError(f"pyext.tile_video_vae: {why}")
     fused = [name for name in FUSED if _is_linear_blend(vae, name)]
     for name in fused:
         vae.__dict__[name] = FUSED[name]
