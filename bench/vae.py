@@ -122,8 +122,7 @@ def _prepare(spec: dict):
     if spec["direction"] == "video":
         vae, tile = video_vae(), spec.get("tile")
         z = video_latents(vae, spec["frames"], hw)
-        th, tw = (None, None) if tile is None else _size(str(tile))
-        kwargs = {} if tile is None else {"tile_sample_min_height": th, "tile_sample_min_width": tw}
+        kwargs = {} if tile is None else dict(zip(("tile_sample_min_height", "tile_sample_min_width"), _size(str(tile))))
         if method == "diffusers":
             vae.enable_tiling(**kwargs)
         elif method == "pyext":

@@ -62,6 +62,32 @@ def test_diffusers_method_equals_diffusers_tiled_encode(vae):
 
 
 @torch.no_grad()
+def test_diffusers_method_refuses_tiles_that_give_the_wrong_size(vae):
+    """72-px tiles (18 latent) with a quarter overlap: diffusers' tiled decode keeps 54 px of each
+    tile where the tiles start every 52, so its output is too large. Method 'diffusers' refuses
+    that, in tile_vae before anything changes and in tiled_run, and names sizes that fit."""
+    z = torch.randn(1, 4, 45, 41)
+    vae.enable_tiling()
+    vae.tile_sample_min_size, vae.tile_latent_min_size = 72, 18
+    try:
+        assert vae.decode(z).sample.shape[-2:] != (180, 164)  # diffusers' own tiling: the wrong size
+    finally:
+        vae.tile_sample_min_size, vae.tile_latent_min_size = 64, 16
+        vae.disable_tiling()
+    before = dict(vars(vae))
+    with pytest.raises(PyextError, match=r"pyext.tile_vae: method 'diffusers': tile_size=72 with overlap factor "
+                                         r"0.25 .* wrong size; with this factor, tile_size 64 or 80 works"):
+        tile_vae(vae, method="diffusers", tile_size=72)
+    assert vars(vae) == before
+    vae.tile_sample_min_size, vae.tile_latent_min_size = 72, 18
+    try:
+        with pytest.raises(PyextError, match="tile_size=72"):
+            tiled_run(vae, z, "decode", TilingConfig(method="diffusers"))
+    finally:
+        vae.tile_sample_min_size, vae.tile_latent_min_size = 64, 16
+
+
+@torch.no_grad()
 def test_exact_is_the_default_and_the_untiled_decode(vae):
     z = torch.randn(1, 4, 40, 37)
     report = tile_vae(vae)

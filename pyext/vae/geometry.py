@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 from fractions import Fraction
+from typing import Optional
 
 Span = tuple[int, int]
 
@@ -54,3 +55,36 @@ def overlaps(spans: list[Span], i: int) -> tuple[int, int]:
     after = max(0, spans[i][1] - spans[i + 1][0]) if i + 1 < len(spans) else 0
     size = spans[i][1] - spans[i][0]
     return min(before, size), min(after, size)
+
+
+def _diffusers_kept_and_stride(tile: int, latent: int, factor: float) -> tuple:
+    """Output pixels diffusers' tiling keeps of each tile, and output pixels between tiles, when
+    decoding (sample pixels) and encoding (latent pixels): it rounds the stride and the blend
+    from the tile size and the overlap factor each on its own."""
+    ratio = max(1, tile // latent)
+    decode = (tile - int(tile * factor), int(latent * (1 - factor)) * ratio)
+    encode = (latent - int(latent * factor), int(tile * (1 - factor)) / ratio)
+    return decode, encode
+
+
+def _diffusers_fits(tile: int, latent: int, factor: float) -> bool:
+    return tile % latent == 0 and tile >= latent and all(
+        kept == stride > 0 for kept, stride in _diffusers_kept_and_stride(tile, latent, factor))
+
+
+def diffusers_tiling_mismatch(name: str, tile: int, latent: int, factor: float) -> Optional[str]:
+    """Why diffusers' tiling with tiles of `tile` sample (`latent` latent) pixels and this overlap
+    factor gives an output of the wrong size, or None: where the kept parts of the tiles and the
+    stride between them disagree, tiles overlap or leave gaps. `name` is the option that sets
+    `tile`; the message names the nearest sizes that fit."""
+    if _diffusers_fits(tile, latent, factor):
+        return None
+    ratio = max(1, tile // latent)
+    fits = [n * ratio for n in range(1, 4 * latent + 8) if _diffusers_fits(n * ratio, n, factor)]
+    near = sorted(sorted(fits, key=lambda t: (abs(t - tile), t))[:2])
+    (kept, stride), (kept_e, stride_e) = _diffusers_kept_and_stride(tile, latent, factor)
+    what = (f"its decode would keep {kept} pixels of each tile where tiles start every {stride:g}" if kept != stride
+            else f"its encode would keep {kept_e} latent pixels of each tile where tiles start every {stride_e:g}")
+    works = f"{name} {' or '.join(map(str, near))} works" if near else "no tile size works"
+    return (f"{name}={tile} with overlap factor {factor:g} ({latent} latent pixels per tile): with diffusers' "
+            f"tiling {what}, so the tiled output would be the wrong size; with this factor, {works}")

@@ -6,6 +6,7 @@ import types
 
 from pyext import _compat, _state
 from pyext.vae.config import TilingConfig, fail
+from pyext.vae.geometry import diffusers_tiling_mismatch
 from pyext.vae.tiling import tiled_run
 
 STATE = "tiling"  # pyext._state key on a tiled VAE
@@ -53,6 +54,13 @@ def tile_vae(vae, config: TilingConfig | None = None, **options) -> dict:
     factor = 2 ** (len(vae.config.block_out_channels) - 1)
     if config.tile_size is not None and config.tile_size % factor:
         fail(f"tile_size must be a multiple of this VAE's downsampling factor {factor} pixels, got {config.tile_size}")
+    if config.method == "diffusers":  # its grid as diffusers' own: refused where that gives the wrong size
+        tile = vae.tile_sample_min_size if config.tile_size is None else config.tile_size
+        latent = vae.tile_latent_min_size if config.tile_size is None else config.tile_size // factor
+        overlap = vae.tile_overlap_factor if config.overlap is None else config.overlap
+        why = diffusers_tiling_mismatch("tile_size", tile, latent, overlap)
+        if why is not None:
+            fail(f"method 'diffusers': {why}")
     if config.method == "exact":
         from pyext.vae import stages
         tiled = [s for kind in ("decode", "encode") for s in stages.split(stages.steps_of(vae, kind), kind)[1]]

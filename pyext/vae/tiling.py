@@ -7,7 +7,7 @@ import torch
 
 from pyext.vae import exact, stages
 from pyext.vae.config import TilingConfig, fail
-from pyext.vae.geometry import grid, overlapping_cores, window
+from pyext.vae.geometry import diffusers_tiling_mismatch, grid, overlapping_cores, window
 from pyext.vae.streaming import diffusers_blend, normalized_blend
 
 
@@ -72,9 +72,11 @@ def _tiles(plan: Plan, h: torch.Tensor) -> torch.Tensor:
 
 
 def _diffusers(plan: Plan, h: torch.Tensor) -> torch.Tensor:
+    sample, latent = (plan.tile_out, plan.tile_in) if plan.kind == "decode" else (plan.tile_in, plan.tile_out)
+    why = diffusers_tiling_mismatch("tile_size", sample, latent, plan.overlap)
+    if why is not None:
+        fail(f"method 'diffusers': {why}")
     stride = int(plan.tile_in * (1 - plan.overlap))  # as diffusers: overlap_size
-    if stride < 1:
-        fail(f"tile_overlap_factor={plan.overlap} leaves no stride between {plan.tile_in}-pixel tiles")
     rows, cols = (grid(n, plan.tile_in, stride) for n in h.shape[-2:])
     return diffusers_blend(lambda ys, xs: plan.run_window(h, ys, xs, 0), rows, cols, plan.out_extent,
                            plan.tile_out, int(plan.tile_out * plan.overlap))

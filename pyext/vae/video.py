@@ -21,6 +21,7 @@ import torch
 from pyext import _state
 from pyext.dispatch import PyextError
 from pyext.ops.tile_blend import tile_blend_diffusers
+from pyext.vae.geometry import diffusers_tiling_mismatch
 
 STATE = "video_tiling"  # pyext._state key: the names of the methods replaced
 _PROBE_EXTENT = 3
@@ -63,21 +64,6 @@ def _is_linear_blend(vae, name: str) -> bool:
     return torch.equal(FUSED[name](a.clone(), b.clone(), _PROBE_EXTENT), want)
 
 
-def _kept_and_stride(tile: int, latent: int, factor: float) -> tuple:
-    """Output pixels kept of each tile and output pixels between tiles, decoding and encoding, as
-    the tiled_decode / tiled_encode of a VAE with overlap factors compute them (sample pixels
-    when decoding, latent pixels when encoding)."""
-    ratio = max(1, tile // latent)
-    decode = (tile - int(tile * factor), int(latent * (1 - factor)) * ratio)
-    encode = (latent - int(latent * factor), int(tile * (1 - factor)) / ratio)
-    return decode, encode
-
-
-def _works(tile: int, latent: int, factor: float) -> bool:
-    return tile % latent == 0 and tile >= latent and all(
-        kept == stride > 0 for kept, stride in _kept_and_stride(tile, latent, factor))
-
-
 def tiling_mismatch(vae) -> Optional[str]:
     """Why this VAE's tiled decode or encode would come out the wrong size with its tile settings,
     or None. Only VAEs that tile by an overlap factor (tile_overlap_factor[_height/_width]) can
@@ -88,19 +74,9 @@ def tiling_mismatch(vae) -> Optional[str]:
         factor = getattr(vae, f"tile_overlap_factor_{axis}", getattr(vae, "tile_overlap_factor", None))
         if not isinstance(tile, int) or not isinstance(latent, int) or factor is None or latent < 1:
             continue
-        if _works(tile, latent, factor):
-            continue
-        ratio = max(1, tile // latent)
-        fits = [n * ratio for n in range(1, 4 * latent + 8) if _works(n * ratio, n, factor)]
-        near = sorted(fits, key=lambda t: (abs(t - tile), t))[:2]
-        (kept, stride), (kept_e, stride_e) = _kept_and_stride(tile, latent, factor)
-        what = (f"its decode would keep {kept} pixels of each tile where tiles start every {stride:g}"
-                if kept != stride else
-                f"its encode would keep {kept_e} latent pixels of each tile where tiles start every {stride_e:g}")
-        works = f"tile_sample_min_{axis} {' or '.join(map(str, sorted(near)))} works" if near else "no tile size works"
-        return (f"tile_sample_min_{axis}={tile} with overlap factor {factor:g} ({latent} latent pixels per tile): "
-                f"with {type(vae).__name__}'s tiling {what}, so the tiled output would be the wrong size; "
-                f"with this factor, {works}")
+        why = diffusers_tiling_mismatch(f"tile_sample_min_{axis}", tile, latent, factor)
+        if why is not None:
+            return why
     return None
 
 
