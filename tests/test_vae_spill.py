@@ -76,6 +76,34 @@ def test_file_bands_keep_a_few_pieces_and_read_each_chunk_about_once(state_dir, 
     assert sum(read) <= 1.6 * t.numel() * 4, sum(read) / (t.numel() * 4)  # margins: 2 rows of 16, twice
 
 
+def test_windows_over_many_small_chunks_read_each_piece_once(state_dir, monkeypatch):
+    """A segment that tiles more coarsely than the one that wrote its state (an encoder's
+    second segment): windows of 64 pixels plus margins over chunks of 32, each window spanning
+    16 chunks, more than CACHED_CHUNKS of them. The pieces read ahead stay until they are used,
+    so no piece is read twice (a bound of CACHED_CHUNKS chunks evicted them first and read the
+    state again), and the pieces held stay within those of the window read ahead."""
+    t = torch.randn(1, 4, 192, 256)
+    rows, cols = equal_cores(192, 32), equal_cores(256, 32)
+    disk = spill.FileBands(rows, 256, state_dir)
+    _write(disk, t, rows, cols)
+    read = []
+    real = spill._File.read
+    monkeypatch.setattr(spill._File, "read", lambda self, a, b: read.append(b - a) or real(self, a, b))
+    windows = [(window(ys, 192, 2), window(xs, 256, 2)) for ys in equal_cores(192, 64) for xs in equal_cores(256, 64)]
+    # bytes of the pieces a window reads: its rows of every chunk it touches, whole chunk rows
+    touched = [sum((min(ys[1], b) - max(ys[0], a)) * (q - p) for a, b in rows for p, q in cols
+                   if max(ys[0], a) < min(ys[1], b) and max(xs[0], p) < min(xs[1], q)) * 4 * 4 for ys, xs in windows]
+    assert max(touched) > spill.CACHED_CHUNKS * disk.largest_chunk  # the case in question
+    disk.plan(windows)
+    peak = 0
+    for w in windows:
+        got, = disk.read(*w)
+        assert torch.equal(got, t[..., w[0][0]:w[0][1], w[1][0]:w[1][1]])
+        peak = max(peak, disk.cached_bytes)
+    assert sum(read) <= sum(touched)  # no piece read twice (neighbours share some: fewer)
+    assert peak <= spill.READ_AHEAD * max(touched)
+
+
 @torch.no_grad()
 @pytest.mark.parametrize("compact", [False, True])
 @pytest.mark.parametrize("kind", ["decode", "encode"])

@@ -28,6 +28,7 @@ from pyext.vae.state import COMPACT_DTYPE, empty, scale_of
 ALIGN = 4096  # direct I/O moves whole blocks: buffer addresses, file offsets and lengths
 # Pieces read are kept while their bytes are within this many of the largest chunk: a tile
 # reads its own chunk and its neighbours', and the next tile in the row reads most of them again.
+# (At least the pieces of the windows read ahead are kept: FileBands.plan.)
 CACHED_CHUNKS = 4
 WRITES_IN_FLIGHT = 2  # chunks written in the background, each holding its buffer until it is on disk
 READ_AHEAD = 1  # windows whose pieces are read while the current tile runs
@@ -214,6 +215,7 @@ class FileBands:
         self.cache: OrderedDict = OrderedDict()  # _overlaps' key -> (future of the pieces, bytes)
         self.cached_bytes = self.largest_chunk = 0
         self.windows, self.at = [], 0  # plan(): the windows to read, and the next one
+        self.window_bytes = 0  # plan(): the most bytes of pieces of the windows read ahead at once
 
     @property
     def height(self) -> int:
@@ -278,17 +280,28 @@ class FileBands:
         if key in self.cache:
             self.cache.move_to_end(key)
             return
-        size = (key[3] - key[2]) * sum(math.prod(s[1:]) for s in chunk.shapes) * chunk.dtype.itemsize
+        size = self._piece_bytes(key, chunk)
         self.cache[key] = (self.file.submit(self._load, key, chunk), size)
         self.cached_bytes += size
-        while len(self.cache) > 1 and self.cached_bytes > CACHED_CHUNKS * self.largest_chunk:
+        while len(self.cache) > 1 and self.cached_bytes > max(CACHED_CHUNKS * self.largest_chunk, self.window_bytes):
             self.cached_bytes -= self.cache.popitem(last=False)[1][1]
+
+    @staticmethod
+    def _piece_bytes(key, chunk: _Chunk) -> int:
+        return (key[3] - key[2]) * sum(math.prod(s[1:]) for s in chunk.shapes) * chunk.dtype.itemsize
 
     def plan(self, windows: list) -> None:
         """The windows that reads will ask for next, in order: each read starts reading the
-        pieces of the next READ_AHEAD windows."""
+        pieces of the next READ_AHEAD windows. The cache holds at least the pieces of the windows
+        read ahead: where a window spans many small chunks (a segment that tiles more coarsely
+        than the one that wrote the state), CACHED_CHUNKS chunks' bytes would evict pieces read
+        ahead before they are used, and read them again."""
         self.file.flush()
         self.windows, self.at = list(windows), 0
+        pieces = [{key: self._piece_bytes(key, chunk) for key, chunk, _, _ in self._overlaps(ys, xs)
+                   if chunk.buf is None} for ys, xs in self.windows]
+        self.window_bytes = max((sum({k: n for p in pieces[i:i + READ_AHEAD] for k, n in p.items()}.values())
+                                 for i in range(len(pieces))), default=0)
         self._read_ahead()
 
     def _read_ahead(self) -> None:
