@@ -19,8 +19,10 @@
 namespace pyext::cpu {
 namespace {
 
-// Bytes of V and M per chunk: big enough for an efficient GEMM, small enough to stay in cache.
-constexpr int64_t kChunkBytes = 8 << 20;
+// Bytes of V and M per chunk (at least kMinChunkTiles tiles, for an efficient GEMM). The buffer is
+// kept between calls, so it adds to the peak of every caller (a tiled VAE's small tiles): no larger
+// than the GEMMs need to run at full speed (README, "CPU runtimes").
+constexpr int64_t kChunkBytes = 2 << 20;
 constexpr int64_t kMinChunkTiles = 64;
 
 // The transformed weight and tile buffers, kept between calls: fresh buffers this large are

@@ -36,7 +36,7 @@ MIN_PIXELS, MIN_CHANNELS, PIXELS_PER_CHANNEL = 512, 32, 0.25
 # the workspace the C++ op keeps (csrc/winograd/winograd_ops.cpp: kKeptBytes, kChunkBytes,
 # kMinChunkTiles): 1280x1280 channels fit (225 MiB of weight), the largest of the SD UNets. A call
 # that needs more gets a fresh buffer per call, whose page faults cost more than Winograd saves.
-KEPT_WORKSPACE_BYTES, CHUNK_BYTES, MIN_CHUNK_TILES = 256 << 20, 8 << 20, 64
+KEPT_WORKSPACE_BYTES, CHUNK_BYTES, MIN_CHUNK_TILES = 256 << 20, 2 << 20, 64
 PANEL = 32  # csrc/winograd/winograd_cpu.h: kPanel
 
 
