@@ -55,13 +55,13 @@ def test_file_bands_read_what_bands_in_memory_read(state_dir, compact):
 def test_file_bands_keep_a_few_pieces_and_read_each_chunk_about_once(state_dir, monkeypatch):
     """A sweep of tiles with margins, as the next segment runs, reading ahead: memory holds at
     most CACHED_CHUNKS chunks' bytes of pieces, and the file is read little more than once."""
-    t = torch.randn(1, 8, 64, 96)
+    t = torch.randn(1, 64, 64, 96)  # a row of a chunk is one block: whole blocks are read, as counted
     rows, cols = equal_cores(64, 16), equal_cores(96, 16)
     disk = spill.FileBands(rows, 96, state_dir)
     _write(disk, t, rows, cols)
     read = []
-    real = spill._File.read
-    monkeypatch.setattr(spill._File, "read", lambda self, a, b: read.append(b - a) or real(self, a, b))
+    real = spill._File.read_into
+    monkeypatch.setattr(spill._File, "read_into", lambda self, buf, at: read.append(buf.numel()) or real(self, buf, at))
     peak = 0
     disk.plan([(window(ys, 64, 2), window(xs, 96, 2)) for ys in rows for xs in cols])  # reads ahead
     for i, ys in enumerate(rows):
@@ -76,23 +76,41 @@ def test_file_bands_keep_a_few_pieces_and_read_each_chunk_about_once(state_dir, 
     assert sum(read) <= 1.6 * t.numel() * 4, sum(read) / (t.numel() * 4)  # margins: 2 rows of 16, twice
 
 
+def test_read_buffers_come_from_the_thread_that_reads_the_state(state_dir, monkeypatch):
+    """The buffers that the I/O threads fill are made by the caller's thread (malloc's arenas of
+    the I/O threads would keep those blocks apart from the main one): every _aligned call of a
+    sweep of reads, reading ahead, is on this thread, and the reads still give the state."""
+    t = torch.randn(1, 16, 40, 48)
+    rows, cols = equal_cores(40, 10), equal_cores(48, 16)
+    disk = spill.FileBands(rows, 48, state_dir)
+    _write(disk, t, rows, cols)
+    threads, real = [], spill._aligned
+    monkeypatch.setattr(spill, "_aligned", lambda n: threads.append(threading.get_ident()) or real(n))
+    windows = [(window(ys, 40, 2), window(xs, 48, 2)) for ys in rows for xs in cols]
+    disk.plan(windows)
+    for w in windows:
+        got, = disk.read(*w)
+        assert torch.equal(got, t[..., w[0][0]:w[0][1], w[1][0]:w[1][1]])
+    assert threads and set(threads) == {threading.get_ident()}
+
+
 def test_windows_over_many_small_chunks_read_each_piece_once(state_dir, monkeypatch):
     """A segment that tiles more coarsely than the one that wrote its state (an encoder's
     second segment): windows of 64 pixels plus margins over chunks of 32, each window spanning
     16 chunks, more than CACHED_CHUNKS of them. The pieces read ahead stay until they are used,
     so no piece is read twice (a bound of CACHED_CHUNKS chunks evicted them first and read the
     state again), and the pieces held stay within those of the window read ahead."""
-    t = torch.randn(1, 4, 192, 256)
+    t = torch.randn(1, 32, 192, 256)  # a row of a chunk is one block
     rows, cols = equal_cores(192, 32), equal_cores(256, 32)
     disk = spill.FileBands(rows, 256, state_dir)
     _write(disk, t, rows, cols)
     read = []
-    real = spill._File.read
-    monkeypatch.setattr(spill._File, "read", lambda self, a, b: read.append(b - a) or real(self, a, b))
+    real = spill._File.read_into
+    monkeypatch.setattr(spill._File, "read_into", lambda self, buf, at: read.append(buf.numel()) or real(self, buf, at))
     windows = [(window(ys, 192, 2), window(xs, 256, 2)) for ys in equal_cores(192, 64) for xs in equal_cores(256, 64)]
     # bytes of the pieces a window reads: its rows of every chunk it touches, whole chunk rows
     touched = [sum((min(ys[1], b) - max(ys[0], a)) * (q - p) for a, b in rows for p, q in cols
-                   if max(ys[0], a) < min(ys[1], b) and max(xs[0], p) < min(xs[1], q)) * 4 * 4 for ys, xs in windows]
+                   if max(ys[0], a) < min(ys[1], b) and max(xs[0], p) < min(xs[1], q)) * 32 * 4 for ys, xs in windows]
     assert max(touched) > spill.CACHED_CHUNKS * disk.largest_chunk  # the case in question
     disk.plan(windows)
     peak = 0
@@ -133,8 +151,8 @@ def test_a_released_state_closes_its_file_in_the_background_and_keeps_none_of_it
     the file is closed."""
     import weakref
     pieces, real = [], spill.FileBands._load
-    monkeypatch.setattr(spill.FileBands, "_load", lambda self, key, chunk: (
-        lambda got: pieces.extend(weakref.ref(p) for p in got) or got)(real(self, key, chunk)))
+    monkeypatch.setattr(spill.FileBands, "_load", lambda self, key, chunk, bufs=None: (
+        lambda got: pieces.extend(weakref.ref(p) for p in got) or got)(real(self, key, chunk, bufs)))
     t = torch.randn(1, 4, 40, 48)
     rows, cols = equal_cores(40, 10), equal_cores(48, 16)
     disk = spill.FileBands(rows, 48, state_dir)
