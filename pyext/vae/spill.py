@@ -258,34 +258,37 @@ class FileBands:
                         yield (r, (p, q), lo - a, hi - a), chunk, (lo, hi), (max(xs[0], p), min(xs[1], q))
 
     @staticmethod
-    def _starts(key, chunk: _Chunk) -> list[int]:
-        """Where each tensor's part of the piece `key` starts: in the file, or in chunk.buf."""
-        return [start + key[2] * math.prod(shape[1:]) * chunk.dtype.itemsize
-                for start, shape in zip(chunk.starts, chunk.shapes)]
+    def _parts(key, chunk: _Chunk) -> list[tuple[int, int]]:
+        """(where it starts, bytes) of each tensor's part of the piece `key`: in the file, or in
+        chunk.buf."""
+        parts = []
+        for start, shape in zip(chunk.starts, chunk.shapes):
+            row_bytes = math.prod(shape[1:]) * chunk.dtype.itemsize
+            parts.append((start + key[2] * row_bytes, (key[3] - key[2]) * row_bytes))
+        return parts
 
     def _buffers(self, key, chunk: _Chunk) -> list:
         """(buffer, block it starts at) for each tensor's part of a piece in the file: the whole
         blocks around it. Made by the thread that runs the tiles, which frees them too: buffers
-        made by the I/O threads would come from malloc's arenas of those threads, which keep
-        their freed blocks apart from the main one (15 MiB more peak for the small VAE, README)."""
+        made by the I/O threads would come from those threads' malloc arenas, which keep their
+        freed blocks apart from the main heap (a higher peak: README, "Tiled VAE")."""
         bufs = []
-        for begin, shape in zip(self._starts(key, chunk), chunk.shapes):
-            end = begin + (key[3] - key[2]) * math.prod(shape[1:]) * chunk.dtype.itemsize
+        for begin, nbytes in self._parts(key, chunk):
             at = begin // ALIGN * ALIGN
-            bufs.append((_aligned(-(-end // ALIGN) * ALIGN - at), at))
+            bufs.append((_aligned(-(-(begin + nbytes) // ALIGN) * ALIGN - at), at))
         return bufs
 
     def _load(self, key, chunk: _Chunk, bufs=None) -> tuple:
         """The piece `key` names of `chunk`, each tensor (..., rows, columns): from chunk.buf, or
         read from the file into `bufs` (_buffers; in an I/O thread)."""
-        pieces, rows = [], key[3] - key[2]
-        for k, (begin, shape) in enumerate(zip(self._starts(key, chunk), chunk.shapes)):
+        pieces = []
+        for k, ((begin, _), shape) in enumerate(zip(self._parts(key, chunk), chunk.shapes)):
             if chunk.buf is None:
                 buf, at = bufs[k]
                 buf, begin = self.file.read_into(buf, at), begin - at
             else:
                 buf = chunk.buf
-            pieces.append(_typed(buf, begin, (rows, *shape[1:]), chunk.dtype).permute(FROM_ROWS_FIRST))
+            pieces.append(_typed(buf, begin, (key[3] - key[2], *shape[1:]), chunk.dtype).permute(FROM_ROWS_FIRST))
         return tuple(pieces)
 
     def _fetch(self, key, chunk) -> None:
@@ -296,15 +299,11 @@ class FileBands:
         if key in self.cache:
             self.cache.move_to_end(key)
             return
-        size = self._piece_bytes(key, chunk)
+        size = sum(n for _, n in self._parts(key, chunk))
         self.cache[key] = (self.file.submit(self._load, key, chunk, self._buffers(key, chunk)), size)
         self.cached_bytes += size
         while len(self.cache) > 1 and self.cached_bytes > max(CACHED_CHUNKS * self.largest_chunk, self.window_bytes):
             self.cached_bytes -= self.cache.popitem(last=False)[1][1]
-
-    @staticmethod
-    def _piece_bytes(key, chunk: _Chunk) -> int:
-        return (key[3] - key[2]) * sum(math.prod(s[1:]) for s in chunk.shapes) * chunk.dtype.itemsize
 
     def plan(self, windows: list) -> None:
         """The windows that reads will ask for next, in order: each read starts reading the
@@ -314,10 +313,14 @@ class FileBands:
         ahead before they are used, and read them again."""
         self.file.flush()
         self.windows, self.at = list(windows), 0
-        pieces = [{key: self._piece_bytes(key, chunk) for key, chunk, _, _ in self._overlaps(ys, xs)
-                   if chunk.buf is None} for ys, xs in self.windows]
-        self.window_bytes = max((sum({k: n for p in pieces[i:i + READ_AHEAD] for k, n in p.items()}.values())
-                                 for i in range(len(pieces))), default=0)
+        in_file = [{key: sum(n for _, n in self._parts(key, chunk)) for key, chunk, _, _ in self._overlaps(ys, xs)
+                    if chunk.buf is None} for ys, xs in self.windows]  # per window: its pieces' bytes
+        self.window_bytes = 0
+        for i in range(len(in_file)):
+            ahead = {}
+            for pieces in in_file[i:i + READ_AHEAD]:
+                ahead.update(pieces)
+            self.window_bytes = max(self.window_bytes, sum(ahead.values()))
         self._read_ahead()
 
     def _read_ahead(self) -> None:
