@@ -28,6 +28,17 @@ def _write(bands, t: torch.Tensor, rows, cols, extra=()):
             bands.write(r, xs, (t[..., a:b, xs[0]:xs[1]], *(e[..., a:b, xs[0]:xs[1]] for e in extra)))
 
 
+def _state_counting_reads(state_dir, monkeypatch, t, chunk: int):
+    """t in a FileBands of chunk x chunk tiles, and the list that each read from its file adds
+    its bytes to."""
+    rows, cols = equal_cores(t.shape[-2], chunk), equal_cores(t.shape[-1], chunk)
+    disk = spill.FileBands(rows, t.shape[-1], state_dir)
+    _write(disk, t, rows, cols)
+    read, real = [], spill._File.read_into
+    monkeypatch.setattr(spill._File, "read_into", lambda self, buf, at: read.append(buf.numel()) or real(self, buf, at))
+    return disk, rows, cols, read
+
+
 @pytest.mark.parametrize("compact", [False, True])
 def test_file_bands_read_what_bands_in_memory_read(state_dir, compact):
     """Two tensors (an activation and a residual), a batch of 2, odd tiles, values over many
@@ -56,12 +67,7 @@ def test_file_bands_keep_a_few_pieces_and_read_each_chunk_about_once(state_dir, 
     """A sweep of tiles with margins, as the next segment runs, reading ahead: memory holds at
     most CACHED_CHUNKS chunks' bytes of pieces, and the file is read little more than once."""
     t = torch.randn(1, 64, 64, 96)  # a row of a chunk is one block: whole blocks are read, as counted
-    rows, cols = equal_cores(64, 16), equal_cores(96, 16)
-    disk = spill.FileBands(rows, 96, state_dir)
-    _write(disk, t, rows, cols)
-    read = []
-    real = spill._File.read_into
-    monkeypatch.setattr(spill._File, "read_into", lambda self, buf, at: read.append(buf.numel()) or real(self, buf, at))
+    disk, rows, cols, read = _state_counting_reads(state_dir, monkeypatch, t, 16)
     peak = 0
     disk.plan([(window(ys, 64, 2), window(xs, 96, 2)) for ys in rows for xs in cols])  # reads ahead
     for i, ys in enumerate(rows):
@@ -101,12 +107,7 @@ def test_windows_over_many_small_chunks_read_each_piece_once(state_dir, monkeypa
     so no piece is read twice (a bound of CACHED_CHUNKS chunks evicted them first and read the
     state again), and the pieces held stay within those of the window read ahead."""
     t = torch.randn(1, 32, 192, 256)  # a row of a chunk is one block
-    rows, cols = equal_cores(192, 32), equal_cores(256, 32)
-    disk = spill.FileBands(rows, 256, state_dir)
-    _write(disk, t, rows, cols)
-    read = []
-    real = spill._File.read_into
-    monkeypatch.setattr(spill._File, "read_into", lambda self, buf, at: read.append(buf.numel()) or real(self, buf, at))
+    disk, rows, cols, read = _state_counting_reads(state_dir, monkeypatch, t, 32)
     windows = [(window(ys, 192, 2), window(xs, 256, 2)) for ys in equal_cores(192, 64) for xs in equal_cores(256, 64)]
     # bytes of the pieces a window reads: its rows of every chunk it touches, whole chunk rows
     touched = [sum((min(ys[1], b) - max(ys[0], a)) * (q - p) for a, b in rows for p, q in cols
