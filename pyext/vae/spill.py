@@ -267,13 +267,14 @@ class FileBands:
             parts.append((start + key[2] * row_bytes, (key[3] - key[2]) * row_bytes))
         return parts
 
-    def _buffers(self, key, chunk: _Chunk) -> list:
-        """(buffer, block it starts at) for each tensor's part of a piece in the file: the whole
-        blocks around it. Made by the thread that runs the tiles, which frees them too: buffers
-        made by the I/O threads would come from those threads' malloc arenas, which keep their
-        freed blocks apart from the main heap (a higher peak: README, "Tiled VAE")."""
+    @staticmethod
+    def _buffers(parts: list) -> list:
+        """(buffer, block it starts at) for each of a piece's _parts in the file: the whole blocks
+        around it. Made by the thread that runs the tiles, which frees them too: buffers made by
+        the I/O threads would come from those threads' malloc arenas, which keep their freed
+        blocks apart from the main heap (a higher peak: README, "Tiled VAE")."""
         bufs = []
-        for begin, nbytes in self._parts(key, chunk):
+        for begin, nbytes in parts:
             at = begin // ALIGN * ALIGN
             bufs.append((_aligned(-(-(begin + nbytes) // ALIGN) * ALIGN - at), at))
         return bufs
@@ -299,8 +300,9 @@ class FileBands:
         if key in self.cache:
             self.cache.move_to_end(key)
             return
-        size = sum(n for _, n in self._parts(key, chunk))
-        self.cache[key] = (self.file.submit(self._load, key, chunk, self._buffers(key, chunk)), size)
+        parts = self._parts(key, chunk)
+        size = sum(n for _, n in parts)
+        self.cache[key] = (self.file.submit(self._load, key, chunk, self._buffers(parts)), size)
         self.cached_bytes += size
         while len(self.cache) > 1 and self.cached_bytes > max(CACHED_CHUNKS * self.largest_chunk, self.window_bytes):
             self.cached_bytes -= self.cache.popitem(last=False)[1][1]
