@@ -66,7 +66,11 @@ def print_text(info: dict) -> None:
         timings = ", ".join(f"{b} {t * 1e3:.3g} ms" for b, t in sorted(d["timings"].items(), key=lambda x: x[1]))
         print(f"  {d['device']}: {d['op']} {d['key']} -> {d['backend']} ({timings})")
     for u in info["unusable"]:
-        print(f"  unusable on {u['device']}: {u['op']} {u['backend']}: {u['reason']}")
+        print(f"  unusable on {u['device']} since {u['time']}: {u['op']} {u['backend']} for {u['variant']}: "
+              f"{u['reason']}")
+    if info["unusable"]:
+        print("  (checked again by the next process that would choose them; "
+              "`python -m pyext info --clear-marks` forgets them now)")
 
 
 def plans(archs, budgets, device: str, capability) -> list[dict]:
@@ -160,6 +164,8 @@ def main(argv=None) -> int:
     sub = parser.add_subparsers(dest="command", required=True)
     info = sub.add_parser("info", help="build, device and backends")
     info.add_argument("--json", action="store_true")
+    info.add_argument("--clear-marks", action="store_true",
+                      help="forget every backend marked unusable (pyext.dispatch.clear_marks())")
     plan = sub.add_parser("plan", help="what the memory planner picks per architecture and budget")
     plan.add_argument("--arch", nargs="+", default=["sd15", "sdxl", "sd3", "flux"])
     plan.add_argument("--budgets", nargs="+", default=["4GB", "8GB", "16GB", "24GB"])
@@ -193,6 +199,10 @@ def main(argv=None) -> int:
         for problem in problems:
             print(problem, file=sys.stderr)
         return 1 if problems else 0
+    if args.clear_marks:
+        from pyext import dispatch
+
+        print(f"cleared {dispatch.clear_marks()} unusable marks", file=sys.stderr)
     data = collect()
     if args.json:
         json.dump(data, sys.stdout, indent=2, default=str)

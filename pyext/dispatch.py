@@ -1,20 +1,31 @@
-"""Backend selection for pyext ops, in the manner of xformers' fmha dispatch: measured and self-checked.
+"""Backend selection for pyext ops, in the manner of xformers' fmha dispatch: validated, self-checked, cached.
 
 Each op has an ordered list of backends. A backend declares whether it can run in this
 process at all (`unavailable()` returns a reason or None); what it supports, as data, in the
 manner of xformers' fmha ops (`devices`, `dtypes`, `limits` on named sizes such as the head
 dim, and the `test_shapes` the tests run it on); whether it can take an input beyond that data
-(`reasons(*args)`: a list of reasons, empty when it can); why automatic choice never picks
-it although it could run (`advisory(*args)`: "the interpreter is for tests"), and a speed
-rule measured elsewhere that only the static order follows (`slower(*args)`). Dispatch checks
-the data itself (`input_reasons`), so what a backend declares and what it accepts cannot drift
-apart. Forcing a backend by name overrides advisory, slower and the self-check.
+(`reasons(*args)`: from shapes, dtypes, strides and plain arguments only); what it refuses in
+the input's values (`guard(*args)`: CPU tensors only, where reading them costs no device sync);
+why automatic choice never picks it although it could run (`advisory(*args)`: "the interpreter
+is for tests"), and a speed rule measured elsewhere that only the static order follows
+(`slower(*args)`). Dispatch checks the data itself (`input_reasons`), so what a backend
+declares and what it accepts cannot drift apart. Forcing a backend by name overrides
+advisory, slower and the self-check.
+
+Every call is validated first (`Op.check`), the same for the public function and the raw
+`torch.ops.pyext.*` op: bad input is a PyextError before any backend is chosen, and it
+changes nothing that dispatch keeps.
+
+The choice for a call signature (the op, the forced backend, every tensor's dtype, shape,
+strides and device, the other arguments) is kept in memory: a repeated call does no
+per-backend reasoning, reads no environment variable and takes no lock; only the chosen
+backend's `guard` runs again. The slow path, taken once per signature, works as follows.
 
 Automatic choice has two modes (`PYEXT_DISPATCH=measured|static`):
 - static, the default on CPU: the first backend in registration order that can take the
   input and that neither `advisory` nor `slower` passes by. The CPU orders come from
-  measurements (bench/attention.py, bench/fp8.py), and measuring at run time costs a CPU far
-  more than it gains (README, "Dispatch").
+  measurements (bench/attention.py, bench/fp8.py); measuring at run time costs a CPU far
+  more than it gains (docs: dispatch).
 - measured, the default on CUDA: for each key (op, device name, dtypes, shape bucket) the
   first call times every backend that can take the input (a warm-up, then a few timed runs;
   CUDA events on a GPU), keeps the fastest, and caches the choice in memory and in a JSON
@@ -23,12 +34,13 @@ Automatic choice has two modes (`PYEXT_DISPATCH=measured|static`):
   cached choice, else the static one, is used there.
 
 Self-check, in both modes: before a backend is first chosen automatically for an op on a
-device and variant (dtype, head dim, ...), it runs once on a small input of that variant
-(`Op.sample`) and its result is compared with the op's reference backend (`Op.close`). A
-backend that raises or misses the tolerance is marked unusable on that device, with its
-reason (`unusable()`, `python -m pyext info`), and choice moves on; so is one that raises
-at run time, and the call is retried on the next backend. An untested kernel therefore
-never crashes a pipeline or gives it a wrong answer.
+device and variant (dtype, head dim, ...), it runs once on a small valid input of that
+variant (`Op.sample`) and its result is compared with the op's reference backend
+(`Op.close`). Only a backend that raises or misses the tolerance there is marked unusable,
+for that variant, with its reason and time (`unusable()`, `python -m pyext info`); the mark
+is saved with the device's cache and checked again once by the next process that would
+choose it, and `clear_marks()` forgets every mark. A backend that raises on a user's
+(validated) input marks nothing: the call runs on the next backend, with a warning once.
 """
 from __future__ import annotations
 
@@ -39,6 +51,7 @@ import os
 import re
 import threading
 import time
+import warnings
 from dataclasses import dataclass, field, replace
 from typing import Any, Callable
 
@@ -59,7 +72,9 @@ class Backend:
     devices; dtypes, the compute dtypes it takes (None: not declared, any); limits, the values
     it takes of the op's named sizes (`Op.sizes`, e.g. {"head_dim": range(1, 257)}); notes,
     why, keyed by a refused dtype or a limit's name, appended to the reason dispatch gives;
-    test_shapes, argument-shape specs (`Op.example`) the tests run it on in each of its dtypes."""
+    test_shapes, argument-shape specs (`Op.example`) the tests run it on in each of its dtypes.
+    reasons must depend on shapes, dtypes, strides and plain arguments only (dispatch keeps its
+    choice per signature); guard, on values, and it is asked on every call (CPU inputs only)."""
 
     name: str
     run: Callable
@@ -74,6 +89,7 @@ class Backend:
     limits: dict[str, range | tuple[int, ...]] = field(default_factory=dict)
     notes: dict[Any, str] = field(default_factory=dict)
     test_shapes: tuple = ()
+    guard: Callable[..., list[str]] | None = None
 
 
 def _first_tensor(args) -> torch.Tensor | None:
@@ -98,11 +114,11 @@ def default_bucket(args) -> tuple:
 
 @dataclass
 class Op:
-    """An op's backends and what its self-check and measurement need (set by `define`).
+    """An op's backends and what its validation, self-check and measurement need (set by `define`).
 
-    sample(args) -> small args of the same variant, on the same device (None: no self-check);
-        the check runs backend and reference each on a copy, so an op whose reference is cheap
-        may return args itself;
+    check(*args) raises PyextError for input no backend may see (the op's validation);
+    sample(args) -> small valid args of the same variant, on the same device (None: no
+        self-check); the check runs backend and reference each on a copy;
     close(out, ref, args) -> None when `out` matches the reference's `ref`, else the reason;
     output(args, returned) -> the result to compare (an out= op returns None and writes args);
     pure: the op reads its inputs only, so measurement may run it repeatedly on them and a
@@ -115,6 +131,7 @@ class Op:
     name: str
     backends: list[Backend] = field(default_factory=list)
     reference: str = "reference"
+    check: Callable | None = None
     sample: Callable | None = None
     close: Callable | None = None
     output: Callable = lambda args, returned: returned
@@ -135,19 +152,28 @@ def register(op_name: str, backend: Backend) -> None:
     if any(b.name == backend.name for b in op.backends):
         raise RuntimeError(f"pyext: backend {backend.name!r} registered twice for {op_name}")
     op.backends.append(backend)
+    _CHOSEN.clear()
 
 
 def define(op_name: str, **fields) -> None:
-    """Set an op's self-check and measurement fields (see Op)."""
+    """Set an op's validation, self-check and measurement fields (see Op)."""
     op = _OPS.setdefault(op_name, Op(op_name))
     for key, value in fields.items():
         if not hasattr(op, key) or key in ("name", "backends"):
             raise RuntimeError(f"pyext: Op has no settable field {key!r}")
         setattr(op, key, value)
+    _CHOSEN.clear()
 
 
 def ops() -> dict[str, Op]:
     return dict(_OPS)
+
+
+def check(op_name: str, args: tuple) -> None:
+    """The op's validation of `args` (PyextError when bad); the fake kernels call it too."""
+    op = _OPS[op_name]
+    if op.check is not None:
+        op.check(*args)
 
 
 def describe(x) -> str:
@@ -171,9 +197,9 @@ def _refused(backend: Backend, what, message: str) -> str:
     return f"{message}: {note}" if note else message
 
 
-def input_reasons(op: Op, backend: Backend, args: tuple) -> list[str]:
+def input_reasons(op: Op, backend: Backend, args: tuple, values: bool = True) -> list[str]:
     """Why `backend` cannot take `args`, whether or not it can run in this process (empty: it can):
-    its declared devices, dtypes and limits, then its own reasons()."""
+    its declared devices, dtypes and limits, its own reasons(), then its guard on CPU values."""
     device = _device(args).type
     if device not in backend.devices:
         return [f"runs on {_names(backend.devices)}, not {device}"]
@@ -186,12 +212,20 @@ def input_reasons(op: Op, backend: Backend, args: tuple) -> list[str]:
         if sizes[name] not in allowed:
             shown = f"{allowed.start}..{allowed.stop - 1}" if isinstance(allowed, range) else _names(allowed)
             reasons.append(_refused(backend, name, f"{name} {sizes[name]} is not in {shown}"))
-    return reasons + backend.reasons(*args)
+    reasons += backend.reasons(*args)
+    return reasons or (_guard_reasons(backend, args) if values else [])
 
 
-def why_not(op: Op, backend: Backend, args: tuple) -> list[str]:
+def _guard_reasons(backend: Backend, args: tuple) -> list[str]:
+    if backend.guard is None or _device(args).type != "cpu":
+        return []
+    return backend.guard(*args)
+
+
+def why_not(op: Op, backend: Backend, args: tuple, values: bool = True) -> list[str]:
+    """Why `backend` cannot run `args` here; `values=False` leaves out its guard on the values."""
     missing = backend.unavailable()
-    return [missing] if missing else input_reasons(op, backend, args)
+    return [missing] if missing else input_reasons(op, backend, args, values)
 
 
 # ----------------------------------------------------------------------------- modes and devices
@@ -214,7 +248,7 @@ def can_measure(device: torch.device) -> bool:
     return not (device.type == "cuda" and torch.cuda.is_current_stream_capturing())
 
 
-@functools.lru_cache(maxsize=None)  # asked on every op call: no /proc read or driver query each time
+@functools.lru_cache(maxsize=None)  # asked on every slow-path choice: no /proc read or driver query each time
 def device_name(device: torch.device) -> str:
     """Names the hardware (cache files and keys are per device model, not per index)."""
     if device.type == "cuda":
@@ -253,14 +287,18 @@ def cache_dir() -> str:
 
 # ----------------------------------------------------------------------------- the per-device cache
 
+CACHE_FORMAT = 2  # 2: marks per variant, with their time
+
+
 @dataclass
 class _DeviceCache:
-    """What dispatch knows about one device: measured choices, unusable backends, passed self-checks."""
+    """What dispatch knows about one device: measured choices, marks, passed self-checks."""
 
     name: str
     decisions: dict[str, dict] = field(default_factory=dict)  # key -> {op, key, backend, timings}
-    unusable: dict[str, dict] = field(default_factory=dict)  # "op|backend" -> {op, backend, reason}
+    unusable: dict[str, dict] = field(default_factory=dict)  # "op|backend|variant" -> {op, backend, variant, reason, time}
     checked: set[str] = field(default_factory=set)  # "op|backend|variant" that passed
+    confirmed: set[str] = field(default_factory=set)  # marks this process made or checked again
 
     def path(self) -> str:
         return os.path.join(cache_dir(), re.sub(r"[^A-Za-z0-9._-]+", "_", self.name) + ".json")
@@ -271,14 +309,14 @@ class _DeviceCache:
                 data = json.load(f)
         except (OSError, ValueError):
             return
-        if data.get("versions") != _versions():  # another pyext, torch or Triton: measure anew
-            return
+        if data.get("versions") != _versions() or data.get("format") != CACHE_FORMAT:
+            return  # another pyext, torch, Triton or file format: measure and check anew
         self.decisions = data.get("decisions", {})
         self.unusable = data.get("unusable", {})
         self.checked = set(data.get("checked", []))
 
     def save(self) -> None:
-        data = {"device": self.name, "versions": _versions(), "decisions": self.decisions,
+        data = {"device": self.name, "format": CACHE_FORMAT, "versions": _versions(), "decisions": self.decisions,
                 "unusable": self.unusable, "checked": sorted(self.checked)}
         try:
             os.makedirs(cache_dir(), exist_ok=True)
@@ -292,6 +330,9 @@ class _DeviceCache:
 
 _CACHES: dict[str, _DeviceCache] = {}
 _LOCK = threading.RLock()
+# Call signature -> the backend chosen for it (wrapped by _guarded). Read without the lock: a
+# dict lookup is atomic, and an entry, once written, is never changed (only dropped).
+_CHOSEN: dict[tuple, Backend] = {}
 
 
 def _cache(device: torch.device) -> _DeviceCache:
@@ -304,9 +345,11 @@ def _cache(device: torch.device) -> _DeviceCache:
 
 
 def reset() -> None:
-    """Forget every in-memory decision and mark (the files stay); tests use it."""
+    """Forget every in-memory choice, decision and mark (the files stay): as a new process would start."""
     with _LOCK:
         _CACHES.clear()
+        _CHOSEN.clear()
+        _WARNED.clear()
 
 
 def decisions() -> list[dict]:
@@ -316,15 +359,31 @@ def decisions() -> list[dict]:
 
 
 def marked_unusable(op_name: str, backend_name: str, device: torch.device) -> bool:
-    """Whether a backend failed its self-check or raised on this device (this process's view)."""
+    """Whether a backend is marked unusable on this device for any variant (this process's view)."""
+    prefix = f"{op_name}|{backend_name}|"
     with _LOCK:
-        return f"{op_name}|{backend_name}" in _cache(device).unusable
+        return any(key.startswith(prefix) for key in _cache(device).unusable)
 
 
 def unusable() -> list[dict]:
-    """[{op, backend, reason, device}]: backends that failed their self-check or raised at run time."""
+    """[{op, backend, variant, reason, time, device}]: backends whose self-check failed, per variant."""
     _load_all()
     return [dict(u, device=c.name) for c in _CACHES.values() for u in c.unusable.values()]
+
+
+def clear_marks() -> int:
+    """Forget every unusable mark, in memory and in the cache files of every device; returns how many.
+    The next automatic choice of each backend runs its self-check again."""
+    _load_all()
+    with _LOCK:
+        count = 0
+        for cache in _CACHES.values():
+            count += len(cache.unusable)
+            cache.unusable.clear()
+            cache.confirmed.clear()
+            cache.save()
+        _CHOSEN.clear()
+        return count
 
 
 def _load_all() -> None:
@@ -359,38 +418,40 @@ def reference(op: Op) -> Backend:
 
 
 def _self_check(op: Op, backend: Backend, args: tuple) -> str | None:
-    """None when `backend` matches the reference on a small input of args' variant, else why not."""
+    """None when `backend` matches the reference on a small valid input of args' variant, else why not."""
     small = op.sample(args)
     try:
         out = run_on_copy(op, backend, small)
-    except PyextError:
+    except torch.OutOfMemoryError:
         raise
-    except Exception as err:  # a kernel that cannot compile or launch here
+    except Exception as err:  # a kernel that cannot compile or launch here, or that refuses a valid input
         return f"self-check raised {type(err).__name__}: {str(err)[:200]}"
     problem = op.close(out, run_on_copy(op, reference(op), small), small)
     return None if problem is None else f"self-check against {op.reference}: {problem}"
 
 
 def _usable(op: Op, backend: Backend, args: tuple, cache: _DeviceCache, checking: bool) -> bool:
-    if f"{op.name}|{backend.name}" in cache.unusable:
-        return False
-    if backend.name == op.reference or op.sample is None or not checking:
+    """Whether `backend` may be chosen for args' variant: it passed its self-check here or in an
+    earlier process, or passes it now. A mark from an earlier process is checked again once."""
+    if backend.name == op.reference or op.sample is None:
         return True
-    mark = f"{op.name}|{backend.name}|{op.variant(args)}"
-    if mark in cache.checked:
+    key = f"{op.name}|{backend.name}|{op.variant(args)}"
+    marked = key in cache.unusable
+    if marked and (key in cache.confirmed or not checking):
+        return False
+    if not marked and (key in cache.checked or not checking):
         return True
     problem = _self_check(op, backend, args)
     if problem is None:
-        cache.checked.add(mark)
+        cache.checked.add(key)
+        cache.unusable.pop(key, None)
     else:
-        _mark_unusable(cache, op, backend, problem)
+        cache.unusable[key] = {"op": op.name, "backend": backend.name, "variant": str(op.variant(args)),
+                               "reason": problem, "time": time.strftime("%Y-%m-%dT%H:%M:%S%z")}
+        cache.confirmed.add(key)
+        cache.checked.discard(key)
     cache.save()
     return problem is None
-
-
-def _mark_unusable(cache: _DeviceCache, op: Op, backend: Backend, reason: str) -> None:
-    cache.unusable[f"{op.name}|{backend.name}"] = {"op": op.name, "backend": backend.name, "reason": reason}
-    cache.save()
 
 
 def time_call(fn: Callable[[], Any], device: torch.device, warmup: int = 1, runs: int = 3) -> float:
@@ -449,12 +510,9 @@ def measured_choice(what: str, key: str, device: torch.device, runs: dict[str, C
         return decision
 
 
-def _measure(op: Op, candidates: list[Backend], args: tuple, cache: _DeviceCache) -> Backend:
+def _measure(op: Op, candidates: list[Backend], args: tuple) -> Backend:
     decision = measured_choice(op.name, str(op.bucket(args)), _device(args),
                                {b.name: (lambda b=b: b.run(*args)) for b in candidates})
-    for backend in candidates:
-        if backend.name in decision.get("rejected", {}):
-            _mark_unusable(cache, op, backend, decision["rejected"][backend.name])
     return next(b for b in candidates if b.name == decision["backend"])
 
 
@@ -474,16 +532,23 @@ def _forced(op: Op, forced: str, args: tuple) -> Backend:
     return match[0]
 
 
-def _automatic(op: Op, args: tuple) -> Backend:
+def _automatic(op: Op, args: tuple, exclude: frozenset = frozenset()) -> tuple[Backend, bool]:
+    """The backend automatic choice takes for args, and whether that choice holds for every call of
+    the same signature (False when it rests on values, on a failure of this call, or on a trace)."""
     device = _device(args)
     cache = _cache(device)
     measuring = can_measure(device)
+    keep = measuring and not exclude
     report, able = [], []
     for backend in op.backends:
-        reasons = why_not(op, backend, args) or backend.advisory(*args)
-        unusable_mark = cache.unusable.get(f"{op.name}|{backend.name}")
-        if unusable_mark:
-            reasons = [f"unusable on this device: {unusable_mark['reason']}"]
+        if backend.name in exclude:
+            report.append(f"  {backend.name}: raised on this input")
+            continue
+        reasons = why_not(op, backend, args, values=False)
+        if not reasons:
+            reasons = _guard_reasons(backend, args)
+            keep = keep and not reasons  # refused for the values of this call only
+        reasons = reasons or backend.advisory(*args)
         if reasons:
             report.append(f"  {backend.name}: {'; '.join(reasons)}")
         else:
@@ -492,35 +557,49 @@ def _automatic(op: Op, args: tuple) -> Backend:
         known = cache.decisions.get(f"{op.name}|{op.bucket(args)}")
         chosen = next((b for b in able if known and b.name == known["backend"]), None)
         if chosen is not None:
-            return chosen
+            return chosen, keep
         timed = [b for b in able if b.timed]
         if measuring and op.pure and len(timed) > 1:
             checked = [b for b in timed if _usable(op, b, args, cache, True)]
             if checked:
-                return _measure(op, checked, args, cache)
+                return _measure(op, checked, args), keep
     for backend in able:  # static order (also measured mode's fallback where it cannot measure)
         slower = backend.slower(*args)
         if slower:
             report.append(f"  {backend.name}: {'; '.join(slower)}")
         elif _usable(op, backend, args, cache, measuring):
-            return backend
+            return backend, keep
         else:
-            report.append(f"  {backend.name}: {cache.unusable[f'{op.name}|{backend.name}']['reason']}")
+            mark = cache.unusable[f"{op.name}|{backend.name}|{op.variant(args)}"]
+            report.append(f"  {backend.name}: unusable for this variant since {mark['time']}: {mark['reason']}")
     raise PyextError(
         f"pyext.{op.name}: no backend can run these inputs: {', '.join(describe(a) for a in args)}\n"
         + "\n".join(report)
     )
 
 
-_GUARDED: dict[tuple[str, str], tuple[Backend, Backend]] = {}  # (op, name) -> (backend, its wrapper)
+_WARNED: set[tuple] = set()
 
 
-def _guarded(op: Op, backend: Backend) -> Backend:
-    """The backend, with a run that marks it unusable and retries on the next one if it raises
-    (one wrapper per op and backend, made once: select runs on every op call)."""
-    key = (op.name, backend.name)
-    if key in _GUARDED and _GUARDED[key][0] is backend:
-        return _GUARDED[key][1]
+def _fall_back(op: Op, backend: Backend, args: tuple, err: Exception, exclude: frozenset):
+    """Run args on the next backend after `backend` raised on them; nothing is marked (the input
+    was valid, and the backend passed its self-check): a warning says so, once per variant."""
+    what = (op.name, backend.name, str(op.variant(args)))
+    if what not in _WARNED:
+        _WARNED.add(what)
+        warnings.warn(f"pyext.{op.name}: backend {backend.name!r} raised {type(err).__name__} on "
+                      f"{', '.join(describe(a) for a in args)} ({str(err)[:200]}); this call and any like it run "
+                      "on the next backend", RuntimeWarning, stacklevel=4)
+    exclude = exclude | {backend.name}
+    with _LOCK:
+        nxt, _ = _automatic(op, args, exclude)
+    return _guarded(op, nxt, exclude).run(*args)
+
+
+def _guarded(op: Op, backend: Backend, exclude: frozenset = frozenset()) -> Backend:
+    """The backend, with a run that moves on to the next backend if it raises on a valid input."""
+    if backend.name == op.reference or not op.pure:
+        return backend
 
     def run(*args):
         try:
@@ -528,25 +607,43 @@ def _guarded(op: Op, backend: Backend) -> Backend:
         except (PyextError, torch.OutOfMemoryError):  # the caller's input, or its size: not the kernel
             raise
         except Exception as err:
-            if not op.pure or backend.name == op.reference:
-                raise
-            with _LOCK:
-                _mark_unusable(_cache(_device(args)), op, backend,
-                               f"raised at run time: {type(err).__name__}: {str(err)[:200]}")
-            return select(op.name, args).run(*args)
+            return _fall_back(op, backend, args, err, exclude)
 
-    _GUARDED[key] = backend, replace(backend, run=run)  # new, or the op was re-registered
-    return _GUARDED[key][1]
+    return replace(backend, run=run)
+
+
+def _signature(op_name: str, forced, args: tuple) -> tuple:
+    key = [op_name, forced]
+    for a in args:
+        if isinstance(a, torch.Tensor):
+            key.append((a.dtype, a.shape, a.stride(), a.device))
+        elif isinstance(a, list):
+            key.append(tuple(a))
+        else:
+            key.append(a)
+    return tuple(key)
 
 
 def select(op_name: str, args: tuple, forced: str | None = None) -> Backend:
     """The backend to run `args` on: `forced` if given (it must be able to), else the automatic
-    choice. Raises one PyextError showing the input and every backend's reasons if none can."""
+    choice. Validates args first; raises one PyextError showing the input and every backend's
+    reasons if none can take them."""
     op = _OPS[op_name]
-    if forced is not None:
-        return _forced(op, forced, args)
+    if op.check is not None:
+        op.check(*args)
+    key = _signature(op_name, forced, args)
+    chosen = _CHOSEN.get(key)
+    if chosen is not None and (chosen.guard is None or not _guard_reasons(chosen, args)):
+        return chosen
     with _LOCK:
-        return _guarded(op, _automatic(op, args))
+        if forced is not None:
+            chosen, keep = _forced(op, forced, args), True
+        else:
+            backend, keep = _automatic(op, args)
+            chosen = _guarded(op, backend)
+        if keep:
+            _CHOSEN[key] = chosen
+        return chosen
 
 
 def status(device: str) -> dict[str, list[dict]]:

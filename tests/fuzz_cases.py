@@ -288,7 +288,9 @@ def _upcast_bad(p: dict, what: str) -> None:
         "scale_size": lambda: fp8_upcast(w, torch.ones(w.shape[0] + 2), dtype),
         "int_dtype": lambda: fp8_upcast(w, s, torch.int32),
         "out_shape": lambda: fp8_upcast(w, s, out=torch.empty(w.numel() + 1, dtype=dtype)),
-        "out_strided": lambda: fp8_upcast(w, s, out=torch.empty((*w.shape, 2), dtype=dtype)[..., 0]),
+        # (one element is contiguous whatever its strides: then a wrong shape instead)
+        "out_strided": lambda: fp8_upcast(w, s, out=torch.empty((*w.shape, 2), dtype=dtype)[..., 0] if w.numel() > 1
+                                          else torch.empty(2, dtype=dtype)),
         "out_dtype": lambda: fp8_upcast(w, s, out=torch.empty(w.shape, dtype=torch.float64)),
         "out_meta": lambda: fp8_upcast(w, s, out=torch.empty(w.shape, dtype=dtype, device="meta")),
         "scalar_weight": lambda: fp8_upcast(w.reshape(-1)[0], torch.ones(1), dtype),

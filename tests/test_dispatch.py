@@ -8,6 +8,8 @@ dispatcher runs on a CPU.
 import json
 import os
 import time
+import warnings
+from dataclasses import replace
 
 import pytest
 import torch
@@ -24,7 +26,7 @@ def close(out, ref, args):
     return None if torch.allclose(out, ref) else f"max error {(out - ref).abs().max().item():.3g}"
 
 
-def make_op(*backends, pure=True):
+def make_op(*backends, pure=True, check=None):
     """Registers OP with `backends` then the reference; returns {name: call count}."""
     calls = {}
 
@@ -35,8 +37,9 @@ def make_op(*backends, pure=True):
         return run
 
     for b in backends + (Backend("reference", lambda x: x * 2, timed=False),):
-        dispatch.register(OP, Backend(b.name, counted(b.name, b.run), slower=b.slower, timed=b.timed))
-    dispatch.define(OP, sample=lambda args: (torch.arange(6.0),), close=close, pure=pure)
+        dispatch.register(OP, replace(b, run=counted(b.name, b.run)))
+    dispatch.define(OP, sample=lambda args: (torch.arange(6.0, dtype=args[0].dtype),), close=close, pure=pure,
+                    check=check)
     return calls
 
 
@@ -61,6 +64,7 @@ def test_a_backend_that_raises_is_marked_and_passed_over():
     assert chosen.name == "good" and torch.equal(chosen.run(x), x * 2)
     [mark] = dispatch.unusable()
     assert mark["backend"] == "broken" and "too much shared memory" in mark["reason"]
+    assert mark["variant"] == "('float32', 5)" and mark["time"][:4].isdigit()
 
 
 def test_a_backend_with_wrong_numbers_is_marked_and_passed_over():
@@ -69,34 +73,116 @@ def test_a_backend_with_wrong_numbers_is_marked_and_passed_over():
     assert "max error" in dispatch.unusable()[0]["reason"]
 
 
-def test_the_mark_is_on_disk_for_later_processes(tmp_path):
-    make_op(Backend("wrong", lambda x: x * 3), Backend("good", lambda x: x + x))
+def test_a_mark_holds_for_its_variant_only():
+    make_op(Backend("no_half", lambda x: raises(x) if x.dtype == torch.float16 else x * 2),
+            Backend("good", lambda x: x + x))
+    assert dispatch.select(OP, (torch.randn(3).half(),)).name == "good"
+    assert dispatch.select(OP, (torch.randn(3),)).name == "no_half"
+    [mark] = dispatch.unusable()
+    assert "float16" in mark["variant"]
+
+
+def test_the_mark_is_on_disk_and_checked_again_by_a_later_process(tmp_path):
+    calls = make_op(Backend("wrong", lambda x: x * 3), Backend("good", lambda x: x + x))
     dispatch.select(OP, (torch.randn(3),))
     [file] = os.listdir(tmp_path)
     saved = json.load(open(tmp_path / file))
     assert saved["versions"]["torch"] == torch.__version__
-    assert list(saved["unusable"]) == [f"{OP}|wrong"]
-    dispatch.reset()  # as a new process: no self-check runs again, the mark is read back
+    assert list(saved["unusable"]) == [f"{OP}|wrong|('float32', 3)"]
+    assert calls["wrong"] == 1
+    dispatch.select(OP, (torch.randn(3),))
+    assert calls["wrong"] == 1  # this process does not check it again
+    dispatch.reset()  # as a new process: the mark is read back and checked once more
+    assert dispatch.select(OP, (torch.randn(5, 3),)).name == "good"
+    assert calls["wrong"] == 2 and len(dispatch.unusable()) == 1
+    dispatch.select(OP, (torch.randn(7, 3),))
+    assert calls["wrong"] == 2
+
+
+def test_a_mark_that_no_longer_holds_is_dropped_by_a_later_process():
+    behaviour = {"fixed": False}
+    make_op(Backend("flaky", lambda x: x * 2 if behaviour["fixed"] else raises(x)), Backend("good", lambda x: x + x))
     assert dispatch.select(OP, (torch.randn(3),)).name == "good"
+    behaviour["fixed"] = True  # a driver update, a rebuilt kernel: the next process sees it work
+    dispatch.reset()
+    assert dispatch.select(OP, (torch.randn(3),)).name == "flaky"
+    assert dispatch.unusable() == []
 
 
-def test_a_run_time_failure_falls_back_and_the_answer_is_right():
+def test_clear_marks_forgets_them_everywhere(tmp_path):
+    make_op(Backend("broken", raises), Backend("good", lambda x: x + x))
+    dispatch.select(OP, (torch.randn(3),))
+    assert dispatch.clear_marks() == 1
+    dispatch.reset()
+    assert dispatch.unusable() == []
+
+
+def test_bad_input_is_refused_before_any_choice_and_marks_nothing():
+    def check(x):
+        if x.dim() != 1:
+            raise PyextError(f"pyext.{OP}: x must be 1-D")
+
+    calls = make_op(Backend("fast", lambda x: x + x), check=check)
+    with pytest.raises(PyextError, match="must be 1-D"):
+        dispatch.select(OP, (torch.randn(2, 2),))
+    assert calls == {} and dispatch.unusable() == []
+    assert dispatch.select(OP, (torch.randn(2),)).name == "fast"
+
+
+def test_a_run_time_failure_falls_back_marks_nothing_and_warns_once():
     def large_fails(x):  # passes the small self-check, fails on the real input
         if x.numel() > 100:
             raise RuntimeError("illegal memory access")
         return x * 2
 
-    make_op(Backend("fragile", large_fails), Backend("good", lambda x: x + x))
+    calls = make_op(Backend("fragile", large_fails), Backend("good", lambda x: x + x))
     x = torch.randn(1000)
-    assert torch.equal(dispatch.select(OP, (x,)).run(x), x * 2)
-    assert dispatch.unusable()[0]["reason"].startswith("raised at run time")
-    assert dispatch.select(OP, (x,)).name == "good"
+    with pytest.warns(RuntimeWarning, match="backend 'fragile' raised RuntimeError.*next backend"):
+        assert torch.equal(dispatch.select(OP, (x,)).run(x), x * 2)
+    assert dispatch.unusable() == []
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        assert torch.equal(dispatch.select(OP, (x,)).run(x), x * 2)  # no second warning
+    small = torch.randn(10)
+    assert dispatch.select(OP, (small,)).name == "fragile"  # the fast backend stays the choice
 
 
 def test_an_impure_op_is_not_retried():
     make_op(Backend("fragile", lambda x: raises(x) if x.numel() > 100 else x * 2), pure=False)
     with pytest.raises(RuntimeError, match="shared memory"):
         dispatch.select(OP, (torch.randn(1000),)).run(torch.randn(1000))
+
+
+def test_a_repeated_signature_does_no_reasoning():
+    asked = []
+
+    def reasons(x):
+        asked.append(tuple(x.shape))
+        return [] if x.dim() == 1 else ["1-D only"]
+
+    make_op(Backend("fast", lambda x: x + x, reasons=reasons))
+    for _ in range(3):
+        assert dispatch.select(OP, (torch.randn(4),)).name == "fast"
+    assert asked == [(4,)]
+    assert dispatch.select(OP, (torch.randn(2, 2),)).name == "reference"
+    assert dispatch.select(OP, (torch.randn(4).as_strided((2,), (2,)),)).name == "fast"  # other strides: asked anew
+    assert asked == [(4,), (2, 2), (2,)]
+
+
+def test_a_guard_on_values_is_asked_on_every_call_and_never_cached():
+    guarded = []
+
+    def guard(x):
+        guarded.append(1)
+        return ["holds NaN"] if x.isnan().any() else []
+
+    make_op(Backend("fast", lambda x: x + x, guard=guard))
+    ok, bad = torch.ones(4), torch.full((4,), float("nan"))
+    assert dispatch.select(OP, (bad,)).name == "reference"
+    assert dispatch.select(OP, (ok,)).name == "fast"
+    assert dispatch.select(OP, (bad,)).name == "reference"
+    assert dispatch.select(OP, (ok,)).name == "fast"
+    assert len(guarded) >= 4  # once per call at least
 
 
 def test_measured_mode_times_every_backend_and_caches_the_fastest(monkeypatch):
@@ -127,6 +213,7 @@ def test_slower_is_followed_statically_and_measured_otherwise(monkeypatch):
     x = torch.randn(8)
     assert dispatch.select(OP, (x,)).name == "good"
     monkeypatch.setenv("PYEXT_DISPATCH", "measured")
+    dispatch.reset()
     assert dispatch.select(OP, (x,)).name in {"fast_but_flagged", "good"}
     assert "fast_but_flagged" in dispatch.decisions()[0]["timings"]
 
@@ -137,6 +224,8 @@ def test_nothing_is_measured_while_compiling(monkeypatch):
     calls = make_op(Backend("broken", raises), Backend("good", lambda x: x + x))
     assert dispatch.select(OP, (torch.randn(4),)).name == "broken"  # static order, no self-check
     assert dispatch.decisions() == [] and calls == {}
+    monkeypatch.undo()
+    assert dispatch.select(OP, (torch.randn(4),)).name == "good"  # the traced choice was not kept
 
 
 def test_bad_mode_and_forced_backends():

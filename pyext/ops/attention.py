@@ -103,11 +103,11 @@ def _amax_abs(x) -> torch.Tensor:
     return torch.maximum(-low, high).float()
 
 
-def _sdpa_reasons(q, k, v, scale):
+def _sdpa_guard(q, k, v, scale):
     # torch's CPU SDPA returns zeros for rows whose softmax is NaN (a NaN in q or k, a score
     # that is +inf or overflows fp32). A bound on every score, two passes over q and k (small
     # next to the attention), finds the inputs where that cannot happen; others go elsewhere.
-    if q.device.type != "cpu" or q.numel() == 0 or k.numel() == 0:
+    if q.numel() == 0 or k.numel() == 0:
         return []
     bound = _amax_abs(q) * _amax_abs(k) * q.shape[-1] * abs(_scale(q, scale))
     if not bool(bound < 1e37):  # NaN compares False
@@ -143,7 +143,7 @@ dispatch.register("attention", Backend(
     doc="Triton flash attention, head dim split into power-of-two parts; cpu only under TRITON_INTERPRET=1"))
 
 dispatch.register("attention", Backend(
-    "sdpa", _sdpa, _sdpa_reasons, dtypes=DTYPES, test_shapes=TEST_SHAPES,
+    "sdpa", _sdpa, guard=_sdpa_guard, dtypes=DTYPES, test_shapes=TEST_SHAPES,
     doc="torch.nn.functional.scaled_dot_product_attention"))
 dispatch.register("attention", Backend(
     "xformers", _xformers, unavailable=_xformers_unavailable, devices=("cuda",), dtypes=DTYPES,
@@ -177,7 +177,7 @@ def _example(spec, dtype, device):
     return q, k, v, None
 
 
-dispatch.define("attention", sample=lambda args: _sample(*args), close=_close,
+dispatch.define("attention", check=check_inputs, sample=lambda args: _sample(*args), close=_close,
                 variant=lambda args: (str(args[0].dtype), args[0].shape[-1]),
                 sizes=lambda args: {"head_dim": args[0].shape[-1]}, example=_example)
 
@@ -197,11 +197,19 @@ def _attention_op(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: Opti
 
 @_attention_op.register_fake
 def _(q, k, v, scale=None, backend=None):
+    dispatch.check("attention", (q, k, v, scale))
     return torch.empty_like(q)
 
 
 def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: Optional[float] = None,
               backend: Optional[str] = None) -> torch.Tensor:
-    """softmax(q @ k^T * scale) @ v with scale defaulting to head_dim ** -0.5; returns q's layout."""
-    check_inputs(q, k, v, scale)
+    """softmax(q @ k^T * scale) @ v with scale defaulting to head_dim ** -0.5; returns q's layout.
+
+    The op validates its inputs (`check_inputs`, the same for torch.ops.pyext.attention); here
+    only what the op's schema cannot take is refused first."""
+    for name, t in (("q", q), ("k", k), ("v", v)):
+        if not isinstance(t, torch.Tensor):
+            _fail(f"{name} must be a tensor, got {type(t).__name__}")
+    if scale is not None and (isinstance(scale, bool) or not isinstance(scale, (int, float))):
+        _fail(f"scale must be a finite float or None, got {scale!r}")
     return torch.ops.pyext.attention(q, k, v, None if scale is None else float(scale), backend)

@@ -32,9 +32,18 @@ def _fail(op: str, msg: str) -> None:
     raise PyextError(f"pyext.{op}: {msg}")
 
 
-def _check_weight(op: str, w: torch.Tensor, scale: torch.Tensor) -> None:
+def check_fp8(op: str, w) -> None:
+    """What the public functions take: an fp8 weight, passed to the ops as its uint8 codes."""
     if not isinstance(w, torch.Tensor) or w.dtype != FP8:
         _fail(op, f"weight must be a torch.float8_e4m3fn tensor (from fp8_quantize), got "
+              f"{getattr(w, 'dtype', type(w).__name__)}")
+
+
+def check_codes(op: str, w: torch.Tensor, scale: torch.Tensor) -> None:
+    """The ops' weight: e4m3 codes as uint8 (`w_fp8.view(torch.uint8)`), output channels first,
+    with 1 (per-tensor) or one float32 scale per output channel on the same device."""
+    if not isinstance(w, torch.Tensor) or w.dtype != torch.uint8:
+        _fail(op, f"weight must be the uint8 view of e4m3 codes (w_fp8.view(torch.uint8)), got "
               f"{getattr(w, 'dtype', type(w).__name__)}")
     if w.dim() < 1:
         _fail(op, "weight must have at least one dimension (output channels first)")
@@ -50,6 +59,31 @@ def _check_weight(op: str, w: torch.Tensor, scale: torch.Tensor) -> None:
 def _check_dtype(op: str, dtype, what: str) -> None:
     if dtype not in COMPUTE_DTYPES:
         _fail(op, f"{what} must be one of bfloat16, float16, float32; got {dtype}")
+
+
+def check_upcast(w, scale, out) -> None:
+    """The validation of torch.ops.pyext.fp8_upcast(_out) and fp8_upcast."""
+    check_codes("fp8_upcast", w, scale)
+    if not isinstance(out, torch.Tensor) or out.shape != w.shape or not out.is_contiguous() or out.device != w.device:
+        _fail("fp8_upcast", f"out must be a contiguous tensor of shape {tuple(w.shape)} on {w.device}, got "
+              f"{dispatch.describe(out)}")
+    _check_dtype("fp8_upcast", out.dtype, "out.dtype")
+
+
+def check_linear(x, w, scale, bias) -> None:
+    """The validation of torch.ops.pyext.fp8_linear and fp8_linear."""
+    check_codes("fp8_linear", w, scale)
+    if not isinstance(x, torch.Tensor):
+        _fail("fp8_linear", f"x must be a tensor, got {type(x).__name__}")
+    _check_dtype("fp8_linear", x.dtype, "x.dtype")
+    if w.dim() != 2 or x.dim() < 1 or x.shape[-1] != w.shape[1]:
+        _fail("fp8_linear", f"x.shape[-1] must equal weight.shape[1] for a 2-D weight; got x {tuple(x.shape)}, "
+              f"weight {tuple(w.shape)}")
+    if x.device != w.device:
+        _fail("fp8_linear", f"x is on {x.device} but weight is on {w.device}")
+    if bias is not None and (not isinstance(bias, torch.Tensor) or bias.shape != (w.shape[0],)
+                             or bias.dtype != x.dtype or bias.device != x.device):
+        _fail("fp8_linear", f"bias must be {x.dtype}[{w.shape[0]}] on {x.device}, got {dispatch.describe(bias)}")
 
 
 # ----------------------------------------------------------------------------- quantize
@@ -274,10 +308,11 @@ def _example_linear(spec, dtype, device):
     return x, *example_weight((n, k), per_channel, device, g), b
 
 
-dispatch.define("fp8_upcast", sample=lambda args: _sample_upcast(*args), close=_exact, pure=False,
+dispatch.define("fp8_upcast", check=check_upcast, sample=lambda args: _sample_upcast(*args), close=_exact, pure=False,
                 output=lambda args, returned: args[2], variant=lambda args: (str(args[2].dtype),),
                 dtype=lambda args: args[2].dtype, example=_example_upcast)
-dispatch.define("fp8_linear", sample=lambda args: _sample_linear(*args), close=relative_close(LINEAR_TOLERANCE),
+dispatch.define("fp8_linear", check=check_linear, sample=lambda args: _sample_linear(*args),
+                close=relative_close(LINEAR_TOLERANCE),
                 variant=lambda args: (str(args[0].dtype), args[2].numel() == 1, args[3] is None),
                 example=_example_linear)
 
@@ -288,15 +323,20 @@ dispatch.define("fp8_linear", sample=lambda args: _sample_linear(*args), close=r
 
 @torch.library.custom_op("pyext::fp8_upcast_out", mutates_args=("out",))
 def _fp8_upcast_out_op(w: torch.Tensor, scale: torch.Tensor, out: torch.Tensor, backend: Optional[str] = None) -> None:
-    if out.shape != w.shape:  # the public function checks this too; the raw op is callable directly
-        _fail("fp8_upcast", f"out has shape {tuple(out.shape)}; it must have the weight's shape {tuple(w.shape)}")
+    dispatch.check("fp8_upcast", (w, scale, out))
     w, scale = apart_from([out], w, scale)
     dispatch.select("fp8_upcast", (w, scale, out), backend).run(w, scale, out)
+
+
+@_fp8_upcast_out_op.register_fake
+def _(w, scale, out, backend=None):
+    dispatch.check("fp8_upcast", (w, scale, out))
 
 
 @torch.library.custom_op("pyext::fp8_upcast", mutates_args=())
 def _fp8_upcast_op(w: torch.Tensor, scale: torch.Tensor, dtype: torch.dtype,
                    backend: Optional[str] = None) -> torch.Tensor:
+    _check_dtype("fp8_upcast", dtype, "dtype")
     out = torch.empty(w.shape, dtype=dtype, device=w.device)
     dispatch.select("fp8_upcast", (w, scale, out), backend).run(w, scale, out)
     return out
@@ -304,7 +344,10 @@ def _fp8_upcast_op(w: torch.Tensor, scale: torch.Tensor, dtype: torch.dtype,
 
 @_fp8_upcast_op.register_fake
 def _(w, scale, dtype, backend=None):
-    return torch.empty(w.shape, dtype=dtype, device=w.device)
+    _check_dtype("fp8_upcast", dtype, "dtype")
+    out = torch.empty(w.shape, dtype=dtype, device=w.device)
+    dispatch.check("fp8_upcast", (w, scale, out))
+    return out
 
 
 @torch.library.custom_op("pyext::fp8_linear", mutates_args=())
@@ -315,10 +358,13 @@ def _fp8_linear_op(x: torch.Tensor, w: torch.Tensor, scale: torch.Tensor, bias: 
 
 @_fp8_linear_op.register_fake
 def _(x, w, scale, bias=None, backend=None):
+    dispatch.check("fp8_linear", (x, w, scale, bias))
     return x.new_empty((*x.shape[:-1], w.shape[0]))
 
 
 # ----------------------------------------------------------------------------- public API
+# The ops validate their inputs (check_upcast, check_linear); the public functions take the
+# weight as float8_e4m3fn and refuse first only what the ops' schemas cannot take.
 
 def fp8_upcast(w: torch.Tensor, scale: torch.Tensor, dtype: torch.dtype = torch.bfloat16,
                out: Optional[torch.Tensor] = None, backend: Optional[str] = None) -> torch.Tensor:
@@ -327,14 +373,15 @@ def fp8_upcast(w: torch.Tensor, scale: torch.Tensor, dtype: torch.dtype = torch.
     NaN codes stay NaN with their sign. Pass `out` (contiguous, same shape) to
     reuse a buffer: a fresh large output costs page faults on every call.
     """
-    _check_weight("fp8_upcast", w, scale)
+    check_fp8("fp8_upcast", w)
+    if not isinstance(scale, torch.Tensor):
+        _fail("fp8_upcast", f"scale must be a float32 tensor, got {type(scale).__name__}")
     if out is None:
-        _check_dtype("fp8_upcast", dtype, "dtype")
+        if not isinstance(dtype, torch.dtype):
+            _fail("fp8_upcast", f"dtype must be one of bfloat16, float16, float32; got {dtype!r}")
         return torch.ops.pyext.fp8_upcast(w.view(torch.uint8), scale, dtype, backend)
-    if out.shape != w.shape or not out.is_contiguous() or out.device != w.device:
-        _fail("fp8_upcast", f"out must be a contiguous tensor of shape {tuple(w.shape)} on {w.device}, got "
-              f"{dispatch.describe(out)}")
-    _check_dtype("fp8_upcast", out.dtype, "out.dtype")
+    if not isinstance(out, torch.Tensor):
+        _fail("fp8_upcast", f"out must be a contiguous tensor of shape {tuple(w.shape)}, got {type(out).__name__}")
     torch.ops.pyext.fp8_upcast_out(w.view(torch.uint8), scale, out, backend)
     return out
 
@@ -347,15 +394,10 @@ def fp8_linear(x: torch.Tensor, w: torch.Tensor, scale: torch.Tensor, bias: Opti
     GEMMs apply the scale to the fp32 accumulator, which agrees to rounding while
     |scale| * 448 is a finite x.dtype value; other scales take an upcast path.
     """
-    _check_weight("fp8_linear", w, scale)
-    if not isinstance(x, torch.Tensor):
-        _fail("fp8_linear", f"x must be a tensor, got {type(x).__name__}")
-    _check_dtype("fp8_linear", x.dtype, "x.dtype")
-    if w.dim() != 2 or x.dim() < 1 or x.shape[-1] != w.shape[1]:
-        _fail("fp8_linear", f"x.shape[-1] must equal weight.shape[1] for a 2-D weight; got x {tuple(x.shape)}, "
-              f"weight {tuple(w.shape)}")
-    if x.device != w.device:
-        _fail("fp8_linear", f"x is on {x.device} but weight is on {w.device}")
-    if bias is not None and (bias.shape != (w.shape[0],) or bias.dtype != x.dtype or bias.device != x.device):
-        _fail("fp8_linear", f"bias must be {x.dtype}[{w.shape[0]}] on {x.device}, got {dispatch.describe(bias)}")
+    check_fp8("fp8_linear", w)
+    for name, t in (("x", x), ("scale", scale)):
+        if not isinstance(t, torch.Tensor):
+            _fail("fp8_linear", f"{name} must be a tensor, got {type(t).__name__}")
+    if bias is not None and not isinstance(bias, torch.Tensor):
+        _fail("fp8_linear", f"bias must be a tensor or None, got {type(bias).__name__}")
     return torch.ops.pyext.fp8_linear(x, w.view(torch.uint8), scale, bias, backend)

@@ -16,8 +16,9 @@ import torch.nn.functional as F
 from pyext import dispatch
 from pyext._ext import cpu_capabilities, kernel_missing
 from pyext.dispatch import Backend
-from pyext.ops.fp8 import (COMPUTE_DTYPES, LINEAR_TOLERANCE, _check_dtype, _check_weight, _fail, example_weight,
-                           fp8_upcast_reference, relative_close, sample_codes, sample_scale, scales_fuse_exactly)
+from pyext.ops.fp8 import (COMPUTE_DTYPES, LINEAR_TOLERANCE, _check_dtype, _fail, check_codes, check_fp8,
+                           example_weight, fp8_upcast_reference, relative_close, sample_codes, sample_scale,
+                           scales_fuse_exactly)
 
 
 def _pair(v) -> list[int]:
@@ -67,10 +68,14 @@ def _cpp_argument_reasons(x, w, scale, bias, stride, padding, dilation, groups) 
         reasons.append(f"dilation must be 1, got {dilation}")
     if x.dim() == 4 and x.shape[1] % 2:
         reasons.append(f"input channels must be even (bf16 pairs), got {x.shape[1]}")
-    if not scales_fuse_exactly(scale, torch.bfloat16):
-        reasons.append("scales must be finite with |scale| * 448 within bfloat16's range and no nonzero "
-                       "weight underflowing (the kernel applies them after the dot product)")
     return reasons
+
+
+def _cpp_scale_guard(x, w, scale, *args) -> list[str]:
+    if not scales_fuse_exactly(scale, torch.bfloat16):
+        return ["scales must be finite with |scale| * 448 within bfloat16's range and no nonzero "
+                "weight underflowing (the kernel applies them after the dot product)"]
+    return []
 
 
 def _conv_cpp(x, w, scale, bias, stride, padding, dilation, groups):
@@ -83,7 +88,7 @@ CPP_TEST_SHAPES = ((1, 2, 5, 7, 3, 3, 1, 1, 1, True), (2, 6, 9, 8, 70, 3, 2, 1, 
                    (1, 8, 6, 6, 64, 1, 1, 0, 1, True))
 _CPP = Backend(
     "cpp", _conv_cpp, _cpp_argument_reasons, _cpp_unavailable, devices=("cpu",), dtypes=(torch.bfloat16,),
-    test_shapes=CPP_TEST_SHAPES,
+    guard=_cpp_scale_guard, test_shapes=CPP_TEST_SHAPES,
     doc="C++ implicit GEMM over channels-last bf16 activations, fp8 decoded in the GEMM's packing step")
 dispatch.register("fp8_conv2d", _CPP)
 dispatch.register("fp8_conv2d", Backend(
@@ -118,7 +123,35 @@ def _example(spec, dtype, device):
     return x, codes, scale, bias, [stride] * 2, [padding] * 2, [1, 1], groups
 
 
-dispatch.define("fp8_conv2d", sample=lambda args: _sample(*args), close=relative_close(LINEAR_TOLERANCE),
+def check_conv(x, w, scale, bias, stride, padding, dilation, groups) -> None:
+    """The validation of torch.ops.pyext.fp8_conv2d and fp8_conv2d (stride, padding and dilation
+    as two ints each)."""
+    op = "fp8_conv2d"
+    check_codes(op, w, scale)
+    if not isinstance(x, torch.Tensor) or x.dim() != 4:
+        _fail(op, f"x must be a 4-D (batch, channels, height, width) tensor, got {dispatch.describe(x)}")
+    _check_dtype(op, x.dtype, "x.dtype")
+    if x.shape[1] == 0:
+        _fail(op, f"x has 0 input channels; a convolution needs at least one, got x {tuple(x.shape)}")
+    if not _is_int(groups) or groups < 1 or w.shape[0] % groups:
+        _fail(op, f"groups must be a positive int dividing the {w.shape[0]} output channels, got {groups!r}")
+    if w.dim() != 4 or x.shape[1] != w.shape[1] * groups:
+        _fail(op, f"weight must be (out, in/groups, kh, kw) with in = x.shape[1]; got x {tuple(x.shape)}, "
+              f"weight {tuple(w.shape)}, groups {groups}")
+    if x.device != w.device:
+        _fail(op, f"x is on {x.device} but weight is on {w.device}")
+    if bias is not None and (not isinstance(bias, torch.Tensor) or bias.shape != (w.shape[0],)
+                             or bias.dtype != x.dtype or bias.device != x.device):
+        _fail(op, f"bias must be {x.dtype}[{w.shape[0]}] on {x.device}, got {dispatch.describe(bias)}")
+    stride, padding, dilation = (_check_pair("stride", stride, 1), _check_pair("padding", padding, 0),
+                                 _check_pair("dilation", dilation, 1))
+    for i in range(2):
+        if x.shape[2 + i] + 2 * padding[i] < dilation[i] * (w.shape[2 + i] - 1) + 1:
+            _fail(op, f"the kernel {tuple(w.shape[2:])} is larger than the padded input {tuple(x.shape[2:])}")
+
+
+dispatch.define("fp8_conv2d", check=check_conv, sample=lambda args: _sample(*args),
+                close=relative_close(LINEAR_TOLERANCE),
                 variant=lambda args: (str(args[0].dtype), _is_channels_last(args[0]), tuple(args[1].shape[1:]),
                                       args[2].numel() == 1, args[3] is None, *map(tuple, args[4:7]), args[7]),
                 example=_example)
@@ -135,6 +168,7 @@ def _fp8_conv2d_op(x: torch.Tensor, w: torch.Tensor, scale: torch.Tensor, bias: 
 
 @_fp8_conv2d_op.register_fake
 def _(x, w, scale, bias, stride, padding, dilation, groups, backend=None):
+    dispatch.check("fp8_conv2d", (x, w, scale, bias, list(stride), list(padding), list(dilation), groups))
     size = [x.shape[0], w.shape[0]]
     for i in range(2):
         size.append((x.shape[2 + i] + 2 * padding[i] - dilation[i] * (w.shape[2 + i] - 1) - 1) // stride[i] + 1)
@@ -144,26 +178,16 @@ def _(x, w, scale, bias, stride, padding, dilation, groups, backend=None):
 def fp8_conv2d(x: torch.Tensor, w: torch.Tensor, scale: torch.Tensor, bias: Optional[torch.Tensor] = None,
                stride=1, padding=0, dilation=1, groups: int = 1, backend: Optional[str] = None) -> torch.Tensor:
     """F.conv2d(x, fp8_upcast(w, scale, x.dtype), bias, ...) without materialising the upcast weight
-    where the C++ backend can take the input (see the module docstring). Integer padding only."""
-    op = "fp8_conv2d"
-    _check_weight(op, w, scale)
-    if not isinstance(x, torch.Tensor) or x.dim() != 4:
-        _fail(op, f"x must be a 4-D (batch, channels, height, width) tensor, got {dispatch.describe(x)}")
-    _check_dtype(op, x.dtype, "x.dtype")
-    if x.shape[1] == 0:
-        _fail(op, f"x has 0 input channels; a convolution needs at least one, got x {tuple(x.shape)}")
-    if not _is_int(groups) or groups < 1 or w.shape[0] % groups:
-        _fail(op, f"groups must be a positive int dividing the {w.shape[0]} output channels, got {groups!r}")
-    if w.dim() != 4 or x.shape[1] != w.shape[1] * groups:
-        _fail(op, f"weight must be (out, in/groups, kh, kw) with in = x.shape[1]; got x {tuple(x.shape)}, "
-              f"weight {tuple(w.shape)}, groups {groups}")
-    if x.device != w.device:
-        _fail(op, f"x is on {x.device} but weight is on {w.device}")
-    if bias is not None and (bias.shape != (w.shape[0],) or bias.dtype != x.dtype or bias.device != x.device):
-        _fail(op, f"bias must be {x.dtype}[{w.shape[0]}] on {x.device}, got {dispatch.describe(bias)}")
+    where the C++ backend can take the input (see the module docstring). Integer padding only.
+    The op validates the input (check_conv); here only what its schema cannot take is refused first."""
+    check_fp8("fp8_conv2d", w)
+    for name, t in (("x", x), ("scale", scale)):
+        if not isinstance(t, torch.Tensor):
+            _fail("fp8_conv2d", f"{name} must be a tensor, got {type(t).__name__}")
+    if bias is not None and not isinstance(bias, torch.Tensor):
+        _fail("fp8_conv2d", f"bias must be a tensor or None, got {type(bias).__name__}")
+    if not _is_int(groups):
+        _fail("fp8_conv2d", f"groups must be a positive int dividing the {w.shape[0]} output channels, got {groups!r}")
     stride, padding, dilation = (_check_pair("stride", stride, 1), _check_pair("padding", padding, 0),
                                  _check_pair("dilation", dilation, 1))
-    for i in range(2):
-        if x.shape[2 + i] + 2 * padding[i] < dilation[i] * (w.shape[2 + i] - 1) + 1:
-            _fail(op, f"the kernel {tuple(w.shape[2:])} is larger than the padded input {tuple(x.shape[2:])}")
     return torch.ops.pyext.fp8_conv2d(x, w.view(torch.uint8), scale, bias, stride, padding, dilation, groups, backend)

@@ -112,7 +112,7 @@ def _close(out, ref, args):
     return None if err <= _TOLERANCE else f"relative error {err:.3g} (allowed {_TOLERANCE:.3g})"
 
 
-dispatch.define("group_moments", sample=lambda args: example((2, 8, 5, 7), 4, _layout(args[0]), args[0].dtype,
+dispatch.define("group_moments", check=check_inputs, sample=lambda args: example((2, 8, 5, 7), 4, _layout(args[0]), args[0].dtype,
                                                              args[0].device),
                 close=_close, example=lambda spec, dtype, device: example(*spec, dtype, device),
                 variant=lambda args: (str(args[0].dtype), _layout(args[0])))
@@ -125,6 +125,7 @@ def _group_moments_op(x: torch.Tensor, num_groups: int, backend: str | None = No
 
 @_group_moments_op.register_fake
 def _(x, num_groups, backend=None):
+    dispatch.check("group_moments", (x, num_groups))
     return x.new_empty(x.shape[0], num_groups, dtype=torch.float64), x.new_empty(x.shape[0], num_groups,
                                                                                   dtype=torch.float64)
 
@@ -133,5 +134,8 @@ def group_moments(x: torch.Tensor, num_groups: int, backend: str | None = None) 
     """(mean, m2) of each (sample, group) of x (N, C, H, W): float64 (N, num_groups) each, m2 the
     sum of squared deviations from the mean (the variance times the count, H * W * C / num_groups).
     A group of no values has a NaN mean and a zero m2."""
-    check_inputs(x, num_groups)
-    return torch.ops.pyext.group_moments(x, num_groups, backend)
+    if not isinstance(x, torch.Tensor):
+        _fail(f"x must be a float32/float16/bfloat16 tensor (N, C, H, W), got {dispatch.describe(x)}")
+    if isinstance(num_groups, bool) or not isinstance(num_groups, int):
+        _fail(f"num_groups must be a positive int, got {num_groups!r}")
+    return torch.ops.pyext.group_moments(x, num_groups, backend)  # which validates the rest (check_inputs)

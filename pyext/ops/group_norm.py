@@ -170,7 +170,14 @@ def _close(out, ref, args):
     return None if err <= allowed else f"max error {err:.3g} (allowed {allowed:.3g})"
 
 
-dispatch.define("group_norm", sample=lambda args: _sample(*args), close=_close, example=_example,
+def _check_op(x, num_groups, weight, bias, shift, eps, silu) -> None:
+    """check_inputs on the op's arguments (silu a bool where the public function takes an activation name)."""
+    if not isinstance(silu, bool):
+        _fail(f"silu must be a bool, got {silu!r}")
+    check_inputs(x, num_groups, weight, bias, eps, "silu" if silu else None, shift)
+
+
+dispatch.define("group_norm", check=_check_op, sample=lambda args: _sample(*args), close=_close, example=_example,
                 variant=lambda args: (str(args[0].dtype), is_channels_last(args[0]), args[6]))
 
 
@@ -191,6 +198,7 @@ def _group_norm_op(x: torch.Tensor, num_groups: int, weight: Optional[torch.Tens
 
 @_group_norm_op.register_fake
 def _(x, num_groups, weight, bias, shift, eps, silu, backend=None):
+    dispatch.check("group_norm", (x, num_groups, weight, bias, shift, eps, silu))
     return torch.empty_like(x)
 
 

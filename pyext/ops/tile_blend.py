@@ -56,12 +56,15 @@ def _check_tile_out(op: str, tile, out, y: int, x: int, h: int, w: int) -> None:
               "the tile must lie inside the output at its position")
 
 
-def _check_strip(op: str, name: str, strip, tile, rows: Optional[int], cols: Optional[int]) -> None:
+def _check_strip(op: str, name: str, strip, tile, rows: Optional[int], cols: Optional[int],
+                 contiguous: bool = False) -> None:
     want = f"(..., {'r' if rows is None else rows}, {'c' if cols is None else cols})"
     if (not isinstance(strip, torch.Tensor) or strip.dtype != tile.dtype or strip.device != tile.device
-            or strip.dim() != tile.dim() or strip.shape[:-2] != tile.shape[:-2]
+            or (contiguous and not strip.is_contiguous()) or strip.dim() != tile.dim()
+            or strip.shape[:-2] != tile.shape[:-2]
             or (rows is not None and strip.shape[-2] != rows) or (cols is not None and strip.shape[-1] != cols)):
-        _fail(op, f"{name} must be a {tile.dtype} tensor {want} with the tile's leading dims "
+        _fail(op, f"{name} must be a {'contiguous ' if contiguous else ''}{tile.dtype} tensor {want} with the "
+              f"tile's leading dims "
               f"{tuple(tile.shape[:-2])} on {tile.device}, got {dispatch.describe(strip)}")
 
 
@@ -165,8 +168,45 @@ def _example(spec, dtype, device):
             planes(keep_bottom, tw), planes(th, keep_right))
 
 
-# The self-check runs the caller's own blend (one tile: cheap) on copies of its arguments.
-dispatch.define("tile_blend", sample=lambda args: args, close=_blend_close, pure=False,
+def check_blend(tile, out, oy, ox, blend_mode, sizes, above, left, bottom, right) -> None:
+    """The validation of torch.ops.pyext.tile_blend: every tensor contiguous, of the tile's dtype and
+    device and leading dims, and every write inside its buffer."""
+    op = "tile_blend"
+    if not isinstance(tile, torch.Tensor) or tile.dtype not in DTYPES or tile.dim() < 3 or not tile.is_contiguous():
+        _fail(op, f"tile must be a contiguous float32/float16/bfloat16 tensor (..., C, h, w), "
+              f"got {dispatch.describe(tile)}")
+    th, tw = tile.shape[-2:]
+    if blend_mode == MODE_NORMALIZED:
+        if len(sizes) != 4 or min(sizes) < 0:
+            _fail(op, f"normalized mode takes sizes = [top, bottom, left, right] overlaps >= 0, got {sizes!r}")
+        if max(sizes[:2]) > th or max(sizes[2:]) > tw:
+            _fail(op, f"overlaps {tuple(sizes)} are larger than the {th}x{tw} tile; each overlap must be at "
+                  "most the tile's extent along its axis")
+        _check_tile_out(op, tile, out, oy, ox, th, tw)
+        strips = (("bottom", bottom, None, None), ("right", right, None, None))
+    elif blend_mode == MODE_DIFFUSERS:
+        if len(sizes) != 2 or not (0 <= sizes[0] <= th and 0 <= sizes[1] <= tw):
+            _fail(op, f"diffusers mode takes sizes = [crop_h, crop_w] inside the {th}x{tw} tile, got {sizes!r}")
+        _check_tile_out(op, tile, out, oy, ox, *sizes)
+        strips = (("above", above, None, tw), ("left", left, th, None), ("bottom", bottom, None, tw),
+                  ("right", right, th, None))
+    else:
+        _fail(op, f"mode must be {MODE_DIFFUSERS} (diffusers) or {MODE_NORMALIZED} (normalized), got {blend_mode!r}")
+    for name, strip, rows, cols in strips:
+        if strip is not None:
+            _check_strip(op, name, strip, tile, rows, cols, contiguous=True)
+    if blend_mode == MODE_DIFFUSERS and (bottom.shape[-2] > th or right.shape[-1] > tw):
+        _fail(op, f"keep_bottom={bottom.shape[-2]}, keep_right={right.shape[-1]} must be within the {th}x{tw} tile")
+
+
+def _sample(args):
+    """A tile of the call's mode and dtype from the op tests' shapes: a small valid input."""
+    tile, mode = args[0], args[4]
+    spec = next(s for s in TEST_SHAPES if s[0] == mode)
+    return _example(spec, tile.dtype, tile.device)
+
+
+dispatch.define("tile_blend", check=check_blend, sample=_sample, close=_blend_close, pure=False,
                 output=lambda args, returned: (args[1], args[8], args[9]),
                 variant=lambda args: (str(args[0].dtype), args[4]), example=_example)
 
@@ -178,7 +218,7 @@ def _tile_blend_op(tile: torch.Tensor, out: torch.Tensor, oy: int, ox: int, blen
                    above: Optional[torch.Tensor], left: Optional[torch.Tensor], bottom: torch.Tensor,
                    right: torch.Tensor, backend: Optional[str] = None) -> None:
     # (not named `mode`: that name clashes with torch's mode-redirect wrappers in opcheck)
-    check_disjoint("tile_blend", out=out, bottom=bottom, right=right)
+    check_disjoint("tile_blend", out=out, bottom=bottom, right=right)  # on real tensors: reads their addresses
     tile, above, left = apart_from([out, bottom, right], tile, above, left)
     args = (tile, out, oy, ox, blend_mode, sizes, above, left, bottom, right)
     dispatch.select("tile_blend", args, backend).run(*args)
@@ -186,6 +226,7 @@ def _tile_blend_op(tile: torch.Tensor, out: torch.Tensor, oy: int, ox: int, blen
 
 @_tile_blend_op.register_fake
 def _(tile, out, oy, ox, blend_mode, sizes, above, left, bottom, right, backend=None):
+    dispatch.check("tile_blend", (tile, out, oy, ox, blend_mode, sizes, above, left, bottom, right))
     return None
 
 

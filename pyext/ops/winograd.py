@@ -118,8 +118,20 @@ def _sample(x, weight, bias):
     return _example((1, x.shape[1], weight.shape[0], 9, 7, True, bias is not None), x.dtype, x.device)
 
 
-dispatch.define("winograd_conv3x3", sample=lambda args: _sample(*args), close=_close, example=_example,
-                variant=lambda args: (str(args[0].dtype), args[2] is None))
+def check_inputs(x, weight, bias) -> None:
+    if not isinstance(x, torch.Tensor) or x.dim() != 4 or not x.is_floating_point():
+        _fail(f"x must be a floating (batch, channels, height, width) tensor, got {dispatch.describe(x)}")
+    if (not isinstance(weight, torch.Tensor) or weight.dim() != 4 or tuple(weight.shape[1:]) != (x.shape[1], 3, 3)
+            or weight.dtype != x.dtype or weight.device != x.device):
+        _fail(f"weight must be a {x.dtype} tensor (out, {x.shape[1]}, 3, 3) on {x.device}, "
+              f"got {dispatch.describe(weight)}; only 3x3 kernels, stride 1, padding 1, groups 1")
+    if bias is not None and (not isinstance(bias, torch.Tensor) or tuple(bias.shape) != (weight.shape[0],)
+                             or bias.dtype != x.dtype or bias.device != x.device):
+        _fail(f"bias must be a {x.dtype} tensor ({weight.shape[0]},) on {x.device}, got {dispatch.describe(bias)}")
+
+
+dispatch.define("winograd_conv3x3", check=check_inputs, sample=lambda args: _sample(*args), close=_close,
+                example=_example, variant=lambda args: (str(args[0].dtype), args[2] is None))
 
 
 @torch.library.custom_op("pyext::winograd_conv3x3", mutates_args=())
@@ -131,6 +143,7 @@ def _winograd_op(x: torch.Tensor, weight: torch.Tensor, bias: Optional[torch.Ten
 
 @_winograd_op.register_fake
 def _(x, weight, bias, backend=None):
+    dispatch.check("winograd_conv3x3", (x, weight, bias))
     return x.new_empty((x.shape[0], weight.shape[0], *x.shape[2:])).contiguous(memory_format=torch.channels_last)
 
 
@@ -140,13 +153,9 @@ def winograd_conv3x3(x: torch.Tensor, weight: torch.Tensor, bias: Optional[torch
 
     The C++ backend reads the weight fastest stored as (3, 3, in, out), i.e. a (out, in, 3, 3) view of
     `w.permute(2, 3, 1, 0).contiguous()`; any other layout is copied into it on each call."""
-    if not isinstance(x, torch.Tensor) or x.dim() != 4 or not x.is_floating_point():
-        _fail(f"x must be a floating (batch, channels, height, width) tensor, got {dispatch.describe(x)}")
-    if (not isinstance(weight, torch.Tensor) or weight.dim() != 4 or tuple(weight.shape[1:]) != (x.shape[1], 3, 3)
-            or weight.dtype != x.dtype or weight.device != x.device):
-        _fail(f"weight must be a {x.dtype} tensor (out, {x.shape[1]}, 3, 3) on {x.device}, "
-              f"got {dispatch.describe(weight)}; only 3x3 kernels, stride 1, padding 1, groups 1")
-    if bias is not None and (not isinstance(bias, torch.Tensor) or tuple(bias.shape) != (weight.shape[0],)
-                             or bias.dtype != x.dtype or bias.device != x.device):
-        _fail(f"bias must be a {x.dtype} tensor ({weight.shape[0]},) on {x.device}, got {dispatch.describe(bias)}")
+    for name, t in (("x", x), ("weight", weight)):
+        if not isinstance(t, torch.Tensor):
+            _fail(f"{name} must be a tensor, got {type(t).__name__}")
+    if bias is not None and not isinstance(bias, torch.Tensor):
+        _fail(f"bias must be a tensor or None, got {type(bias).__name__}")
     return torch.ops.pyext.winograd_conv3x3(x, weight, bias, backend)
