@@ -40,13 +40,11 @@ def _shards(path: str) -> list[str]:
 def save_pretrained(model: nn.Module, path: str, max_shard_size: str | int = "5GB", **kwargs) -> list[str]:
     """model.save_pretrained(path, max_shard_size=...) plus the manifest (fp8 layers and the
     checksum of every saved tensor); returns the fp8 layers' names."""
-    from safetensors.torch import load_file
-
     model.save_pretrained(path, max_shard_size=max_shard_size, safe_serialization=True, **kwargs)
     layers = {name: {"per_channel": m.per_channel, "compute_dtype": str(m.compute_dtype).removeprefix("torch.")}
               for name, m in model.named_modules() if isinstance(m, (FP8Linear, FP8Conv2d))}
     # Hashed as read back from disk, so the checksums describe exactly the bytes in the files.
-    files = {shard: {key: _digest(t) for key, t in load_file(os.path.join(path, shard)).items()}
+    files = {shard: {key: _digest(t) for key, t in _load_shard(path, shard).items()}
              for shard in _shards(path)}
     with open(os.path.join(path, MANIFEST), "w") as f:
         json.dump({"format": FORMAT, "layers": layers, "checksum": "sha256", "files": files}, f, indent=1)
@@ -65,8 +63,27 @@ def _read_manifest(path: str) -> dict:
         raise PyextError(f"{_WHERE}: {path} {what}. Expected an fp8 checkpoint written by "
                          f"pyext.checkpoint.save_pretrained ({MANIFEST}, config.json and *.safetensors); "
                          "a plain diffusers model loads with its class's from_pretrained, then pyext.quantize_fp8")
-    with open(manifest) as f:
-        return json.load(f)
+    try:
+        with open(manifest) as f:
+            data = json.load(f)
+    except (OSError, ValueError) as err:
+        raise PyextError(f"{_WHERE}: {manifest} cannot be read ({type(err).__name__}: {err}); the checkpoint is "
+                         "damaged: save the model again with pyext.checkpoint.save_pretrained") from err
+    if not isinstance(data, dict) or not isinstance(data.get("layers"), dict):
+        raise PyextError(f"{_WHERE}: {manifest} lists no fp8 layers ('layers'); the checkpoint is damaged: save "
+                         "the model again with pyext.checkpoint.save_pretrained")
+    return data
+
+
+def _load_shard(path: str, shard: str) -> dict[str, torch.Tensor]:
+    from safetensors.torch import load_file
+
+    file = os.path.join(path, shard)
+    try:
+        return load_file(file)
+    except Exception as err:  # safetensors' own error types: a truncated file, a damaged header
+        raise PyextError(f"{_WHERE}: {file} cannot be read as safetensors ({type(err).__name__}: {err}); the file "
+                         "is truncated or damaged: save the model again") from err
 
 
 def _check_shards_present(path: str, manifest: dict) -> None:
@@ -105,24 +122,38 @@ def from_pretrained(cls, path: str, device: str | torch.device = "cpu", verify: 
     With `verify` (the default) every tensor is checked against the manifest's SHA-256
     (checkpoints written before checksums existed have none to check)."""
     from accelerate import init_empty_weights
-    from safetensors.torch import load_file
 
     manifest = _read_manifest(path)
     _check_shards_present(path, manifest)
+    try:
+        config = cls.load_config(path)
+    except (OSError, ValueError) as err:
+        raise PyextError(f"{_WHERE}: {os.path.join(path, 'config.json')} cannot be read: {err}") from err
     with init_empty_weights():
-        model = cls.from_config(cls.load_config(path))
+        model = cls.from_config(config)
     for name, spec in manifest["layers"].items():
+        try:
+            layer = model.get_submodule(name)
+            per_channel, dtype = bool(spec["per_channel"]), getattr(torch, spec["compute_dtype"])
+        except (AttributeError, KeyError, TypeError) as err:
+            raise PyextError(f"{_WHERE}: {os.path.join(path, MANIFEST)} names fp8 layer {name!r} ({spec!r}), which "
+                             f"{cls.__name__} built from this config lacks or cannot take ({err}); the manifest belongs "
+                             "to another model or is damaged") from err
+        if not isinstance(layer, (nn.Linear, nn.Conv2d)) or not isinstance(dtype, torch.dtype):
+            raise PyextError(f"{_WHERE}: {os.path.join(path, MANIFEST)} names {name!r} as an fp8 layer, but in "
+                             f"{cls.__name__} it is a {type(layer).__name__}; the manifest belongs to another model")
         parent, _, child = name.rpartition(".")
-        owner = model.get_submodule(parent) if parent else model
-        setattr(owner, child, _empty_fp8(getattr(owner, child), spec["per_channel"],
-                                         getattr(torch, spec["compute_dtype"])))
+        setattr(model.get_submodule(parent) if parent else model, child, _empty_fp8(layer, per_channel, dtype))
     state = {}
     for shard in _shards(path):
-        tensors = load_file(os.path.join(path, shard))
+        tensors = _load_shard(path, shard)
         if verify:
             _verify(path, shard, tensors, manifest.get("files", {}).get(shard, {}))
         state.update({key: t.to(device) for key, t in tensors.items()})
-    missing, unexpected = model.load_state_dict(state, strict=False, assign=True)
+    try:
+        missing, unexpected = model.load_state_dict(state, strict=False, assign=True)
+    except RuntimeError as err:  # a tensor of another shape: torch's message names it
+        raise PyextError(f"{_WHERE}: {path} does not match {cls.__name__}: {err}") from err
     if missing or unexpected:
         raise PyextError(f"{_WHERE}: {path} does not match {cls.__name__}: "
                          f"missing {missing[:5]}, unexpected {unexpected[:5]}")

@@ -90,6 +90,22 @@ def _attention_check(opts: OptimizeOptions, device: torch.device) -> None:
         raise PyextError(f"pyext.optimize: option attention={opts.attention!r} is unavailable here: {missing}")
 
 
+def _device_check(device: torch.device) -> None:
+    """A device this torch can use, else a PyextError naming the option (before anything changes)."""
+    if device.type in ("cpu", "meta"):
+        return
+    backend = getattr(torch, device.type, None)
+    available = getattr(backend, "is_available", None)
+    if available is None or not available():
+        why = f"this torch ({torch.__version__}) has no {device.type} device available"
+        raise PyextError(f"pyext.optimize: option device={str(device)!r} is not usable here: {why}; "
+                         "use device=None (where the pipeline is) or 'cpu'")
+    count = getattr(backend, "device_count", lambda: 1)()
+    if device.index is not None and device.index >= count:
+        raise PyextError(f"pyext.optimize: option device={str(device)!r} is not usable here: there are {count} "
+                         f"{device.type} devices (indices 0..{count - 1})")
+
+
 def decide(pipe, opts: OptimizeOptions) -> Decision:
     check_pipeline(pipe)
     comps = find_components(pipe)
@@ -100,6 +116,7 @@ def decide(pipe, opts: OptimizeOptions) -> Decision:
     devices = {device_of(m) for m in comps.modules.values()}
     multi_device = bool(getattr(pipe, "hf_device_map", None)) or len(devices) > 1
     device = torch.device(opts.device) if opts.device is not None else device_of(first)
+    _device_check(device)
     if device.type == "cuda" and device.index is None:
         device = torch.device("cuda", torch.cuda.current_device())
     _attention_check(opts, device)

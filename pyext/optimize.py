@@ -10,19 +10,21 @@ pyext.techniques applies itself and hands back its undo. Techniques that change 
 with offload hooks suspended (pyext.offload), so offload may be enabled before or after. If a
 technique fails, what this call did is undone before the error propagates. The state lives on
 the pipeline (pyext._state, key "optimize"): `report` reads it, `restore` runs the undos, and a
-second `optimize` applies only what is missing.
+second `optimize` gives what one call with its options would (see optimize).
 """
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 
 import torch.nn as nn
 
 from pyext import _state, offload
 from pyext._memory import release_freed_memory, release_mapped_pages, storage_spans
 from pyext.decision import Decision, check_pipeline, decide
+from pyext.dispatch import PyextError
 from pyext.families import modules_of
 from pyext.options import OptimizeOptions
+from pyext.planner import FP8_ROLES
 from pyext.techniques import TECHNIQUES, Entry
 
 STATE = "optimize"
@@ -35,12 +37,20 @@ class State:
 
 
 def optimize(pipe, options: OptimizeOptions | None = None, **changes):
-    """Make this pipeline faster and leaner in place; returns it. See OptimizeOptions."""
+    """Make this pipeline faster and leaner in place; returns it. See OptimizeOptions.
+
+    Called again on a pipeline it optimized, the result is that of one call with the new options:
+    what the first call did is undone and done again as the new options say, except what cannot
+    be undone exactly (a dtype cast or fp8 storage without keep_original_weights). Those the new
+    options must ask for alike, else a PyextError says so before anything changes."""
     check_pipeline(pipe)
     opts = (options or OptimizeOptions()).replace(**changes)  # a new object: the caller's is never changed
     decision = decide(pipe, opts)
-    state = _state.get(pipe, STATE) or State(decision)
-    state.decision = decision
+    state = _state.get(pipe, STATE)
+    if state is not None:  # stays on the pipeline, holding what cannot be undone, if this call fails
+        decision = _check_again(state, decision)
+        _undo(pipe, [e for e in state.entries if e.exact])
+        state.entries = [e for e in state.entries if not e.exact]
     new: list[Entry] = []
     before = storage_spans(modules_of(pipe).values())
     try:
@@ -54,11 +64,41 @@ def optimize(pipe, options: OptimizeOptions | None = None, **changes):
     except BaseException:
         _undo(pipe, new)  # never a half-changed pipeline
         raise
-    state.entries += new
+    state = state or State(decision)
+    state.decision = decision
+    kept = {(e.component, e.technique) for e in state.entries}
+    state.entries += [e for e in new if not (e.status == "already" and (e.component, e.technique) in kept)]
     _state.put(pipe, STATE, state)
     release_freed_memory()
     release_mapped_pages(before, storage_spans(modules_of(pipe).values()))
     return pipe
+
+
+def _check_again(state: State, decision: Decision) -> Decision:
+    """The decision of a second optimize, given what the first did that cannot be undone exactly:
+    the new options must keep it (same dtype; fp8 for the same components, by the same rule), or
+    PyextError. An fp8="auto" asked again keeps the first call's resolution."""
+    before = state.decision
+    lossy = [e for e in state.entries if not e.exact]
+    if any(e.technique == "fp8" for e in lossy) and decision.options.fp8 == before.options.fp8:
+        decision = replace(decision, fp8=before.fp8)  # the plan now sees fp8 weights: keep what it chose
+    conflicts = []
+    if any(e.technique == "dtype" for e in lossy) and decision.dtype != before.dtype:
+        conflicts.append(f"dtype: the weights were cast to {before.dtype}, {decision.dtype or 'keep'} is asked")
+    fp8_components = sorted(e.component for e in lossy if e.technique == "fp8")
+    covered = FP8_ROLES[decision.fp8]
+    lost = [c for c in fp8_components if decision.components.roles.get(c) not in covered]
+    if lost:
+        conflicts.append(f"fp8: {', '.join(lost)} store fp8 weights, fp8={decision.options.fp8!r} leaves them out")
+    if fp8_components and decision.options.fp8_skip != before.options.fp8_skip:
+        conflicts.append("fp8_skip: the fp8 layers were chosen with other patterns")
+    if conflicts:
+        raise PyextError(
+            "pyext.optimize: this pipeline was optimized before, and a second optimize cannot undo exactly what "
+            f"the new options would change ({'; '.join(conflicts)}). Ask for the same dtype and fp8 again, or "
+            "start from the original pipeline (load it again; or pass keep_original_weights=True to the first "
+            "optimize, so that pyext.restore gives back the exact weights)")
+    return decision
 
 
 @dataclass

@@ -99,11 +99,12 @@ def _weight_bytes(module: nn.Module, elem: int, patterns: tuple[str, ...]) -> tu
 
 
 def _largest_block(module: nn.Module, elem: int) -> int:
-    """Largest child of a ModuleList/Sequential: what block-level group offload moves at once."""
+    """Largest child of a ModuleList/Sequential: what block-level group offload moves at once.
+    Lists may hold None (diffusers' mid blocks without attention) or nothing at all."""
     best = 0
     for sub in module.modules():
         if isinstance(sub, (nn.ModuleList, nn.Sequential)):
-            for block in sub:
+            for block in sub.children():
                 best = max(best, sum(p.numel() * elem for p in block.parameters()))
     return best
 

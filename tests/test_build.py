@@ -67,7 +67,7 @@ NO_EXT = textwrap.dedent("""
     from pyext import dispatch
     w, s = fp8_quantize(torch.randn(8, 16))
     y = fp8_linear(torch.randn(2, 16), w, s)
-    chosen = dispatch.select("fp8_upcast", (w, s, torch.empty(8, 16)), None).name
+    chosen = dispatch.select("fp8_upcast", (w.view(torch.uint8), s, torch.empty(8, 16)), None).name
     print(json.dumps(dict(warned=[str(c.message) for c in caught], chosen=chosen, ok=bool(torch.isfinite(y).all()))))
 """)
 

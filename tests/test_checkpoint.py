@@ -109,3 +109,44 @@ def test_plain_model_directory(tmp_path):
 def test_not_a_directory(tmp_path):
     with pytest.raises(PyextError, match="is not a directory"):
         checkpoint.from_pretrained(Tiny, str(tmp_path / "nowhere"))
+
+
+def test_truncated_shard_names_the_file(saved):
+    _, path = saved
+    shard = sorted(path.glob("*.safetensors"))[0]
+    shard.write_bytes(shard.read_bytes()[:-10])
+    with pytest.raises(PyextError, match=rf"pyext.checkpoint.from_pretrained: .*{shard.name} cannot be read as "
+                                         r"safetensors .*truncated or damaged"):
+        checkpoint.from_pretrained(Tiny, str(path))
+
+
+def test_damaged_header_names_the_file(saved):
+    _, path = saved
+    shard = sorted(path.glob("*.safetensors"))[0]
+    raw = bytearray(shard.read_bytes())
+    raw[12:20] = b"########"
+    shard.write_bytes(bytes(raw))
+    with pytest.raises(PyextError, match=rf"{shard.name} cannot be read as safetensors"):
+        checkpoint.from_pretrained(Tiny, str(path))
+
+
+@pytest.mark.parametrize("manifest,match", [
+    ("{not json", "pyext_fp8.json cannot be read .*JSONDecodeError"),
+    ('{"format": 2}', "pyext_fp8.json lists no fp8 layers"),
+    ('{"format": 2, "layers": {"nope.layer": {"per_channel": true, "compute_dtype": "float32"}}}',
+     "names fp8 layer 'nope.layer'.*Tiny built from this config lacks"),
+    ('{"format": 2, "layers": {"up": {"per_channel": true, "compute_dtype": "bogus"}}}',
+     "names fp8 layer 'up'.*cannot take"),
+])
+def test_damaged_or_foreign_manifest_names_the_file(saved, manifest, match):
+    _, path = saved
+    (path / checkpoint.MANIFEST).write_text(manifest)
+    with pytest.raises(PyextError, match=f"pyext.checkpoint.from_pretrained: .*{match}"):
+        checkpoint.from_pretrained(Tiny, str(path))
+
+
+def test_missing_config_names_the_file(saved):
+    _, path = saved
+    (path / "config.json").unlink()
+    with pytest.raises(PyextError, match=r"config.json cannot be read"):
+        checkpoint.from_pretrained(Tiny, str(path))

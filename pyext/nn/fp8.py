@@ -9,6 +9,8 @@ moves (offload hooks) move the fp8 bytes: half of what bf16 weights would move.
 """
 from __future__ import annotations
 
+import contextlib
+import contextvars
 import re
 import threading
 from collections import Counter
@@ -17,6 +19,7 @@ from dataclasses import dataclass, field
 import torch
 import torch.nn as nn
 
+from pyext import _state
 from pyext.ops.fp8 import FP8, fp8_quantize, fp8_upcast
 from pyext.ops.fp8_conv import _cpp_reasons as _fp8_conv_cpp_reasons
 from pyext.ops.fp8_conv import _cpp_unavailable as _fp8_conv_cpp_unavailable
@@ -30,6 +33,22 @@ DEFAULT_SKIP = (
     r"^conv_in$", r"^conv_out$", r"^proj_in$", r"^proj_out$",
 )
 MIN_NUMEL = 4096  # smaller weights save nothing worth the upcast
+STATE = "fp8"  # pyext._state key on a converted model: the rule it was converted by (quantize_fp8's arguments)
+
+# While set, fp8 layers give state_dict() their dequantized weight in the compute dtype (what a
+# plain layer holds) instead of their codes and scale bits: what savers for plain models need.
+_DENSE_STATE_DICT = contextvars.ContextVar("pyext_fp8_dense_state_dict", default=False)
+
+
+@contextlib.contextmanager
+def dense_state_dict():
+    """fp8 layers' state_dict() entries are plain weights (`weight` in the compute dtype, no
+    `weight_scale`) inside the block: a model saved so loads as a plain model."""
+    token = _DENSE_STATE_DICT.set(True)
+    try:
+        yield
+    finally:
+        _DENSE_STATE_DICT.reset(token)
 
 
 class _FP8Storage:
@@ -70,6 +89,27 @@ class _FP8Storage:
         if not (w.is_contiguous() or (w.dim() == 4 and w.is_contiguous(memory_format=torch.channels_last))):
             self.weight.data = w.data.contiguous()
         return out
+
+    def _save_to_state_dict(self, destination, prefix, keep_vars):
+        super()._save_to_state_dict(destination, prefix, keep_vars)
+        if _DENSE_STATE_DICT.get() and self.weight.device.type != "meta":
+            destination[prefix + "weight"] = self.dequantized_weight().contiguous()
+            destination.pop(prefix + "weight_scale", None)
+
+    def _load_from_state_dict(self, state_dict, prefix, local_metadata, strict, missing_keys, unexpected_keys,
+                              error_msgs):
+        # A plain weight (a float `weight`, no `weight_scale`: load_state_dict of a plain model's
+        # state) is quantized as the layer's own was; codes and scale bits load as they are.
+        weight = state_dict.get(prefix + "weight")
+        if (isinstance(weight, torch.Tensor) and weight.is_floating_point() and prefix + "weight_scale" not in state_dict
+                and weight.shape == self.weight.shape):
+            q, scale = fp8_quantize(weight, self.per_channel)
+            codes = q.view(torch.uint8)
+            state_dict[prefix + "weight"] = codes.contiguous(memory_format=torch.channels_last) \
+                if self.weight.dim() == 4 and self.weight.is_contiguous(memory_format=torch.channels_last) else codes
+            state_dict[prefix + "weight_scale"] = scale.view(torch.int32)
+        super()._load_from_state_dict(state_dict, prefix, local_metadata, strict, missing_keys, unexpected_keys,
+                                      error_msgs)
 
     def _fp8_extra_repr(self) -> str:
         return f"fp8=e4m3, {'per-channel' if self.per_channel else 'per-tensor'} scale, compute={self.compute_dtype}"
@@ -197,9 +237,14 @@ def layer_rules(model: nn.Module, patterns: tuple[str, ...]):
             yield name, module, why or _skip_reason(name, module, patterns)
 
 
+_ADAPTER = re.compile(r"(^|\.)lora_")  # PEFT's adapter layers (lora_A.<adapter>, lora_B.<adapter>, ...)
+
+
 def _skip_reason(name: str, module: nn.Module, patterns: tuple[str, ...]) -> str | None:
     if type(module) not in (nn.Linear, nn.Conv2d):
         return "already fp8" if isinstance(module, (FP8Linear, FP8Conv2d)) else "not a Linear/Conv2d"
+    if _ADAPTER.search(name):
+        return "a LoRA adapter layer (PEFT loads, scales and swaps it in place)"
     for pattern in patterns:
         if re.search(pattern, name):
             return f"name matches skip pattern {pattern!r}"
@@ -220,6 +265,8 @@ def quantize_fp8(model: nn.Module, skip: tuple[str, ...] = DEFAULT_SKIP, per_cha
     patterns (skip_patterns) are added. Returns what was converted, what was kept and why,
     and the weight bytes before and after.
     """
+    from pyext.nn import fp8_methods
+
     report = FP8Report()
     patterns = skip_patterns(model, skip)
     for name, module, reason in list(layer_rules(model, patterns)):
@@ -235,27 +282,45 @@ def quantize_fp8(model: nn.Module, skip: tuple[str, ...] = DEFAULT_SKIP, per_cha
         parent_name, _, child = name.rpartition(".")
         setattr(model.get_submodule(parent_name) if parent_name else model, child, new)
         report.converted.append(name)
+    if report.converted or any(isinstance(m, (FP8Linear, FP8Conv2d)) for m in model.modules()):
+        _state.put(model, STATE, dict(skip=tuple(skip), per_channel=per_channel, keep_original=keep_original))
+        fp8_methods.install(model)
     return report
 
 
 def restore_fp8(model: nn.Module) -> list[str]:
     """Turn fp8 layers back into plain ones: exact where the originals were kept, else dequantised."""
+    from pyext.nn import fp8_methods
+
+    restored = restore_layers(model, lambda name, module: True)
+    _state.pop(model, STATE)
+    fp8_methods.remove(model)
+    return restored
+
+
+def plain_layer(module: nn.Module, original: bool = True) -> nn.Module:
+    """The plain nn.Linear / nn.Conv2d an fp8 layer stands for: its kept original weight (if
+    `original` and kept), else the dequantized one, in the compute dtype, where the codes are."""
+    weight = module.original_weight if original and module.original_weight is not None \
+        else module.dequantized_weight()
+    weight = weight.to(device=module.weight.device, dtype=module.compute_dtype)
+    if isinstance(module, FP8Linear):
+        plain = nn.Linear(module.in_features, module.out_features, bias=module.bias is not None, device="meta")
+    else:
+        plain = nn.Conv2d(module.in_channels, module.out_channels, module.kernel_size, module.stride,
+                          module.padding, module.dilation, module.groups, module.bias is not None,
+                          module.padding_mode, device="meta")
+    plain.weight = nn.Parameter(weight, requires_grad=False)
+    plain.bias = module.bias
+    return plain
+
+
+def restore_layers(model: nn.Module, select, original: bool = True) -> list[str]:
+    """Replace the fp8 layers for which select(name, layer) holds by plain_layer(layer, original)."""
     restored = []
     for name, module in list(model.named_modules()):
-        if not isinstance(module, (FP8Linear, FP8Conv2d)):
-            continue
-        weight = module.original_weight if module.original_weight is not None else module.dequantized_weight()
-        weight = weight.to(device=module.weight.device, dtype=module.compute_dtype)
-        if isinstance(module, FP8Linear):
-            plain = nn.Linear(module.in_features, module.out_features, bias=module.bias is not None,
-                              device="meta")
-        else:
-            plain = nn.Conv2d(module.in_channels, module.out_channels, module.kernel_size, module.stride,
-                              module.padding, module.dilation, module.groups, module.bias is not None,
-                              module.padding_mode, device="meta")
-        plain.weight = nn.Parameter(weight, requires_grad=False)
-        plain.bias = module.bias
-        parent_name, _, child = name.rpartition(".")
-        setattr(model.get_submodule(parent_name) if parent_name else model, child, plain)
-        restored.append(name)
+        if isinstance(module, (FP8Linear, FP8Conv2d)) and select(name, module):
+            parent_name, _, child = name.rpartition(".")
+            setattr(model.get_submodule(parent_name) if parent_name else model, child, plain_layer(module, original))
+            restored.append(name)
     return restored

@@ -22,6 +22,7 @@ Wider fp32 Linears up to BLAS_LINEAR_BYTES stay plain: torch's BLAS is faster on
 from __future__ import annotations
 
 import threading
+import weakref
 from dataclasses import dataclass, field
 
 import torch
@@ -301,11 +302,19 @@ class _Packable:
 
 
 class PackedConv2d(_Packable, nn.Conv2d):
-    pass
+    def forward(self, input: torch.Tensor) -> torch.Tensor:
+        if torch.compiler.is_compiling():
+            _unpack_for_compile(self)
+            return nn.Conv2d.forward(self, input)
+        return super().forward(input)
 
 
 class PackedLinear(_Packable, nn.Linear):
-    pass
+    def forward(self, input: torch.Tensor) -> torch.Tensor:
+        if torch.compiler.is_compiling():
+            _unpack_for_compile(self)
+            return nn.Linear.forward(self, input)
+        return super().forward(input)
 
 
 _PACKED_CLASS = {nn.Conv2d: PackedConv2d, nn.Linear: PackedLinear}
@@ -320,9 +329,24 @@ class PackReport:
         return f"{len(self.packed)} Conv2d/Linear weights packed for oneDNN ({len(self.skipped)} left plain)"
 
 
+_PACKED_MODELS: weakref.WeakSet = weakref.WeakSet()  # the models pack() changed, while they live
+
+
+@torch.compiler.disable  # runs eagerly when torch.compile first meets a packed layer: one graph break, then none
+def _unpack_for_compile(layer: nn.Module) -> None:
+    """torch.compile cannot trace oneDNN's packed weights (opaque tensors), and inductor packs
+    weights itself: the packed models holding this layer go back to plain weights (exact)."""
+    holders = [m for m in list(_PACKED_MODELS) if any(sub is layer for sub in m.modules())]
+    for model in holders:
+        unpack(model)
+    if isinstance(layer, _Packable):  # a copy of a packed model, which pack() never saw
+        _unpack_layer(layer)
+
+
 def pack(model: nn.Module, layers: tuple[type, ...] = (nn.Conv2d, nn.Linear)) -> PackReport:
     """Pack the model's plain Conv2d/Linear weights in place (only the packed copy is kept).
-    The layers become PackedConv2d/PackedLinear (still nn.Conv2d/nn.Linear to diffusers and PEFT)."""
+    The layers become PackedConv2d/PackedLinear (still nn.Conv2d/nn.Linear to diffusers and PEFT).
+    If torch.compile later traces the model, its first compiled call unpacks it (exact)."""
     report = PackReport()
     for name, module in model.named_modules():
         if not isinstance(module, layers):
@@ -335,16 +359,23 @@ def pack(model: nn.Module, layers: tuple[type, ...] = (nn.Conv2d, nn.Linear)) ->
         module.__class__ = _PACKED_CLASS[type(module)]
         module._pack_weight()
         report.packed.append(name)
+    if report.packed:
+        _PACKED_MODELS.add(model)
     return report
 
 
 def unpack(model: nn.Module) -> list[str]:
     """Plain layers and weights again (exact: packing only reorders)."""
+    _PACKED_MODELS.discard(model)
     done = []
     for name, module in model.named_modules():
         if isinstance(module, _Packable):
-            module._unpack_weight()
-            module.__class__ = next(plain for plain, cls in _PACKED_CLASS.items() if cls is type(module))
-            del module._trainable
+            _unpack_layer(module)
             done.append(name)
     return done
+
+
+def _unpack_layer(module: nn.Module) -> None:
+    module._unpack_weight()
+    module.__class__ = next(plain for plain, cls in _PACKED_CLASS.items() if cls is type(module))
+    del module._trainable

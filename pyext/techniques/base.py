@@ -22,6 +22,7 @@ class Entry:
     detail: str = ""
     undo: Callable[[], str] | None = field(default=None, repr=False, compare=False)
     changes_modules: bool = field(default=True, repr=False, compare=False)
+    exact: bool = field(default=True, repr=False, compare=False)  # the undo gives back exactly what was there
 
     def to_dict(self) -> dict:
         return {"component": self.component, "technique": self.technique, "status": self.status, "detail": self.detail}
@@ -34,8 +35,8 @@ class Technique:
     def apply(self, pipe, decision) -> list[Entry]:
         raise NotImplementedError
 
-    def applied(self, component: str, detail: str, undo: Callable[[], str]) -> Entry:
-        return Entry(component, self.name, "applied", detail, undo, self.changes_modules)
+    def applied(self, component: str, detail: str, undo: Callable[[], str], exact: bool = True) -> Entry:
+        return Entry(component, self.name, "applied", detail, undo, self.changes_modules, exact)
 
     def skipped(self, component: str, why: str) -> Entry:
         return Entry(component, self.name, "skipped", why)

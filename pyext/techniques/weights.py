@@ -7,7 +7,9 @@ import torch
 import torch.nn as nn
 
 from pyext import _compat
+from pyext.nn import fp8_methods
 from pyext.nn.fp8 import FP8Conv2d, FP8Linear, quantize_fp8, restore_fp8
+from pyext.families import modules_of
 from pyext.planner import FP8_ROLES
 from pyext.techniques.base import Entry, Technique
 
@@ -55,7 +57,8 @@ class DType(Technique):
         detail = f"{', '.join(sorted({str(before[n]) for n in changes}))} -> {dtype}"
         if kept:
             detail += f"; {len(kept)} modules kept in float32 as the model asks ({', '.join(keep)})"
-        return self.applied(name, detail, functools.partial(self._undo, module, {n: before[n] for n in changes}, saved))
+        return self.applied(name, detail, functools.partial(self._undo, module, {n: before[n] for n in changes}, saved),
+                            exact=keep_original)
 
     @staticmethod
     def _undo(module, before, saved) -> str:
@@ -90,16 +93,20 @@ class FP8(Technique):
                 continue
             report = quantize_fp8(module, skip=d.options.fp8_skip, keep_original=d.options.keep_original_weights)
             if report.converted:
-                entries.append(self.applied(name, str(report), functools.partial(self._undo, module,
-                                                                                 d.options.keep_original_weights)))
+                entries.append(self.applied(name, str(report), functools.partial(
+                    self._undo, pipe, module, d.options.keep_original_weights), exact=d.options.keep_original_weights))
             elif any(isinstance(m, (FP8Linear, FP8Conv2d)) for m in module.modules()):
                 entries.append(self.already(name, "fp8 layers present, none left to convert"))
             else:
                 kept = "; ".join(f"{n} {why}" for why, n in report.kept_by_reason().items())
                 entries.append(self.skipped(name, f"no eligible layers ({kept or 'no Linear/Conv2d layers'})"))
+        if any(e.status != "skipped" for e in entries):
+            fp8_methods.install(pipe)  # the pipeline's fuse_lora reaches the text encoders' layers itself
         return entries
 
     @staticmethod
-    def _undo(module, exact: bool) -> str:
+    def _undo(pipe, module, exact: bool) -> str:
         n = len(restore_fp8(module))
+        if not any(isinstance(m, (FP8Linear, FP8Conv2d)) for c in modules_of(pipe).values() for m in c.modules()):
+            fp8_methods.remove(pipe)
         return f"{n} fp8 layers back to plain ones ({'exact originals' if exact else 'dequantised: fp8 rounding stays'})"
