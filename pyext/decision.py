@@ -8,7 +8,6 @@ request never leaves a half-changed pipeline. The techniques act on the Decision
 from __future__ import annotations
 
 from dataclasses import dataclass
-from types import MappingProxyType
 
 import torch
 import torch.nn as nn
@@ -24,7 +23,7 @@ from pyext.planner import Geometry, Plan
 class Decision:
     options: OptimizeOptions
     components: Components
-    families: MappingProxyType  # denoiser name -> Family
+    families: dict  # denoiser name -> Family
     device: torch.device
     dtype: torch.dtype | None  # None: keep each component's dtype
     geometry: Geometry
@@ -157,6 +156,8 @@ def decide(pipe, opts: OptimizeOptions) -> Decision:
     else:
         tiling, tiling_reason = False, f"the full decode fits the budget ({plan.peak_bytes / planner.GB:.2f} GB " \
                                        f"of {budget / planner.GB:.1f} GB): untiled, exact"
-    return Decision(opts, comps, MappingProxyType(families), device, dtype, geo, plan,
-                    plan.fp8 if opts.fp8 == "auto" else opts.fp8, offload_mode, offload_reason, tiling,
-                    tiling_reason, multi_device)
+    fp8 = plan.fp8 if opts.fp8 == "auto" else opts.fp8
+    if (fp8, offload_mode, tiling) != (plan.fp8, plan.offload, plan.vae_tiling):  # the plan in force is the options'
+        plan = planner.as_asked(comps, geo, budget, fp8, offload_mode, tiling, elem, opts.fp8_skip, device.type == "cpu")
+    return Decision(opts, comps, families, device, dtype, geo, plan, fp8, offload_mode,
+                    offload_reason, tiling, tiling_reason, multi_device)

@@ -106,8 +106,8 @@ def role_of(name: str, module: nn.Module) -> str:
 class Components:
     """The pipeline's modules by role; denoisers in the order the pipeline's loop calls them."""
 
-    roles: MappingProxyType = field(default_factory=lambda: MappingProxyType({}))  # name -> role
-    modules: MappingProxyType = field(default_factory=lambda: MappingProxyType({}))  # name -> module
+    roles: dict = field(default_factory=dict)  # name -> role
+    modules: dict = field(default_factory=dict)  # name -> module (plain dicts: a deep copy of the pipeline copies them)
 
     def of(self, role: str) -> dict[str, nn.Module]:
         return {n: self.modules[n] for n, r in self.roles.items() if r == role}
@@ -132,7 +132,7 @@ def find_components(pipe) -> Components:
     seq = [n for n in (getattr(pipe, "model_cpu_offload_seq", None) or "").split("->") if n in modules]
     order = seq + [n for n in modules if n not in seq]
     roles = {n: role_of(n, eager(modules[n])) for n in order}
-    return Components(MappingProxyType(roles), MappingProxyType({n: modules[n] for n in order}))
+    return Components(roles, {n: modules[n] for n in order})
 
 
 # ----------------------------------------------------------------------------- geometry

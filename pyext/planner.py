@@ -195,6 +195,14 @@ def peak_bytes(sizes: list[ComponentSize], geo: Geometry, fp8: str, offload: str
     return max((c.largest_leaf_bytes + act(c) for c in sizes), default=0)
 
 
+def as_asked(components: Components, geo: Geometry, budget_bytes: int | None, fp8: str, offload: str,
+             vae_tiling: bool, elem: int = 2, fp8_skip: tuple[str, ...] = DEFAULT_SKIP, host: bool = False) -> Plan:
+    """The plan that options fixing fp8, offload and tiling make, with its estimated peak."""
+    peak = peak_bytes(component_sizes(components, geo, elem, fp8_skip, host), geo, fp8, offload, vae_tiling)
+    return Plan("as asked", fp8, offload, vae_tiling, peak, budget_bytes is None or peak <= budget_bytes,
+                budget_bytes)
+
+
 def plan(components: Components, geo: Geometry, budget_bytes: int | None, elem: int = 2,
          allow_offload: bool = True, fp8_skip: tuple[str, ...] = DEFAULT_SKIP, host: bool = False) -> Plan:
     sizes = component_sizes(components, geo, elem, fp8_skip, host)

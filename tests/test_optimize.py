@@ -107,9 +107,10 @@ def test_report_restore_and_idempotence(arch, references):
     assert {"dtype", "fp8", "attention"} <= {e.technique for e in first.entries if e.status == "applied"}
     assert "weights:" in str(first)
     once = generate(pipe)
-    pyext.optimize(pipe, dtype=torch.bfloat16, fp8="denoiser", keep_original_weights=True)  # second call: nothing new
-    again = pyext.report(pipe).entries[len(first.entries):]
-    assert again and not [e for e in again if e.status == "applied"]
+    pyext.optimize(pipe, dtype=torch.bfloat16, fp8="denoiser", keep_original_weights=True)  # as one call
+    again = pyext.report(pipe)
+    assert [(e.component, e.technique, e.status) for e in again.entries] == \
+        [(e.component, e.technique, e.status) for e in first.entries]
     np.testing.assert_array_equal(generate(pipe), once)
     notes = pyext.restore(pipe)
     assert any("exact" in n for n in notes)

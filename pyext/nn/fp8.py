@@ -26,11 +26,15 @@ from pyext.ops.fp8_conv import _cpp_unavailable as _fp8_conv_cpp_unavailable
 
 # Names (regexes, searched in the module's qualified name) kept in full precision by
 # default: norms, embeddings/modulation and the first and last layers, where fp8
-# error shows in images (the same families diffusers' layerwise casting skips).
+# error shows in images (the same families diffusers' layerwise casting skips); and layers
+# whose weight dtype diffusers reads to cast their input or to build new layers (an fp8
+# layer's weight holds uint8 codes): IP-Adapter image projections and attention layers,
+# and the timestep embedders that read `mlp[0].weight.dtype`.
 DEFAULT_SKIP = (
     r"norm", r"time_embed", r"add_embed", r"pos_embed", r"patch_embed", r"x_embedder",
     r"context_embedder", r"time_text_embed", r"class_embed",
     r"^conv_in$", r"^conv_out$", r"^proj_in$", r"^proj_out$",
+    r"encoder_hid_proj", r"to_[kv]_ip", r"t_embedder",
 )
 MIN_NUMEL = 4096  # smaller weights save nothing worth the upcast
 STATE = "fp8"  # pyext._state key on a converted model: the rule it was converted by (quantize_fp8's arguments)

@@ -8,6 +8,7 @@ offload hooks are suspended, so offload may be enabled before or after pyext.
 """
 from __future__ import annotations
 
+import functools
 from dataclasses import dataclass, field
 from typing import Callable, Literal
 
@@ -26,6 +27,17 @@ class Entry:
 
     def to_dict(self) -> dict:
         return {"component": self.component, "technique": self.technique, "status": self.status, "detail": self.detail}
+
+
+def undo_by(call: Callable, *args, says: str) -> Callable[[], str]:
+    """An undo that calls call(*args) and returns `says`. A partial, not a closure: a deep copy of
+    the pipeline copies its arguments with it, so the copy's undo acts on the copy."""
+    return functools.partial(_call_then_say, call, args, says)
+
+
+def _call_then_say(call: Callable, args: tuple, says: str) -> str:
+    call(*args)
+    return says
 
 
 class Technique:

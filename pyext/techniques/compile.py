@@ -2,7 +2,7 @@
 from __future__ import annotations
 
 from pyext import _compat
-from pyext.techniques.base import Entry, Technique
+from pyext.techniques.base import Entry, Technique, undo_by
 from pyext.traced import TracedUNet, trace_reason
 
 
@@ -38,7 +38,7 @@ class Compile(Technique):
             detail += " with freezing: the weights are constants of the graph; after changing them " \
                       "(fuse_lora, load_state_dict) run pyext.restore and optimize again"
         module.compile(backend=backend, options=options)  # in place: hooks and attribute access keep working
-        return self.applied(name, detail, lambda: (_compat.uncompile_in_place(module), "eager again")[1])
+        return self.applied(name, detail, undo_by(_compat.uncompile_in_place, module, says="eager again"))
 
     def _trace(self, pipe, name, module, d, auto: bool) -> Entry:
         if isinstance(module, TracedUNet):
@@ -54,4 +54,4 @@ class Compile(Technique):
             return self.skipped(name, f"{'auto' if auto else 'trace'}: {reason}")
         traced = TracedUNet(module)
         setattr(pipe, name, traced)
-        return self.applied(name, traced.describe(), lambda: (setattr(pipe, name, module), "eager again")[1])
+        return self.applied(name, traced.describe(), undo_by(setattr, pipe, name, module, says="eager again"))

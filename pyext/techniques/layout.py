@@ -5,7 +5,11 @@ import torch
 import torch.nn as nn
 
 from pyext.families import conv_share
-from pyext.techniques.base import Entry, Technique
+from pyext.techniques.base import Entry, Technique, undo_by
+
+
+def _contiguous(module: nn.Module) -> None:
+    module.to(memory_format=torch.contiguous_format)
 
 
 class ChannelsLast(Technique):
@@ -27,8 +31,8 @@ class ChannelsLast(Technique):
                 entries.append(self.already(name, "conv weights in NHWC order"))
                 continue
             module.to(memory_format=torch.channels_last)
-            entries.append(self.applied(name, f"{len(convs)} conv weights in NHWC order", lambda m=module: (
-                m.to(memory_format=torch.contiguous_format), "contiguous format again")[1]))
+            entries.append(self.applied(name, f"{len(convs)} conv weights in NHWC order", undo_by(
+                _contiguous, module, says="contiguous format again")))
         return entries
 
     @staticmethod

@@ -3,7 +3,7 @@ from __future__ import annotations
 
 from pyext import offload
 from pyext.decision import device_of
-from pyext.techniques.base import Entry, Technique
+from pyext.techniques.base import Entry, Technique, undo_by
 
 
 class Device(Technique):
@@ -24,7 +24,7 @@ class Device(Technique):
             return [self.already("*", str(d.device))]
         before = befores.pop()
         pipe.to(d.device)
-        return [self.applied("*", f"{before} -> {d.device}", lambda: (pipe.to(before), f"moved back to {before}")[1])]
+        return [self.applied("*", f"{before} -> {d.device}", undo_by(pipe.to, before, says=f"moved back to {before}"))]
 
 
 class Offload(Technique):
@@ -44,4 +44,4 @@ class Offload(Technique):
         offload.enable(pipe, d.offload, d.device, dict(d.components.modules))
         state = offload.detect(pipe)
         return [self.applied("*", f"{d.offload} offload to {d.device} ({d.offload_reason})",
-                             lambda: (offload.remove(pipe, state), f"{d.offload} offload removed")[1])]
+                             undo_by(offload.remove, pipe, state, says=f"{d.offload} offload removed"))]

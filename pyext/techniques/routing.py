@@ -1,6 +1,7 @@
 """Attention routing: SDPA calls of diffusers attention layers computed by pyext's kernel."""
 from __future__ import annotations
 
+import functools
 from collections import Counter
 
 from pyext import _state, attention
@@ -36,9 +37,12 @@ class Attention(Technique):
             detail = f"{report.patched} layers routed to pyext attention (backend {backend or 'auto'})"
             if report.skipped:
                 detail += f"; not routed: {_summary(report.skipped)}"
-            entries.append(self.applied(name, detail, lambda m=module: (
-                f"pyext attention hooks removed from {len(attention.remove(m))} layers")))
+            entries.append(self.applied(name, detail, functools.partial(_remove, module)))
         return entries
+
+
+def _remove(module) -> str:
+    return f"pyext attention hooks removed from {len(attention.remove(module))} layers"
 
 
 def _summary(skipped: dict) -> str:

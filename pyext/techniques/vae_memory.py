@@ -3,7 +3,7 @@ from __future__ import annotations
 
 from pyext.dispatch import PyextError
 from pyext.families import vae_kind
-from pyext.techniques.base import Entry, Technique
+from pyext.techniques.base import Entry, Technique, undo_by
 
 
 class VAETiling(Technique):
@@ -28,7 +28,7 @@ class VAETiling(Technique):
             if report is not None and report["patched"]:
                 entries.append(self.applied(name, f"pyext tiling (exact), {report['tile_sample_min_size']}-px tiles "
                                                   f"({d.vae_tiling_reason})",
-                                            lambda v=vae: (pvae.untile_vae(v), "diffusers' decode again")[1]))
+                                            undo_by(pvae.untile_vae, vae, says="diffusers' decode again")))
             elif getattr(vae, "use_tiling", False):
                 entries.append(self.already(name, "diffusers' tiling was on"))
             elif hasattr(vae, "enable_tiling"):
@@ -40,7 +40,7 @@ class VAETiling(Technique):
                 blend = f", {' and '.join(fused)} fused" if fused else ""
                 entries.append(self.applied(name, f"diffusers' tiling for this {vae_kind(vae)} VAE{blend} "
                                                   f"({d.vae_tiling_reason})",
-                                            lambda v=vae: (pvae.untile_video_vae(v), "tiling off")[1]))
+                                            undo_by(pvae.untile_video_vae, vae, says="tiling off")))
             else:
                 entries.append(self.skipped(name, f"{type(vae).__name__} has no tiling"))
         return entries
@@ -66,5 +66,5 @@ class VAESlicing(Technique):
             else:
                 vae.enable_slicing()
                 entries.append(self.applied(name, "batches decode one at a time",
-                                            lambda v=vae: (v.disable_slicing(), "slicing off")[1]))
+                                            undo_by(vae.disable_slicing, says="slicing off")))
         return entries

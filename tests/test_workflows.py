@@ -1,0 +1,375 @@
+"""What a diffusers user does around pyext.optimize, each step compared with plain diffusers
+doing the same steps, on the tiny offline pipelines of SD1.5, SDXL, Flux and Wan.
+
+Every row builds two pipelines from the same weights: `opt`, optimized by pyext, and `twin`,
+plain diffusers holding the weights `opt` computes with (optimized then restored: for fp8
+storage the dequantized weights, for lossless techniques the originals). Both then take the
+same steps (a LoRA, a save, a compile, ...) and must give the same images to rounding: the
+technique's own error is the same on both sides, so a missing or wrong step shows at full
+size. LoRA rows also hold the LoRA's effect (images with minus without) to plain diffusers'
+effect on the unquantized weights. docs/workflows.md is the table of these rows.
+"""
+import copy
+
+import numpy as np
+import pytest
+import torch
+
+import pyext
+import pyext.nn.fp8 as fp8_module
+from pyext import dispatch
+from pyext.dispatch import PyextError
+from pyext.offline import build_pipeline, run_example
+
+ARCHS = ["sd15", "sdxl", "flux", "wan21"]
+DENOISER = {"sd15": "unet", "sdxl": "unet", "flux": "transformer", "wan21": "transformer"}
+# defaults: what optimize does on a CPU (prepack, fused norms, attention routing, channels-last);
+# fp8: the same, with the denoiser's weights stored in fp8.
+TECHNIQUES = {"defaults": dict(dtype="keep"), "fp8": dict(dtype="keep", fp8="denoiser")}
+SAME = 2e-3  # images in [0, 1]: what rounding and oneDNN's summation order leave between opt and twin
+
+
+@pytest.fixture(autouse=True)
+def setting(monkeypatch, tmp_path):
+    monkeypatch.setattr(fp8_module, "MIN_NUMEL", 0)  # the tiny models' layers are below the size floor
+    monkeypatch.setenv("PYEXT_CACHE_DIR", str(tmp_path / "dispatch"))
+    dispatch.reset()
+    yield
+    dispatch.reset()
+
+
+def run(pipe, arch: str, **kwargs) -> torch.Tensor:
+    return run_example(pipe, arch, steps=2, **kwargs).float()
+
+
+def pair(arch: str, techniques: str):
+    """(opt, twin): pyext-optimized, and plain diffusers with the weights opt computes with."""
+    opt = pyext.optimize(build_pipeline(arch, "tiny"), **TECHNIQUES[techniques])
+    twin = pyext.optimize(build_pipeline(arch, "tiny"), **TECHNIQUES[techniques])
+    pyext.restore(twin)
+    return opt, twin
+
+
+def assert_same(a: torch.Tensor, b: torch.Tensor, tol: float = SAME):
+    assert a.shape == b.shape and torch.isfinite(a).all()
+    assert (a - b).abs().max().item() <= tol
+
+
+def snr_db(out: torch.Tensor, ref: torch.Tensor) -> float:
+    return 10 * np.log10(float(ref.pow(2).mean()) / max(float((out - ref).pow(2).mean()), 1e-30))
+
+
+def make_lora(arch: str, path, seed: int, rank: int = 4) -> str:
+    """A LoRA on the denoiser's attention projections, saved as diffusers saves LoRAs."""
+    from peft import LoraConfig
+    from peft.utils import get_peft_model_state_dict
+
+    src = build_pipeline(arch, "tiny")
+    model = getattr(src, DENOISER[arch])
+    model.add_adapter(LoraConfig(r=rank, lora_alpha=rank, target_modules=["to_q", "to_k", "to_v", "to_out.0"]))
+    g = torch.Generator().manual_seed(seed)
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if "lora_B" in name:
+                p.copy_(torch.randn(p.shape, generator=g) * 0.5)
+    type(src).save_lora_weights(str(path), **{f"{DENOISER[arch]}_lora_layers": get_peft_model_state_dict(model)})
+    return str(path)
+
+
+# ----------------------------------------------------------------------------- LoRA
+
+def lora_steps(pipe, arch: str, lora: str) -> list[torch.Tensor]:
+    """Images: before, loaded, weighted 0.5, disabled, enabled, fused, unfused, unloaded."""
+    images = [run(pipe, arch)]
+    pipe.load_lora_weights(lora, adapter_name="a")
+    images.append(run(pipe, arch))
+    pipe.set_adapters(["a"], adapter_weights=[0.5])
+    images.append(run(pipe, arch))
+    pipe.disable_lora()
+    images.append(run(pipe, arch))
+    pipe.enable_lora()
+    pipe.set_adapters(["a"], adapter_weights=[1.0])
+    images.append(run(pipe, arch))
+    pipe.fuse_lora()
+    images.append(run(pipe, arch))
+    pipe.unfuse_lora()
+    images.append(run(pipe, arch))
+    pipe.unload_lora_weights()
+    images.append(run(pipe, arch))
+    return images
+
+
+@pytest.mark.parametrize("techniques", list(TECHNIQUES))
+@pytest.mark.parametrize("arch", ARCHS)
+def test_lora_after_optimize(arch, techniques, tmp_path):
+    lora = make_lora(arch, tmp_path, seed=1)
+    opt, twin = pair(arch, techniques)
+    got, want = lora_steps(opt, arch, lora), lora_steps(twin, arch, lora)
+    plain = lora_steps(build_pipeline(arch, "tiny"), arch, lora)
+    effect = [g - got[0] for g in got]
+    twin_effect = [w - want[0] for w in want]
+    plain_effect = [p - plain[0] for p in plain]
+    assert effect[1].abs().max() > 10 * SAME  # the LoRA acts
+    exact = [1, 2, 3, 4] if techniques == "fp8" else range(1, 8)  # fp8: fusing stores the sums in fp8 again
+    for i in exact:
+        assert_same(got[i], want[i])
+    assert effect[3].abs().max() <= SAME  # disabled
+    # The effect, held to plain diffusers on unquantized weights: the fp8 error may blur it, not remove it.
+    for i in (1, 2, 4):
+        assert snr_db(effect[i], plain_effect[i]) >= 10
+    if techniques == "fp8":
+        # Fused, then unfused: each stores the changed weights in fp8 again, one more rounding each.
+        assert snr_db(effect[5], twin_effect[5]) >= 15 and snr_db(effect[6], twin_effect[6]) >= 12
+        assert (got[7] - got[0]).abs().max() <= 0.05
+        assert any(isinstance(m, pyext.FP8Linear) for m in getattr(opt, DENOISER[arch]).modules())
+
+
+@pytest.mark.parametrize("arch", ARCHS)
+def test_lora_hotswap_after_optimize(arch, tmp_path):
+    first, second = make_lora(arch, tmp_path / "a", seed=1), make_lora(arch, tmp_path / "b", seed=2)
+    opt, twin = pair(arch, "fp8")
+    images = {}
+    for name, pipe in (("opt", opt), ("twin", twin)):
+        pipe.enable_lora_hotswap(target_rank=8)
+        pipe.load_lora_weights(first, adapter_name="a")
+        before = run(pipe, arch)
+        pipe.load_lora_weights(second, adapter_name="a", hotswap=True)
+        images[name] = (before, run(pipe, arch))
+    assert (images["opt"][1] - images["opt"][0]).abs().max() > 10 * SAME  # the swap changed the LoRA
+    assert_same(images["opt"][0], images["twin"][0])
+    assert_same(images["opt"][1], images["twin"][1])
+
+
+@pytest.mark.parametrize("arch", ARCHS)
+def test_optimize_after_a_lora_is_loaded(arch, tmp_path):
+    lora = make_lora(arch, tmp_path, seed=1)
+    pipes = {name: build_pipeline(arch, "tiny") for name in ("opt", "twin")}
+    for pipe in pipes.values():
+        pipe.load_lora_weights(lora, adapter_name="a")
+        pyext.optimize(pipe, **TECHNIQUES["fp8"])
+    pyext.restore(pipes["twin"])
+    denoiser = getattr(pipes["opt"], DENOISER[arch])
+    assert any(isinstance(m, pyext.FP8Linear) for m in denoiser.modules())
+    assert not any(isinstance(m, pyext.FP8Linear) for n, m in denoiser.named_modules() if ".lora_" in n)
+    assert_same(run(pipes["opt"], arch), run(pipes["twin"], arch))
+    pipes["opt"].set_adapters(["a"], adapter_weights=[0.3])
+    pipes["twin"].set_adapters(["a"], adapter_weights=[0.3])
+    assert_same(run(pipes["opt"], arch), run(pipes["twin"], arch))
+    for pipe in pipes.values():
+        pipe.unload_lora_weights()
+    assert_same(run(pipes["opt"], arch), run(pipes["twin"], arch))
+
+
+# ----------------------------------------------------------------------------- saving, compiling, optimizing again
+
+@pytest.mark.parametrize("techniques", list(TECHNIQUES))
+@pytest.mark.parametrize("arch", ARCHS)
+def test_save_pretrained_reloads_in_plain_diffusers(arch, techniques, tmp_path):
+    from diffusers import DiffusionPipeline
+
+    opt, twin = pair(arch, techniques)
+    opt.save_pretrained(str(tmp_path))
+    reloaded = DiffusionPipeline.from_pretrained(str(tmp_path))
+    assert not any("pyext" in type(m).__module__ for c in reloaded.components.values()
+                   if isinstance(c, torch.nn.Module) for m in c.modules())
+    assert_same(run(reloaded, arch), run(twin, arch))
+    assert_same(run(opt, arch), run(twin, arch))  # saving changed nothing in the optimized pipeline
+
+
+@pytest.mark.parametrize("arch", ARCHS)
+def test_users_torch_compile_after_optimize(arch):
+    opt, twin = pair(arch, "fp8")
+    den = DENOISER[arch]
+    for pipe in (opt, twin):
+        setattr(pipe, den, torch.compile(getattr(pipe, den), backend="aot_eager"))
+        # (dynamo alone: aot_eager's group norm refuses the strides of plain diffusers' own VAE here)
+        pipe.vae.decode = torch.compile(pipe.vae.decode, backend="eager")
+    assert_same(run(opt, arch), run(twin, arch))
+    assert_same(run(opt, arch, seed=1), run(twin, arch, seed=1))  # compiled again for nothing: same graphs
+
+
+@pytest.mark.parametrize("arch", ARCHS)
+def test_optimize_twice_equals_one_call_with_the_later_options(arch):
+    once = pyext.optimize(build_pipeline(arch, "tiny"), **TECHNIQUES["fp8"])
+    twice = pyext.optimize(build_pipeline(arch, "tiny"), dtype="keep", prepack="off", attention="off")
+    pyext.optimize(twice, **TECHNIQUES["fp8"])
+    assert torch.equal(run(once, arch), run(twice, arch))
+    first, second = pyext.report(once), pyext.report(twice)
+    assert second.plan == first.plan and "fp8=denoiser" in second.plan
+    assert [(e.component, e.technique, e.status) for e in second.entries] == \
+        [(e.component, e.technique, e.status) for e in first.entries]
+    image = run(twice, arch)
+    with pytest.raises(PyextError, match="fp8: .* store fp8 weights, fp8='off' leaves them out"):
+        pyext.optimize(twice, fp8="off", dtype="keep")
+    assert torch.equal(run(twice, arch), image)  # refused before anything changed
+    assert pyext.report(twice).plan == second.plan
+
+
+# ----------------------------------------------------------------------------- other steps
+
+def _fuse_qkv(pipe, arch):
+    getattr(pipe, DENOISER[arch]).fuse_qkv_projections()
+
+
+def _model_offload(pipe, arch):
+    pipe.enable_model_cpu_offload(device="cpu")
+
+
+def _group_offload(pipe, arch):
+    getattr(pipe, DENOISER[arch]).enable_group_offload(onload_device="cpu", offload_device="cpu",
+                                                       offload_type="block_level", num_blocks_per_group=1)
+
+
+def _native_attention_backend(pipe, arch):
+    getattr(pipe, DENOISER[arch]).set_attention_backend("native")
+
+
+def _vae_tiling(pipe, arch):
+    pipe.vae.enable_tiling()
+
+
+def _cache(config):
+    def step(pipe, arch):
+        if not hasattr(getattr(pipe, DENOISER[arch]), "enable_cache"):
+            pytest.skip(f"{type(getattr(pipe, DENOISER[arch])).__name__} has no step cache in diffusers")
+        getattr(pipe, DENOISER[arch]).enable_cache(config(pipe))
+    return step
+
+
+def _first_block_cache(pipe):
+    from diffusers.hooks import FirstBlockCacheConfig
+
+    return FirstBlockCacheConfig(threshold=0.5)
+
+
+def _taylorseer_cache(pipe):
+    from diffusers.hooks import TaylorSeerCacheConfig
+
+    return TaylorSeerCacheConfig(cache_interval=2, disable_cache_before_step=1, taylor_factors_dtype=torch.float32)
+
+
+def _pyramid_attention_broadcast(pipe):
+    from diffusers.hooks import PyramidAttentionBroadcastConfig
+
+    return PyramidAttentionBroadcastConfig(spatial_attention_block_skip_range=2,
+                                           spatial_attention_timestep_skip_range=(0, 1000),
+                                           current_timestep_callback=lambda: pipe.current_timestep)
+
+
+def _mag_cache(pipe):
+    from diffusers.hooks import MagCacheConfig
+
+    return MagCacheConfig(num_inference_steps=2, mag_ratios=[1.0, 1.0], threshold=0.5)
+
+
+# Each step on both pipelines, after optimize (and before it, where "before" is listed).
+STEPS = {
+    "fuse_qkv_projections": (_fuse_qkv, True),
+    "model_offload": (_model_offload, True),
+    "group_offload": (_group_offload, True),
+    "set_attention_backend": (_native_attention_backend, True),
+    "vae.enable_tiling": (_vae_tiling, True),
+    "first_block_cache": (_cache(_first_block_cache), True),
+    "taylorseer_cache": (_cache(_taylorseer_cache), True),
+    "pyramid_attention_broadcast": (_cache(_pyramid_attention_broadcast), True),
+    "mag_cache": (_cache(_mag_cache), True),
+}
+
+
+@pytest.mark.parametrize("order", ["after", "before"])
+@pytest.mark.parametrize("step", list(STEPS))
+@pytest.mark.parametrize("arch", ARCHS)
+def test_step_composes_with_optimize(arch, step, order):
+    do, before_too = STEPS[step]
+    if order == "before" and not before_too:
+        pytest.skip(f"{step} is a step after optimize")
+    if order == "after":
+        opt, twin = pair(arch, "fp8")
+        do(opt, arch)
+        do(twin, arch)
+    else:
+        opt, twin = build_pipeline(arch, "tiny"), build_pipeline(arch, "tiny")
+        do(opt, arch)
+        do(twin, arch)
+        pyext.optimize(opt, **TECHNIQUES["fp8"])
+        pyext.optimize(twin, **TECHNIQUES["fp8"])
+        pyext.restore(twin)
+    assert_same(run(opt, arch), run(twin, arch))
+
+
+@pytest.mark.parametrize("arch", ARCHS)
+def test_shared_components_copies_and_casts(arch):
+    opt, twin = pair(arch, "fp8")
+    reference = run(twin, arch)
+    assert_same(run(type(opt).from_pipe(opt), arch), reference)  # components shared with another pipeline
+    assert_same(run(type(opt)(**opt.components), arch), reference)
+    copied = copy.deepcopy(opt)
+    assert_same(run(copied, arch), reference)
+    assert_same(run(opt, arch), reference)  # the original is untouched by its copy
+    pyext.restore(copied)
+    assert_same(run(opt, arch), reference)
+    opt.to("cpu")
+    assert_same(run(opt, arch), reference)
+    opt.to(torch.bfloat16)
+    twin.to(torch.bfloat16)
+    assert_same(run(opt, arch), run(twin, arch), tol=0.05)  # both compute in bf16: its rounding, twice over
+
+
+def test_xformers_switch_behaves_as_in_plain_diffusers():
+    opt, twin = pair("sd15", "fp8")
+    errors = []
+    for pipe in (opt, twin):
+        try:
+            pipe.enable_xformers_memory_efficient_attention()
+            errors.append(None)
+        except Exception as err:  # noqa: BLE001 - whatever plain diffusers raises here, pyext must too
+            errors.append(type(err))
+    assert errors[0] == errors[1]
+    assert_same(run(opt, "sd15"), run(twin, "sd15"))
+
+
+def ip_adapter(unet, image_dim: int = 32) -> dict:
+    """A random IP-Adapter for a UNet, in the layout diffusers loads ("image_proj", "ip_adapter")."""
+    g = torch.Generator().manual_seed(3)
+    cross = unet.config.cross_attention_dim
+    layers, key = {}, 1
+    for name in unet.attn_processors:
+        if name.endswith("attn1.processor"):
+            continue
+        block = name.split(".")
+        if block[0] == "mid_block":
+            width = unet.config.block_out_channels[-1]
+        elif block[0] == "up_blocks":
+            width = list(reversed(unet.config.block_out_channels))[int(block[1])]
+        else:
+            width = unet.config.block_out_channels[int(block[1])]
+        for proj in ("to_k_ip", "to_v_ip"):
+            layers[f"{key}.{proj}.weight"] = torch.randn(width, cross, generator=g) * 0.1
+        key += 2
+    image_proj = {"proj.weight": torch.randn(4 * cross, image_dim, generator=g) * 0.1,
+                  "proj.bias": torch.zeros(4 * cross), "norm.weight": torch.ones(cross), "norm.bias": torch.zeros(cross)}
+    return {"image_proj": image_proj, "ip_adapter": layers}
+
+
+@pytest.mark.parametrize("order", ["after", "before"])
+def test_ip_adapter_load(order):
+    weights = ip_adapter(build_pipeline("sd15", "tiny").unet)
+    embeds = [torch.randn(2, 1, 32, generator=torch.Generator().manual_seed(4))]
+    if order == "after":
+        opt, twin = pair("sd15", "fp8")
+        pipes = (opt, twin)
+        for pipe in pipes:
+            pipe.load_ip_adapter(copy.deepcopy(weights), subfolder=None, weight_name=None, image_encoder_folder=None)
+    else:
+        pipes = opt, twin = build_pipeline("sd15", "tiny"), build_pipeline("sd15", "tiny")
+        for pipe in pipes:
+            pipe.load_ip_adapter(copy.deepcopy(weights), subfolder=None, weight_name=None, image_encoder_folder=None)
+            pyext.optimize(pipe, **TECHNIQUES["fp8"])
+        pyext.restore(twin)
+    with_image = [run(p, "sd15", ip_adapter_image_embeds=embeds) for p in pipes]
+    assert_same(*with_image)
+    for pipe in pipes:
+        pipe.set_ip_adapter_scale(0.0)
+    without = [run(p, "sd15", ip_adapter_image_embeds=embeds) for p in pipes]
+    assert_same(*without)
+    assert (with_image[0] - without[0]).abs().max() > 10 * SAME  # the adapter acts
