@@ -2,8 +2,10 @@
 
 The fp8 bytes are decoded arithmetically (the e4m3 magnitude bits shifted left by
 7 are the fp16 encoding of value/256), so the kernel needs no hardware fp8 and
-runs on sm_80 as on sm_90; the factor 256 and the per-channel scale are applied
-once to the fp32 accumulator. No upcast copy of the weight ever exists in memory.
+runs on sm_80 as on sm_90. Each decoded tile is scaled in fp32 and rounded to the
+compute dtype before the dot product: exactly the op's meaning (upcast, then GEMM with
+fp32 accumulation) for every scale, so nothing about the scales is checked on the host.
+No upcast copy of the weight ever exists in memory.
 """
 from __future__ import annotations
 
@@ -15,12 +17,13 @@ from pyext.kernels import Config, config, interpreting, tune
 
 
 @triton.jit
-def _decode_fp8_div256(u8, OUT_DTYPE: tl.constexpr):
+def _decode_fp8(u8):
+    """fp32 values of e4m3 codes."""
     u = u8.to(tl.int16)
     mag = u & 0x7F
     bits = ((u & 0x80) << 8) | (mag << 7)
     bits = tl.where(mag == 0x7F, (u & 0x80) << 8 | 0x7E00, bits)  # NaN codes stay NaN
-    return bits.to(tl.float16, bitcast=True).to(OUT_DTYPE)  # value/256 is exact in fp16 and bf16
+    return bits.to(tl.float16, bitcast=True).to(tl.float32) * 256.0  # value/256 is exact in fp16
 
 
 @triton.jit
@@ -45,20 +48,19 @@ def _fp8_linear_kernel(
     offs_k = tl.arange(0, BLOCK_K)
     x_ptrs = x_ptr + offs_m[:, None] * stride_xm + offs_k[None, :] * stride_xk
     w_ptrs = w_ptr + offs_n[None, :] * stride_wn + offs_k[:, None] * stride_wk  # (BLOCK_K, BLOCK_N) view
+    if PER_CHANNEL:
+        scale = tl.load(s_ptr + offs_n, mask=offs_n < N, other=1.0)[None, :]
+    else:
+        scale = tl.load(s_ptr)
     acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
     for k0 in range(0, K, BLOCK_K):
         k_left = K - k0
         a = tl.load(x_ptrs, mask=(offs_m[:, None] < M) & (offs_k[None, :] < k_left), other=0.0)
         w = tl.load(w_ptrs, mask=(offs_n[None, :] < N) & (offs_k[:, None] < k_left), other=0)
-        acc += tl.dot(a, _decode_fp8_div256(w, a.dtype))
+        acc += tl.dot(a, (_decode_fp8(w) * scale).to(a.dtype))  # round(fp32(code) * scale), as the upcast
         x_ptrs += BLOCK_K * stride_xk
         w_ptrs += BLOCK_K * stride_wk
 
-    if PER_CHANNEL:
-        scale = tl.load(s_ptr + offs_n, mask=offs_n < N, other=1.0)
-        acc = acc * (scale * 256.0)[None, :]
-    else:
-        acc = acc * (tl.load(s_ptr) * 256.0)
     if HAS_BIAS:
         acc += tl.load(b_ptr + offs_n, mask=offs_n < N, other=0.0).to(tl.float32)[None, :]
     y_ptrs = y_ptr + offs_m[:, None] * stride_ym + offs_n[None, :] * stride_yn

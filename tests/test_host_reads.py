@@ -1,0 +1,121 @@
+"""No host reads of tensor values on the GPU paths: a read (`item`, `bool`, `tolist`, `float`,
+`int`) of a CUDA tensor waits for the GPU and breaks CUDA-graph capture.
+
+Every backend that runs on CUDA runs here with those reads trapped: the Triton ones on CPU
+tensors in Triton's interpreter, the PyTorch ones on CPU tensors. So do the routing hooks and
+dispatch of an optimized pipeline's denoiser step. Reads that run for CPU inputs only (the
+backends' value guards) are left out by forcing the backend.
+"""
+import contextlib
+import textwrap
+
+import pytest
+import torch
+
+import pyext
+from pyext import dispatch
+from pyext.offline import build_pipeline
+from tests.conftest import run_in_triton_interpreter
+
+READS = ("item", "__bool__", "tolist", "__float__", "__int__")
+
+
+@contextlib.contextmanager
+def host_reads_trapped():
+    """Every tensor value read raises inside the block (Python-level reads: what our code can do)."""
+    saved = {name: getattr(torch.Tensor, name) for name in READS}
+
+    def trap(name):
+        def read(self, *args, **kwargs):
+            raise AssertionError(f"host read: Tensor.{name} on {self.device} {tuple(self.shape)}")
+        return read
+
+    for name in READS:
+        setattr(torch.Tensor, name, trap(name))
+    try:
+        yield
+    finally:
+        for name, fn in saved.items():
+            setattr(torch.Tensor, name, fn)
+
+
+def cuda_backends():
+    for name, op in dispatch.ops().items():
+        if name.startswith("_test"):
+            continue
+        for b in op.backends:
+            if "cuda" in b.devices and b.name != "triton" and "cpu" in b.devices:
+                yield pytest.param(name, b.name, id=f"{name}-{b.name}")
+
+
+@pytest.mark.parametrize("op_name,backend", list(cuda_backends()))
+def test_backends_that_run_on_cuda_read_no_values(op_name, backend, monkeypatch):
+    """The PyTorch backends that also serve CUDA (reference, sdpa), through the op's validation
+    and dispatch, on each of their declared cases; value guards left out, as dispatch asks them
+    for CPU inputs only."""
+    monkeypatch.setattr(dispatch, "_guard_reasons", lambda backend, args: [])
+    op = dispatch.ops()[op_name]
+    chosen = next(b for b in op.backends if b.name == backend)
+    for spec in chosen.test_shapes:
+        args = op.example(spec, chosen.dtypes[0], "cpu")
+        dispatch.check(op_name, args)  # (a first call: the choice is then cached, as on a GPU after warm-up)
+        with host_reads_trapped():
+            dispatch.select(op_name, args, backend).run(*args)
+
+
+TRITON_SCRIPT = textwrap.dedent("""
+    import json, torch
+    from pyext import dispatch
+    from tests.test_host_reads import host_reads_trapped
+    problems, cases = [], 0
+    for name, op in dispatch.ops().items():
+        for b in op.backends:
+            if b.name != "triton":
+                continue
+            for spec in b.test_shapes:
+                dtype = torch.float16 if torch.float16 in b.dtypes else b.dtypes[0]
+                args = op.example(spec, dtype, "cpu")
+                dispatch.select(name, args, "triton")
+                cases += 1
+                try:
+                    with host_reads_trapped():
+                        dispatch.select(name, args, "triton").run(*args)
+                except AssertionError as e:
+                    problems.append(f"{name} {spec}: {e}")
+    print(json.dumps(dict(cases=cases, problems=problems)))
+""")
+
+
+def test_triton_backends_read_no_values():
+    result = run_in_triton_interpreter(TRITON_SCRIPT)
+    assert result["cases"] >= 3 and result["problems"] == []
+
+
+def test_trap_catches_a_read():
+    with pytest.raises(AssertionError, match="host read: Tensor.__bool__"):
+        with host_reads_trapped():
+            bool(torch.ones(1) > 0)
+
+
+@pytest.mark.parametrize("arch", ["sd15", "flux"])
+def test_an_optimized_denoiser_step_reads_no_values(arch, monkeypatch, tmp_path):
+    """The routing hooks, the fp8 layers and dispatch's cached path in one denoiser forward (the
+    attention backend forced: the CPU backends' value guards are CPU-only by design)."""
+    import pyext.nn.fp8 as fp8_module
+
+    monkeypatch.setattr(fp8_module, "MIN_NUMEL", 0)
+    monkeypatch.setenv("PYEXT_CACHE_DIR", str(tmp_path))
+    dispatch.reset()
+    pipe = pyext.optimize(build_pipeline(arch, "tiny"), dtype="keep", fp8="denoiser", attention="reference",
+                          prepack="off", fuse_norms="off")
+    calls = []
+    denoiser = pipe.unet if arch == "sd15" else pipe.transformer
+    denoiser.register_forward_hook(lambda m, a, kw, out: calls.append((a, kw)), with_kwargs=True)
+    denoiser.register_forward_pre_hook(lambda m, a, kw: calls.append((a, kw)), with_kwargs=True)
+    pyext.offline.run_example(pipe, arch, steps=1)
+    args, kwargs = calls[0]
+    with torch.no_grad():
+        denoiser(*args, **kwargs)  # warm: every signature chosen once
+        with host_reads_trapped():
+            denoiser(*args, **kwargs)
+    dispatch.reset()
