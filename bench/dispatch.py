@@ -1,16 +1,26 @@
-"""What measured dispatch costs and gains against static dispatch, for attention in diffusers' layout.
+"""What dispatch costs per call, and what measured dispatch costs and gains against static dispatch.
 
+    python -m bench.dispatch --overhead [--device cpu|cuda] [--rounds 7] [--out FILE]
     python -m bench.dispatch [--device cpu|cuda]
 
-Each mode runs in its own process with an empty dispatch cache, so the first call pays for
-whatever the mode does once per shape (self-check; in measured mode, timing every backend).
-Per shape: the backend chosen, the first call's time and the best of three later calls.
+--overhead: on a tiny input of each op, the time of one call through the raw op
+(`torch.ops.pyext.*`: validation, the cached choice, the backend) against PyTorch's own call for
+the same work (SDPA; F.linear on the dequantized weight; F.group_norm + SiLU; F.conv2d), and
+against the chosen backend called bare. Rounds interleave the calls (A, B, A, B, ...); each
+ratio is the median of the per-round ratios, with its range. The results, with the machine,
+the commit and the versions, go to FILE (JSON) when given.
+
+Without --overhead: attention in diffusers' layout at SD1.5 shapes. Each mode runs in its own
+process with an empty dispatch cache, so the first call pays for whatever the mode does once per
+shape (self-check; in measured mode, timing every backend). Per shape: the backend chosen, the
+first call's time and the best of three later calls.
 """
 from __future__ import annotations
 
 import argparse
 import json
 import os
+import statistics
 import subprocess
 import sys
 import tempfile
@@ -43,11 +53,103 @@ def _child(device: str) -> list[dict]:
     return rows
 
 
+def _tiny_calls(device: str) -> dict:
+    """{op: (raw op call, PyTorch's call for the same work, dispatch args)} on tiny inputs."""
+    import torch
+    import torch.nn.functional as F
+
+    from pyext.ops import fp8_quantize
+
+    g = torch.Generator().manual_seed(0)
+
+    def rand(*shape):
+        return torch.randn(*shape, generator=g).to(device)
+
+    q = rand(1, 2, 8, 16)
+    x, w = rand(4, 32), rand(32, 32)
+    wq, s = fp8_quantize(w)
+    codes, dense = wq.view(torch.uint8), (wq.float() * s[:, None])
+    h, gamma, beta = rand(1, 8, 4, 4), rand(8), rand(8)
+    c, wc = rand(1, 8, 6, 6), rand(8, 8, 3, 3)
+    P = torch.ops.pyext
+    return {
+        "attention": (lambda: P.attention(q, q, q, None, None), lambda: F.scaled_dot_product_attention(q, q, q),
+                      (q, q, q, None)),
+        "fp8_linear": (lambda: P.fp8_linear(x, codes, s, None, None), lambda: F.linear(x, dense),
+                       (x, codes, s, None)),
+        "group_norm": (lambda: P.group_norm(h, 4, gamma, beta, None, 1e-5, True, None),
+                       lambda: F.silu(F.group_norm(h, 4, gamma, beta, 1e-5)), (h, 4, gamma, beta, None, 1e-5, True)),
+        "winograd_conv3x3": (lambda: P.winograd_conv3x3(c, wc, None, None), lambda: F.conv2d(c, wc, None, padding=1),
+                             (c, wc, None)),
+    }
+
+
+def _per_call(fn, calls: int, device: str) -> float:
+    import torch
+
+    t = time.perf_counter()
+    for _ in range(calls):
+        fn()
+    if device == "cuda":
+        torch.cuda.synchronize()
+    return (time.perf_counter() - t) / calls
+
+
+def overhead(device: str, rounds: int, calls: int) -> list[dict]:
+    from pyext import dispatch
+
+    rows = []
+    for op, (raw, torch_call, args) in _tiny_calls(device).items():
+        backend = dispatch.select(op, args)
+        bare = lambda b=backend, a=args: b.run(*a)  # noqa: E731
+        for fn in (raw, torch_call, bare):
+            _per_call(fn, calls, device)  # warm: choices made, allocator primed
+        times = {"raw": [], "torch": [], "bare": []}
+        for _ in range(rounds):
+            for name, fn in (("raw", raw), ("torch", torch_call), ("bare", bare)):
+                times[name].append(_per_call(fn, calls, device))
+        vs_torch = sorted(r / t for r, t in zip(times["raw"], times["torch"]))
+        vs_bare = sorted(r / b for r, b in zip(times["raw"], times["bare"]))
+        rows.append({"op": op, "backend": backend.name, "raw_us": statistics.median(times["raw"]) * 1e6,
+                     "torch_us": statistics.median(times["torch"]) * 1e6,
+                     "bare_us": statistics.median(times["bare"]) * 1e6,
+                     "raw_vs_torch": statistics.median(vs_torch), "raw_vs_torch_range": [vs_torch[0], vs_torch[-1]],
+                     "raw_vs_bare": statistics.median(vs_bare), "raw_vs_bare_range": [vs_bare[0], vs_bare[-1]]})
+    return rows
+
+
+def _print_overhead(rows: list[dict]) -> None:
+    print("| op | backend | raw op | PyTorch's call | backend bare | raw / PyTorch (range) | raw / bare (range) |")
+    print("|---|---|---:|---:|---:|---:|---:|")
+    for r in rows:
+        print(f"| {r['op']} | {r['backend']} | {r['raw_us']:.1f} us | {r['torch_us']:.1f} us | {r['bare_us']:.1f} us | "
+              f"{r['raw_vs_torch']:.2f}x ({r['raw_vs_torch_range'][0]:.2f}-{r['raw_vs_torch_range'][1]:.2f}) | "
+              f"{r['raw_vs_bare']:.2f}x ({r['raw_vs_bare_range'][0]:.2f}-{r['raw_vs_bare_range'][1]:.2f}) |")
+
+
 def main(argv=None) -> dict:
     p = argparse.ArgumentParser(prog="python -m bench.dispatch", description=__doc__.split("\n\n")[0])
     p.add_argument("--device", default="cpu")
+    p.add_argument("--overhead", action="store_true", help="per-call overhead of each op on a tiny input")
+    p.add_argument("--rounds", type=int, default=7)
+    p.add_argument("--calls", type=int, default=2000, help="calls per timing")
+    p.add_argument("--out", help="write the results (JSON, with machine, commit and versions) here")
     p.add_argument("--child", help=argparse.SUPPRESS)
     args = p.parse_args(argv)
+    if args.overhead:
+        import torch
+
+        from bench.latency import machine_info, versions
+
+        torch.set_num_threads(1)  # a tiny input: one thread, as the op's own cost is what is measured
+        rows = overhead(args.device, args.rounds, args.calls)
+        _print_overhead(rows)
+        result = {"bench": "dispatch --overhead", "machine": machine_info(args.device), "versions": versions(),
+                  "commit": _commit(), "rounds": args.rounds, "calls": args.calls, "rows": rows}
+        if args.out:
+            with open(args.out, "w") as f:
+                json.dump(result, f, indent=1)
+        return result
     if args.child:
         print(json.dumps(_child(args.device)))
         return {}
@@ -64,6 +166,14 @@ def main(argv=None) -> dict:
             r = rows[i]
             print(f"| {tuple(shape)} | {mode} | {r['backend']} | {r['first_s']:.3f} s | {r['steady_s']:.3f} s |")
     return results
+
+
+def _commit() -> str:
+    try:
+        return subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True,
+                              cwd=os.path.dirname(os.path.abspath(__file__))).stdout.strip() or "unknown"
+    except OSError:
+        return "unknown"
 
 
 if __name__ == "__main__":

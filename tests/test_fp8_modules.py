@@ -153,3 +153,27 @@ def test_conv_workspace_is_per_thread():
     for t in threads:
         t.join()
     assert not errors
+
+
+@pytest.mark.parametrize("make", [lambda: nn.Linear(32, 24), lambda: nn.Conv2d(6, 8, 3, padding=1)])
+def test_plain_state_dicts_load_quantized_and_dense_ones_save(make):
+    """load_state_dict of a plain layer's state quantizes it (codes, never a float cast into uint8);
+    inside dense_state_dict() the layer's state is the plain layer it computes as."""
+    from pyext.nn.fp8 import dense_state_dict, plain_layer
+
+    torch.manual_seed(0)
+    source, target = make(), make()
+    layer = FP8Linear.from_linear(target) if isinstance(target, nn.Linear) else FP8Conv2d.from_conv(target)
+    layer.load_state_dict(source.state_dict())
+    expected = FP8Linear.from_linear(source) if isinstance(source, nn.Linear) else FP8Conv2d.from_conv(source)
+    assert torch.equal(layer.weight, expected.weight) and torch.equal(layer.scale, expected.scale)
+    with dense_state_dict():
+        state = layer.state_dict()
+    assert set(state) == {"weight", "bias"} and state["weight"].is_floating_point() and state["weight"].is_contiguous()
+    plain = make()
+    plain.load_state_dict(state)
+    x = torch.randn(2, 32) if isinstance(plain, nn.Linear) else torch.randn(1, 6, 5, 5)
+    with torch.no_grad():
+        torch.testing.assert_close(plain(x), layer(x), rtol=1e-5, atol=1e-5)
+        torch.testing.assert_close(plain_layer(layer)(x), layer(x), rtol=1e-5, atol=1e-5)
+    assert set(layer.state_dict()) == {"weight", "weight_scale", "bias"}  # outside: the codes, for offload

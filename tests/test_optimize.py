@@ -6,6 +6,7 @@ import torch
 import pyext
 import pyext.nn.fp8 as fp8_module
 from pyext import offload, planner
+from pyext.dispatch import PyextError
 from pyext.offline import build_pipeline
 
 ARCHS = ["sd15", "sdxl", "sd3", "flux"]
@@ -145,6 +146,41 @@ def test_a_pipeline_pyext_has_never_seen_is_optimized():
     applied = {e.technique for e in pyext.report(pipe).entries if e.status == "applied"}
     assert {"dtype", "channels_last", "attention"} <= applied, str(pyext.report(pipe))
     assert psnr(run(pipe), run(half)) > 30
+
+
+def test_module_trees_with_none_empty_lists_and_shared_layers_are_planned():
+    """A mid block without attention holds None in its ModuleList (add_attention=False), an empty
+    ModuleList and one layer registered under two names: optimize plans, runs and undoes."""
+    from diffusers import DDPMPipeline, DDPMScheduler, UNet2DModel
+
+    def build():
+        torch.manual_seed(0)
+        unet = UNet2DModel(sample_size=16, block_out_channels=(16, 32), norm_num_groups=8, layers_per_block=1,
+                           down_block_types=("DownBlock2D", "DownBlock2D"), up_block_types=("UpBlock2D", "UpBlock2D"),
+                           add_attention=False)
+        unet.spare = torch.nn.ModuleList()
+        unet.shared_alias = unet.conv_out
+        return DDPMPipeline(unet=unet, scheduler=DDPMScheduler(num_train_timesteps=10))
+
+    def run(pipe):
+        return pipe(num_inference_steps=2, output_type="np", generator=torch.Generator().manual_seed(0)).images
+
+    pipe = build()
+    assert list(pipe.unet.mid_block.attentions) == [None]
+    pyext.optimize(pipe, dtype="keep", memory_budget="1GB")
+    assert np.abs(run(pipe) - run(build())).max() <= 1e-4
+    pyext.restore(pipe)
+    assert np.abs(run(pipe) - run(build())).max() == 0
+
+
+def test_a_device_torch_cannot_use_is_an_error_naming_the_option():
+    pipe = build_pipeline("sd15", "tiny")
+    if not torch.cuda.is_available():
+        with pytest.raises(PyextError, match=r"option device='cuda' is not usable here: .*no cuda device"):
+            pyext.optimize(pipe, device="cuda")
+    with pytest.raises(PyextError, match=r"option device='mps' is not usable here"):
+        pyext.optimize(pipe, device="mps")
+    assert pyext.report(pipe).plan == "not optimized by pyext"
 
 
 # ----------------------------------------------------------------------------- planner

@@ -18,6 +18,7 @@ from pyext import dispatch
 from pyext._ext import kernel_missing
 from pyext.dispatch import Backend, PyextError
 from pyext.kernels import interpreter_advisory, triton_devices, triton_unavailable
+from pyext.ops._library import define
 from pyext.ops._triton import TRITON_NOTES, triton_dtypes
 
 DTYPES = (torch.bfloat16, torch.float16, torch.float32)
@@ -94,13 +95,16 @@ def _triton(q, k, v, scale):
 # ----------------------------------------------------------------------------- PyTorch backends
 
 def _amax_abs(x) -> torch.Tensor:
-    # aminmax, not vector_norm(x, inf): the latter is ~25x slower on CPU (2 ms against 0.08 ms on
-    # a (2, 8, 1024, 40) fp32 tensor). Both propagate NaN, and so does maximum. The order of the
-    # elements does not matter, so a permuted dense tensor (diffusers' (B, S, H, D) transposed to
-    # (B, H, S, D)) is read in memory order: 3.5x faster than through its strides.
-    dense = x.permute(sorted(range(x.dim()), key=lambda d: -x.stride(d)))
-    low, high = torch.aminmax(dense if dense.is_contiguous() else x)
-    return torch.maximum(-low, high).float()
+    # aminmax, not vector_norm(x, inf): the latter is ~25x slower on CPU on large tensors. Both
+    # propagate NaN, and so does maximum. The order of the elements does not matter, so a large
+    # permuted dense tensor (diffusers' (B, S, H, D) transposed to (B, H, S, D)) is read in memory
+    # order, several times faster than through its strides; a small one is read as it is, where
+    # the call's overhead is the cost.
+    if x.numel() > 4096 and not x.is_contiguous():
+        dense = x.permute(sorted(range(x.dim()), key=lambda d: -x.stride(d)))
+        x = dense if dense.is_contiguous() else x
+    low, high = torch.aminmax(x)
+    return torch.maximum(-low, high)
 
 
 def _sdpa_guard(q, k, v, scale):
@@ -109,8 +113,8 @@ def _sdpa_guard(q, k, v, scale):
     # next to the attention), finds the inputs where that cannot happen; others go elsewhere.
     if q.numel() == 0 or k.numel() == 0:
         return []
-    bound = _amax_abs(q) * _amax_abs(k) * q.shape[-1] * abs(_scale(q, scale))
-    if not bool(bound < 1e37):  # NaN compares False
+    bound = _amax_abs(q).float() * _amax_abs(k).float()
+    if not bool(bound * (q.shape[-1] * abs(_scale(q, scale))) < 1e37):  # NaN compares False
         return ["q or k holds NaN/inf, or scores may overflow fp32: torch's CPU SDPA returns 0 "
                 "where softmax gives NaN"]
     return []
@@ -182,9 +186,7 @@ dispatch.define("attention", check=check_inputs, sample=lambda args: _sample(*ar
                 sizes=lambda args: {"head_dim": args[0].shape[-1]}, example=_example)
 
 
-@torch.library.custom_op("pyext::attention", mutates_args=())
-def _attention_op(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: Optional[float] = None,
-                  backend: Optional[str] = None) -> torch.Tensor:
+def _attention_kernel(q, k, v, scale=None, backend=None):
     out = dispatch.select("attention", (q, k, v, scale), backend).run(q, k, v, scale)
     # The output has empty_like(q)'s strides on every backend, as the fake kernel promises: q's
     # own when q is dense (as SDPA does, e.g. the (B, S, H, D)-transposed layout diffusers
@@ -195,10 +197,13 @@ def _attention_op(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: Opti
     return out
 
 
-@_attention_op.register_fake
-def _(q, k, v, scale=None, backend=None):
+def _attention_fake(q, k, v, scale=None, backend=None):
     dispatch.check("attention", (q, k, v, scale))
     return torch.empty_like(q)
+
+
+define("attention(Tensor q, Tensor k, Tensor v, float? scale=None, str? backend=None) -> Tensor",
+       _attention_kernel, _attention_fake)
 
 
 def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: Optional[float] = None,

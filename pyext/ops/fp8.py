@@ -17,6 +17,7 @@ from pyext import dispatch
 from pyext._ext import cuda_kernel_missing, kernel_missing
 from pyext.dispatch import Backend, PyextError
 from pyext.ops._alias import apart_from
+from pyext.ops._library import define
 from pyext.kernels import interpreter_advisory, triton_devices, triton_unavailable
 from pyext.ops._triton import TRITON_NOTES, triton_dtypes
 
@@ -320,45 +321,45 @@ dispatch.define("fp8_linear", check=check_linear, sample=lambda args: _sample_li
 # The ops take the weight as its uint8 codes (`w_fp8.view(torch.uint8)`): kernels read
 # bytes, and torch's op checkers (opcheck, schema checks) cannot compare float8 tensors.
 
-@torch.library.custom_op("pyext::fp8_upcast_out", mutates_args=("out",))
-def _fp8_upcast_out_op(w: torch.Tensor, scale: torch.Tensor, out: torch.Tensor, backend: Optional[str] = None) -> None:
+def _upcast_out_kernel(w, scale, out, backend=None):
     dispatch.check("fp8_upcast", (w, scale, out))
     w, scale = apart_from([out], w, scale)
     dispatch.select("fp8_upcast", (w, scale, out), backend).run(w, scale, out)
 
 
-@_fp8_upcast_out_op.register_fake
-def _(w, scale, out, backend=None):
+def _upcast_out_fake(w, scale, out, backend=None):
     dispatch.check("fp8_upcast", (w, scale, out))
 
 
-@torch.library.custom_op("pyext::fp8_upcast", mutates_args=())
-def _fp8_upcast_op(w: torch.Tensor, scale: torch.Tensor, dtype: torch.dtype,
-                   backend: Optional[str] = None) -> torch.Tensor:
+def _upcast_kernel(w, scale, dtype, backend=None):
     _check_dtype("fp8_upcast", dtype, "dtype")
     out = torch.empty(w.shape, dtype=dtype, device=w.device)
     dispatch.select("fp8_upcast", (w, scale, out), backend).run(w, scale, out)
     return out
 
 
-@_fp8_upcast_op.register_fake
-def _(w, scale, dtype, backend=None):
+def _upcast_fake(w, scale, dtype, backend=None):
     _check_dtype("fp8_upcast", dtype, "dtype")
     out = torch.empty(w.shape, dtype=dtype, device=w.device)
     dispatch.check("fp8_upcast", (w, scale, out))
     return out
 
 
-@torch.library.custom_op("pyext::fp8_linear", mutates_args=())
-def _fp8_linear_op(x: torch.Tensor, w: torch.Tensor, scale: torch.Tensor, bias: Optional[torch.Tensor] = None,
-                   backend: Optional[str] = None) -> torch.Tensor:
+def _linear_kernel(x, w, scale, bias=None, backend=None):
     return dispatch.select("fp8_linear", (x, w, scale, bias), backend).run(x, w, scale, bias)
 
 
-@_fp8_linear_op.register_fake
-def _(x, w, scale, bias=None, backend=None):
+def _linear_fake(x, w, scale, bias=None, backend=None):
     dispatch.check("fp8_linear", (x, w, scale, bias))
     return x.new_empty((*x.shape[:-1], w.shape[0]))
+
+
+define("fp8_upcast_out(Tensor w, Tensor scale, Tensor(a2!) out, str? backend=None) -> ()", _upcast_out_kernel,
+       _upcast_out_fake)
+define("fp8_upcast(Tensor w, Tensor scale, ScalarType dtype, str? backend=None) -> Tensor", _upcast_kernel,
+       _upcast_fake)
+define("fp8_linear(Tensor x, Tensor w, Tensor scale, Tensor? bias=None, str? backend=None) -> Tensor",
+       _linear_kernel, _linear_fake)
 
 
 # ----------------------------------------------------------------------------- public API

@@ -16,6 +16,7 @@ import torch.nn.functional as F
 from pyext import dispatch
 from pyext._ext import cpu_capabilities, kernel_missing
 from pyext.dispatch import Backend
+from pyext.ops._library import define
 from pyext.ops.fp8 import (COMPUTE_DTYPES, LINEAR_TOLERANCE, _check_dtype, _fail, check_codes, check_fp8,
                            example_weight, fp8_upcast_reference, relative_close, sample_codes, sample_scale,
                            scales_fuse_exactly)
@@ -157,22 +158,22 @@ dispatch.define("fp8_conv2d", check=check_conv, sample=lambda args: _sample(*arg
                 example=_example)
 
 
-@torch.library.custom_op("pyext::fp8_conv2d", mutates_args=())
-def _fp8_conv2d_op(x: torch.Tensor, w: torch.Tensor, scale: torch.Tensor, bias: Optional[torch.Tensor],
-                   stride: Sequence[int], padding: Sequence[int], dilation: Sequence[int], groups: int,
-                   backend: Optional[str] = None) -> torch.Tensor:
+def _conv_kernel(x, w, scale, bias, stride, padding, dilation, groups, backend=None):
     args = (x, w, scale, bias, list(stride), list(padding), list(dilation), groups)
     out = dispatch.select("fp8_conv2d", args, backend).run(*args)
     return out.contiguous(memory_format=_out_format(x, w))
 
 
-@_fp8_conv2d_op.register_fake
-def _(x, w, scale, bias, stride, padding, dilation, groups, backend=None):
+def _conv_fake(x, w, scale, bias, stride, padding, dilation, groups, backend=None):
     dispatch.check("fp8_conv2d", (x, w, scale, bias, list(stride), list(padding), list(dilation), groups))
     size = [x.shape[0], w.shape[0]]
     for i in range(2):
         size.append((x.shape[2 + i] + 2 * padding[i] - dilation[i] * (w.shape[2 + i] - 1) - 1) // stride[i] + 1)
     return x.new_empty(size).contiguous(memory_format=_out_format(x, w))
+
+
+define("fp8_conv2d(Tensor x, Tensor w, Tensor scale, Tensor? bias, SymInt[] stride, SymInt[] padding, "
+       "SymInt[] dilation, SymInt groups, str? backend=None) -> Tensor", _conv_kernel, _conv_fake)
 
 
 def fp8_conv2d(x: torch.Tensor, w: torch.Tensor, scale: torch.Tensor, bias: Optional[torch.Tensor] = None,

@@ -19,6 +19,7 @@ import torch
 from pyext import dispatch
 from pyext._ext import kernel_missing
 from pyext.dispatch import Backend, PyextError
+from pyext.ops._library import define
 
 DTYPES = (torch.float32, torch.float16, torch.bfloat16)
 
@@ -118,16 +119,18 @@ dispatch.define("group_moments", check=check_inputs, sample=lambda args: example
                 variant=lambda args: (str(args[0].dtype), _layout(args[0])))
 
 
-@torch.library.custom_op("pyext::group_moments", mutates_args=())
-def _group_moments_op(x: torch.Tensor, num_groups: int, backend: str | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+def _moments_kernel(x, num_groups, backend=None):
     return dispatch.select("group_moments", (x, num_groups), backend).run(x, num_groups)
 
 
-@_group_moments_op.register_fake
-def _(x, num_groups, backend=None):
+def _moments_fake(x, num_groups, backend=None):
     dispatch.check("group_moments", (x, num_groups))
     return x.new_empty(x.shape[0], num_groups, dtype=torch.float64), x.new_empty(x.shape[0], num_groups,
                                                                                   dtype=torch.float64)
+
+
+define("group_moments(Tensor x, SymInt num_groups, str? backend=None) -> (Tensor, Tensor)", _moments_kernel,
+       _moments_fake)
 
 
 def group_moments(x: torch.Tensor, num_groups: int, backend: str | None = None) -> tuple[torch.Tensor, torch.Tensor]:

@@ -23,6 +23,7 @@ from pyext import dispatch
 from pyext._ext import kernel_missing
 from pyext.dispatch import Backend, PyextError
 from pyext.kernels import interpreter_advisory, triton_devices, triton_unavailable
+from pyext.ops._library import define
 from pyext.ops._triton import triton_dtypes
 
 DTYPES = (torch.float32, torch.float16, torch.bfloat16)
@@ -183,9 +184,7 @@ dispatch.define("group_norm", check=_check_op, sample=lambda args: _sample(*args
 
 # ----------------------------------------------------------------------------- custom op
 
-@torch.library.custom_op("pyext::group_norm", mutates_args=())
-def _group_norm_op(x: torch.Tensor, num_groups: int, weight: Optional[torch.Tensor], bias: Optional[torch.Tensor],
-                   shift: Optional[torch.Tensor], eps: float, silu: bool, backend: Optional[str] = None) -> torch.Tensor:
+def _group_norm_kernel(x, num_groups, weight, bias, shift, eps, silu, backend=None):
     dense = x if x.is_contiguous() or is_channels_last(x) else x.contiguous()
     weight, bias, shift = (None if t is None else t.contiguous() for t in (weight, bias, shift))
     args = (dense, num_groups, weight, bias, shift, eps, silu)
@@ -196,10 +195,13 @@ def _group_norm_op(x: torch.Tensor, num_groups: int, weight: Optional[torch.Tens
     return out
 
 
-@_group_norm_op.register_fake
-def _(x, num_groups, weight, bias, shift, eps, silu, backend=None):
+def _group_norm_fake(x, num_groups, weight, bias, shift, eps, silu, backend=None):
     dispatch.check("group_norm", (x, num_groups, weight, bias, shift, eps, silu))
     return torch.empty_like(x)
+
+
+define("group_norm(Tensor x, SymInt num_groups, Tensor? weight, Tensor? bias, Tensor? shift, float eps, bool silu, "
+       "str? backend=None) -> Tensor", _group_norm_kernel, _group_norm_fake)
 
 
 # ----------------------------------------------------------------------------- public API

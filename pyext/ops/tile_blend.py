@@ -26,6 +26,7 @@ from pyext import dispatch
 from pyext._ext import cuda_kernel_missing, kernel_missing
 from pyext.dispatch import Backend, PyextError
 from pyext.ops._alias import apart_from, check_disjoint
+from pyext.ops._library import define
 
 DTYPES = (torch.float32, torch.float16, torch.bfloat16)
 MODE_DIFFUSERS, MODE_NORMALIZED = 0, 1
@@ -213,10 +214,7 @@ dispatch.define("tile_blend", check=check_blend, sample=_sample, close=_blend_cl
 
 # ----------------------------------------------------------------------------- custom op
 
-@torch.library.custom_op("pyext::tile_blend", mutates_args=("out", "bottom", "right"))
-def _tile_blend_op(tile: torch.Tensor, out: torch.Tensor, oy: int, ox: int, blend_mode: int, sizes: list[int],
-                   above: Optional[torch.Tensor], left: Optional[torch.Tensor], bottom: torch.Tensor,
-                   right: torch.Tensor, backend: Optional[str] = None) -> None:
+def _blend_kernel(tile, out, oy, ox, blend_mode, sizes, above, left, bottom, right, backend=None):
     # (not named `mode`: that name clashes with torch's mode-redirect wrappers in opcheck)
     check_disjoint("tile_blend", out=out, bottom=bottom, right=right)  # on real tensors: reads their addresses
     tile, above, left = apart_from([out, bottom, right], tile, above, left)
@@ -224,10 +222,12 @@ def _tile_blend_op(tile: torch.Tensor, out: torch.Tensor, oy: int, ox: int, blen
     dispatch.select("tile_blend", args, backend).run(*args)
 
 
-@_tile_blend_op.register_fake
-def _(tile, out, oy, ox, blend_mode, sizes, above, left, bottom, right, backend=None):
+def _blend_fake(tile, out, oy, ox, blend_mode, sizes, above, left, bottom, right, backend=None):
     dispatch.check("tile_blend", (tile, out, oy, ox, blend_mode, sizes, above, left, bottom, right))
-    return None
+
+
+define("tile_blend(Tensor tile, Tensor(a1!) out, SymInt oy, SymInt ox, SymInt blend_mode, SymInt[] sizes, Tensor? above, "
+       "Tensor? left, Tensor(a8!) bottom, Tensor(a9!) right, str? backend=None) -> ()", _blend_kernel, _blend_fake)
 
 
 # ----------------------------------------------------------------------------- public API

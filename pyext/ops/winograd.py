@@ -24,6 +24,7 @@ import torch.nn.functional as F
 from pyext import dispatch
 from pyext._ext import kernel_missing
 from pyext.dispatch import Backend, PyextError
+from pyext.ops._library import define
 
 DTYPES = (torch.float32,)
 # The rule, measured on SD1.5 UNet and VAE layer shapes (2-core AVX2, fp32, channels-last):
@@ -134,17 +135,18 @@ dispatch.define("winograd_conv3x3", check=check_inputs, sample=lambda args: _sam
                 example=_example, variant=lambda args: (str(args[0].dtype), args[2] is None))
 
 
-@torch.library.custom_op("pyext::winograd_conv3x3", mutates_args=())
-def _winograd_op(x: torch.Tensor, weight: torch.Tensor, bias: Optional[torch.Tensor],
-                 backend: Optional[str] = None) -> torch.Tensor:
+def _winograd_kernel(x, weight, bias, backend=None):
     out = dispatch.select("winograd_conv3x3", (x, weight, bias), backend).run(x, weight, bias)
     return out.contiguous(memory_format=torch.channels_last)
 
 
-@_winograd_op.register_fake
-def _(x, weight, bias, backend=None):
+def _winograd_fake(x, weight, bias, backend=None):
     dispatch.check("winograd_conv3x3", (x, weight, bias))
     return x.new_empty((x.shape[0], weight.shape[0], *x.shape[2:])).contiguous(memory_format=torch.channels_last)
+
+
+define("winograd_conv3x3(Tensor x, Tensor weight, Tensor? bias, str? backend=None) -> Tensor", _winograd_kernel,
+       _winograd_fake)
 
 
 def winograd_conv3x3(x: torch.Tensor, weight: torch.Tensor, bias: Optional[torch.Tensor] = None,
