@@ -1,1 +1,1 @@
-"""Benchmarks: `python -m bench.latency` (the seed latency table), `python -m bench.kernels`."""
+"""Benchmarks: `python -m bench.latency` (the latency table of diffusers' memory guide), `python -m bench.kernels`."""

@@ -15,7 +15,7 @@
 #
 # The validation machine has torch 2.11 (CUDA 13), Triton 3.6, transformers, accelerate and pytest,
 # but no diffusers: `make gpu-wheels` (on a machine with network) puts diffusers and what it needs
-# beyond those into .whl/ (a few MiB; the device tool carries at most 64 MiB).
+# beyond those into .whl/ (a few MiB).
 set -u
 cd "$(dirname "$0")/.."
 DEST="${OUT:-gpu_check_out}"

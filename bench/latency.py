@@ -1,4 +1,4 @@
-"""The seed's SD1.5 latency table, end to end, one row per optimisation.
+"""The SD1.5 latency table of diffusers' memory guide, end to end, one row per optimisation.
 
     python -m bench.latency --preset {gpu,cpu,tiny} --out DIR [--model PATH_OR_ID]
                             [--rows a,b,c] [--repeats N]
@@ -47,7 +47,7 @@ class Preset:
 
 
 PRESETS = {
-    # The seed's setting: one 512x512 image, 50 DDIM steps, classifier-free guidance (UNet batch 2).
+    # The guide's setting: one 512x512 image, 50 DDIM steps, classifier-free guidance (UNet batch 2).
     "gpu": Preset("full", "cuda", 512, 512, 50, 50, 3, 900),
     # The same full SD1.5 architecture, scaled to finish all rows in minutes on 2 cores:
     # 256x256 instead of 512x512 (latents 32x32 instead of 64x64), 2 steps instead of 50,
@@ -61,7 +61,7 @@ PRESETS = {
         ("torch_compile_freezing", "not run in preset tiny: inductor needs minutes on CPU; see preset cpu"))),
 }
 
-# row -> (half precision?, steps applied in order). Cumulative like the seed's table, with two
+# row -> (half precision?, steps applied in order). Cumulative like the guide's table, with two
 # restarts: the attention rows start again from channels_last (a traced graph freezes the
 # attention it was traced with), and pyext_optimize gets the pipeline as `original` loads it
 # (fp32): the one call decides dtype, attention, fp8, memory format itself.
@@ -76,14 +76,14 @@ ROWS = {
     "pyext_fp8": (True, ("channels_last", "sdpa_attention", "pyext_fp8")),
     "pyext_optimize": (False, ("pyext_optimize",)),
     "torch_compile": (True, ("channels_last", "sdpa_attention", "torch_compile")),
-    # CPU runtimes (issue 15): inductor with weight freezing, and OpenVINO converted from the
+    # CPU runtimes: inductor with weight freezing, and OpenVINO converted from the
     # same fp32 modules, computing in bf16 where the CPU has it natively (OpenVINO's own default).
     "torch_compile_freezing": (True, ("channels_last", "sdpa_attention", "torch_compile_freezing")),
     "openvino": (False, ("sdpa_attention", "openvino")),
 }
 
-# The seed's published Titan RTX figures (seconds), shown beside ours for reference.
-SEED_TITAN_RTX = {"original": 9.50, "fp16": 3.61, "channels_last": 3.30, "traced_unet": 3.21,
+# The guide's published Titan RTX figures (seconds), shown beside ours for reference.
+GUIDE_TITAN_RTX = {"original": 9.50, "fp16": 3.61, "channels_last": 3.30, "traced_unet": 3.21,
                   "memory_efficient_attention": 2.63}
 
 # A row whose image is this far from the original row's is flagged. fp16/bf16 through the
@@ -136,7 +136,7 @@ def unavailable(name: str, preset: Preset) -> str | None:
 
 # ---------------------------------------------------------------- row steps
 class TracedUNet(torch.nn.Module):
-    """The seed's wrapper: the pipeline keeps calling `pipe.unet(...)`, the traced graph runs."""
+    """The guide's wrapper: the pipeline keeps calling `pipe.unet(...)`, the traced graph runs."""
 
     def __init__(self, unet, traced):
         super().__init__()
@@ -163,7 +163,7 @@ def _trace_unet(pipe, preset):
     # As the pipeline calls it: CFG batch 2, a 0-d integer timestep, 77 text tokens.
     inputs = tuple(a.to(dev, dtype) if a.is_floating_point() else a.to(dev)
                    for a in example_inputs(pipe, preset.height, preset.width)[0])
-    unet.forward = functools.partial(unet.forward, return_dict=False)  # as the seed: tuples trace
+    unet.forward = functools.partial(unet.forward, return_dict=False)  # as the guide: tuples trace
     with torch.no_grad():
         traced = torch.jit.trace(unet, inputs, check_trace=False)
     pipe.unet = TracedUNet(unet, traced)
@@ -308,7 +308,7 @@ def run_row(name: str, spec: dict) -> dict:
     t0 = time.perf_counter()
     pipe = pyext.offline.load_pipeline(spec["model_path"], dtype=dtype, device=preset.device)
     from diffusers import DDIMScheduler
-    if not isinstance(pipe.scheduler, DDIMScheduler):  # the seed's table is DDIM (real SD1.5 ships PNDM)
+    if not isinstance(pipe.scheduler, DDIMScheduler):  # the guide's table is DDIM (real SD1.5 ships PNDM)
         pipe.scheduler = DDIMScheduler.from_config(pipe.scheduler.config)
     notes = {}
     for step in steps:
@@ -482,7 +482,7 @@ def run(preset_name: str, out: str, model: str | None = None, rows: list[str] | 
             "preset": preset_name, "preset_parameters": asdict(preset), "repeats": spec["repeats"],
             "model": "sd15 " + (preset.size if not model else model), "weights": weights, "prompt": PROMPT,
             "seed": SEED, "guidance_scale": 7.5, "scheduler": "DDIMScheduler", "min_psnr_db": MIN_PSNR_DB,
-            "versions": versions(), "rows": results, "rows_planned": rows, "seed_titan_rtx_s": SEED_TITAN_RTX,
+            "versions": versions(), "rows": results, "rows_planned": rows, "guide_titan_rtx_s": GUIDE_TITAN_RTX,
         }
         bar = tqdm(rows, desc="rows", unit="row")
         for name in bar:

@@ -14,7 +14,7 @@ def _fmt(value, spec, unit=""):
 
 def _label(name: str, row: dict) -> str:
     dtype = row.get("dtype")
-    if dtype == "bfloat16":  # CPU rows run bf16 where the seed ran fp16
+    if dtype == "bfloat16":  # CPU rows run bf16 where the guide ran fp16
         return f"{name} (bf16)"
     return name
 
@@ -35,13 +35,13 @@ def write_markdown(report: dict, path: str) -> None:
         + ". " + ", ".join(f"{k} {v}" for k, v in report["versions"].items()) + ".",
         "",
         "| row | dtype | latency | speed-up | denoiser it/s | text | denoise | VAE decode | peak mem | weights "
-        "| max abs diff | PSNR vs original | check | seed, Titan RTX |",
+        "| max abs diff | PSNR vs original | check | guide, Titan RTX |",
         "|---|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---|---:|",
     ]
     for name, row in rows.items():
-        seed = _fmt(report["seed_titan_rtx_s"].get(name), ".2f", " s")
+        guide = _fmt(report["guide_titan_rtx_s"].get(name), ".2f", " s")
         if "latency_s" not in row:
-            lines.append(f"| {name} | | n/a: {row['reason']} | | | | | | | | | | | {seed} |")
+            lines.append(f"| {name} | | n/a: {row['reason']} | | | | | | | | | | | {guide} |")
             continue
         st = row["stages_s"]
         psnr = row.get("psnr_db")
@@ -50,7 +50,7 @@ def write_markdown(report: dict, path: str) -> None:
             _fmt(base / row["latency_s"] if base else None, ".2f", "x"), _fmt(row["denoiser_it_per_s"], ".2f"),
             _fmt(st.get("text_encoding"), ".3f", " s"), _fmt(st.get("denoising"), ".3f", " s"),
             _fmt(st.get("vae_decode"), ".3f", " s"), _bytes(row["peak_memory_bytes"]), _bytes(row["weight_bytes"]), _fmt(row.get("max_abs_diff"), ".2e"),
-            "identical" if psnr == float("inf") else _fmt(psnr, ".1f", " dB"), row.get("check", ""), seed + " |",
+            "identical" if psnr == float("inf") else _fmt(psnr, ".1f", " dB"), row.get("check", ""), guide + " |",
         ]))
     unrelated = report.get("unrelated_psnr_db")
     notes = [f"- `{name}`: {note[:300]}" + ("..." if len(note) > 300 else "")
@@ -64,7 +64,7 @@ def write_markdown(report: dict, path: str) -> None:
         f"another seed scores {_fmt(unrelated, '.1f', ' dB')}."
         + (" Weights are random, so images are noise-like: the check compares numerics, not quality."
            if report["weights"] == "random" else ""),
-        "The seed column is the published Titan RTX table (512x512, 50 DDIM steps, real SD1.5 weights), for "
+        "The guide column is the published Titan RTX table (512x512, 50 DDIM steps, real SD1.5 weights), for "
         "reference only: different machine, and on other presets a different workload.",
     ]
     loads = [r["load_average_1m"] for r in rows.values() if "load_average_1m" in r]

@@ -1,6 +1,6 @@
 """`make bench`: the latency table on this machine, into bench_out/.
 
-Preset gpu (the seed's 512x512, 50 DDIM steps) where torch sees CUDA, else preset cpu
+Preset gpu (the memory guide's 512x512, 50 DDIM steps) where torch sees CUDA, else preset cpu
 (the same SD1.5 architecture scaled to minutes on a small CPU). Extra arguments go to
 bench.latency, e.g. `python -m bench.run --model /path/to/sd15 --rows original,fp16`.
 """

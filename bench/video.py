@@ -1,4 +1,4 @@
-"""The seed's fp8 video example (CogVideoX, bf16, fp8 weight storage) as a table, one row per setting.
+"""The fp8 video example of diffusers' memory guide (CogVideoX, bf16, fp8 weight storage) as a table, one row per setting.
 
     python -m bench.video --preset {bench,tiny} --out DIR [--rows a,b,c] [--repeats N]
 
@@ -52,7 +52,7 @@ PRESETS = {
 }
 
 # row -> steps applied in order to the fp32 pipeline as built. The fp8 rows first go to the compute
-# dtype (`compute`: bf16, as the seed's example, where the CPU computes bf16 natively, else fp32), with
+# dtype (`compute`: bf16, as the guide's example, where the CPU computes bf16 natively, else fp32), with
 # the VAE decoding in fp32 (see _fp32_decode); the pyext_optimize rows get the fp32 pipeline and
 # decide dtypes themselves.
 ROWS = {
@@ -66,7 +66,7 @@ ROWS = {
 
 
 def compute_dtype(preset: Preset) -> torch.dtype:
-    """bf16 as the seed's example, unless the preset is too big for a CPU that emulates bf16 (see
+    """bf16 as the guide's example, unless the preset is too big for a CPU that emulates bf16 (see
     skip_reason): fp32 there."""
     from pyext import _compat
 
@@ -97,7 +97,7 @@ def _apply_step(pipe, step: str, call: dict, notes: dict, compute: torch.dtype):
         _fp32_decode(pipe)
     elif step == "compute":
         notes[step] = "computes in fp32: this CPU has no native bf16"
-    elif step == "layerwise_fp8":  # the seed's line, with this CPU's compute dtype
+    elif step == "layerwise_fp8":  # the guide's line, with this CPU's compute dtype
         pipe.transformer.enable_layerwise_casting(storage_dtype=torch.float8_e4m3fn, compute_dtype=compute)
     elif step == "pyext_fp8":
         report = pyext.quantize_fp8(pipe.transformer)
@@ -264,7 +264,7 @@ def write_markdown(report: dict, path: str) -> None:
         f"{report['repeats']} run(s) "
         + (f"after a {p['warmup_steps']}-step warm-up (up to the latents)" if p["warmup_steps"] else "without warm-up")
         + f", on the CPU; each row in its own process. Prompt: \"{report['prompt']}\". The fp8 rows compute in "
-        f"{report['compute_dtype']} (bf16 as the seed's example where the CPU has native bf16, else fp32). In the "
+        f"{report['compute_dtype']} (bf16 as the guide's example where the CPU has native bf16, else fp32). In the "
         "bf16 rows the VAE decodes in fp32, as diffusers' force_upcast does for other VAEs: a CPU without native "
         "bf16 runs bf16 3-D convolutions over 100x slower than fp32 ones. pyext_optimize rows keep the dtypes "
         "pyext chooses.",

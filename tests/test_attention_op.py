@@ -314,7 +314,7 @@ def test_auto_dispatch_declines_cpp_without_avx512():
     assert json.loads(proc.stdout.strip().splitlines()[-1]) == {"auto": "sdpa", "forced_ok": True}
 
 
-# ----------------------------------------------------------------------------- hardening (issue 13)
+# ----------------------------------------------------------------------------- hardening: bad and extreme inputs
 
 @needs_kernel
 def test_nan_key_makes_nan_rows_on_every_path(simd):

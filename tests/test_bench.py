@@ -58,7 +58,7 @@ def test_tiny_preset_writes_table_and_chart(tiny_report):
     md = (out / "latency.md").read_text()
     for name in latency.ROWS:
         assert f"| {name} |" in md
-    assert "9.50 s" in md and "random" in md  # the seed's figure beside ours; weights declared
+    assert "9.50 s" in md and "random" in md  # the guide's figure beside ours; weights declared
     png = (out / "latency.png").read_bytes()
     assert png[:8] == b"\x89PNG\r\n\x1a\n" and len(png) > 5000
 
@@ -97,7 +97,7 @@ def test_markdown_shows_reasons_and_failures(tmp_path):
         "preset": "tiny", "preset_parameters": {"width": 64, "height": 64, "steps": 2, "warmup_steps": 1},
         "repeats": 1, "model": "sd15 tiny", "weights": "random", "prompt": "p", "min_psnr_db": 20.0,
         "machine": {"cpu": "x", "cpu_count": 2, "torch_threads": 2}, "versions": {"torch": "t"},
-        "seed_titan_rtx_s": latency.SEED_TITAN_RTX, "unrelated_psnr_db": 12.0,
+        "guide_titan_rtx_s": latency.GUIDE_TITAN_RTX, "unrelated_psnr_db": 12.0,
         "rows": {"original": _fake_row(check="ok", psnr_db=float("inf")),
                  "fp16": _fake_row(latency_s=0.5, check="FAIL: PSNR < 20 dB", psnr_db=3.0),
                  "xformers": {"reason": "xformers not installed"}},

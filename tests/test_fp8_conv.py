@@ -127,7 +127,7 @@ def test_module_takes_the_fused_path_on_its_kernel_layout_codes():
     assert model[1].weight.is_contiguous(memory_format=CL) and rel_err(model(x), y_cl) == 0
 
 
-# ----------------------------------------------------------------------------- hardening (issue 13)
+# ----------------------------------------------------------------------------- hardening: bad and extreme inputs
 
 def test_zero_input_channels_is_a_clear_error():
     """The fused kernel divided by K = 0 (SIGFPE); torch's conv returns a wrongly shaped result."""

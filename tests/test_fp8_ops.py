@@ -293,7 +293,7 @@ def test_linear_cpp_propagates_nan_codes(simd):
     assert nan_cols[3] and nan_cols[66] and nan_cols.sum() == 2 and not y[:, ~nan_cols].isnan().any()
 
 
-# ----------------------------------------------------------------------------- hardening (issue 13)
+# ----------------------------------------------------------------------------- hardening: bad and extreme inputs
 
 def test_quantize_tiny_channels_get_finite_codes_and_exact_scales():
     """Channels whose amax / 448 is below fp32's smallest normal: the scale was 0 (NaN codes)

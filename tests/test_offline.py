@@ -27,7 +27,7 @@ def _expected_shape(arch):
 
 @pytest.fixture(scope="module")
 def tiny():
-    """arch -> (the seed-0 tiny pipeline, its run_example output): built once for the module."""
+    """arch -> (the tiny pipeline of random seed 0, its run_example output): built once for the module."""
     cache = {}
 
     def get(arch):

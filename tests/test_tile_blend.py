@@ -222,7 +222,7 @@ def test_cuda_kernel_compiles(arch):
     assert entries and all(e["compiled"] for e in entries), entries[0]["error"]
 
 
-# ----------------------------------------------------------------------------- hardening (issue 13)
+# ----------------------------------------------------------------------------- hardening: bad and extreme inputs
 
 @pytest.mark.parametrize("backend", ["reference", pytest.param("cpp", marks=needs_cpp)])
 @pytest.mark.parametrize("dtype", DTYPES)

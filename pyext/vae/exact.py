@@ -80,7 +80,7 @@ HEAD_CHANNELS = 16
 # whole: conv1 runs twice rather than its output being written and read back. Recomputing costs
 # 2.25 * C_in FLOPs per byte of fp32 output it saves writing and reading: at 64 channels 144, about
 # what the convs do (200 GFLOP/s on two cores) in the time the disk moves a byte (1.3 GB/s) here
-# (measured in the README, twelfth session; SD's resnets read 128+).
+# (docs/vae.md; SD's resnets read 128+).
 RECOMPUTE_CHANNELS = 64
 # With state_dir "auto" on a CPU, the run keeps its states in memory while the largest fits in the
 # bytes of this many widest tiles (about what it holds for its tiles anyway), else in a file with
