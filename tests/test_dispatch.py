@@ -299,6 +299,7 @@ def lookup(op_name: str, backend_name: str) -> tuple[dispatch.Op, Backend]:
     return op, next(b for b in op.backends if b.name == backend_name)
 
 
+@pytest.mark.cuda
 @pytest.mark.parametrize("op_name,backend_name,dtype,spec", list(declared_cases()))
 def test_declared_cases_match_the_reference(op_name, backend_name, dtype, spec):
     op, backend = lookup(op_name, backend_name)
@@ -308,6 +309,7 @@ def test_declared_cases_match_the_reference(op_name, backend_name, dtype, spec):
     assert case_problem(op, backend, dtype, spec, device) is None
 
 
+@pytest.mark.cuda
 @pytest.mark.parametrize("op_name,backend_name", [(n, b.name) for n, op in real_ops().items() for b in op.backends])
 def test_declared_dtypes_are_what_the_backend_takes(op_name, backend_name):
     op, backend = lookup(op_name, backend_name)
