@@ -8,7 +8,7 @@ and FP8Conv2d uses its own upcast-into-a-reused-buffer path for those inputs.
 """
 from __future__ import annotations
 
-from typing import Optional, Sequence
+from typing import Optional
 
 import torch
 import torch.nn.functional as F
