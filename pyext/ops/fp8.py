@@ -40,6 +40,17 @@ def check_fp8(op: str, w) -> None:
               f"{getattr(w, 'dtype', type(w).__name__)}")
 
 
+def check_public(op: str, x, w, scale, bias) -> None:
+    """What the public linear and conv functions refuse before their op: a weight that is not fp8
+    (they pass its uint8 view), and non-tensors where the op's schema takes tensors."""
+    check_fp8(op, w)
+    for name, t in (("x", x), ("scale", scale)):
+        if not isinstance(t, torch.Tensor):
+            _fail(op, f"{name} must be a tensor, got {type(t).__name__}")
+    if bias is not None and not isinstance(bias, torch.Tensor):
+        _fail(op, f"bias must be a tensor or None, got {type(bias).__name__}")
+
+
 def check_codes(op: str, w: torch.Tensor, scale: torch.Tensor) -> None:
     """The ops' weight: e4m3 codes as uint8 (`w_fp8.view(torch.uint8)`), output channels first,
     with 1 (per-tensor) or one float32 scale per output channel on the same device."""
@@ -394,10 +405,5 @@ def fp8_linear(x: torch.Tensor, w: torch.Tensor, scale: torch.Tensor, bias: Opti
     GEMMs apply the scale to the fp32 accumulator, which agrees to rounding while
     |scale| * 448 is a finite x.dtype value; other scales take an upcast path.
     """
-    check_fp8("fp8_linear", w)
-    for name, t in (("x", x), ("scale", scale)):
-        if not isinstance(t, torch.Tensor):
-            _fail("fp8_linear", f"{name} must be a tensor, got {type(t).__name__}")
-    if bias is not None and not isinstance(bias, torch.Tensor):
-        _fail("fp8_linear", f"bias must be a tensor or None, got {type(bias).__name__}")
+    check_public("fp8_linear", x, w, scale, bias)
     return torch.ops.pyext.fp8_linear(x, w.view(torch.uint8), scale, bias, backend)

@@ -17,7 +17,7 @@ from pyext import dispatch
 from pyext._ext import cpu_capabilities, kernel_missing
 from pyext.dispatch import Backend
 from pyext.ops._library import define
-from pyext.ops.fp8 import (COMPUTE_DTYPES, LINEAR_TOLERANCE, _check_dtype, _fail, check_codes, check_fp8,
+from pyext.ops.fp8 import (COMPUTE_DTYPES, LINEAR_TOLERANCE, _check_dtype, _fail, check_codes, check_public,
                            example_weight, fp8_upcast_reference, relative_close, sample_codes, sample_scale,
                            scales_fuse_exactly)
 
@@ -181,12 +181,7 @@ def fp8_conv2d(x: torch.Tensor, w: torch.Tensor, scale: torch.Tensor, bias: Opti
     """F.conv2d(x, fp8_upcast(w, scale, x.dtype), bias, ...) without materialising the upcast weight
     where the C++ backend can take the input (see the module docstring). Integer padding only.
     The op validates the input (check_conv); here only what its schema cannot take is refused first."""
-    check_fp8("fp8_conv2d", w)
-    for name, t in (("x", x), ("scale", scale)):
-        if not isinstance(t, torch.Tensor):
-            _fail("fp8_conv2d", f"{name} must be a tensor, got {type(t).__name__}")
-    if bias is not None and not isinstance(bias, torch.Tensor):
-        _fail("fp8_conv2d", f"bias must be a tensor or None, got {type(bias).__name__}")
+    check_public("fp8_conv2d", x, w, scale, bias)
     if not _is_int(groups):
         _fail("fp8_conv2d", f"groups must be a positive int dividing the {w.shape[0]} output channels, got {groups!r}")
     stride, padding, dilation = (_check_pair("stride", stride, 1), _check_pair("padding", padding, 0),
