@@ -60,8 +60,12 @@ def steps(out: str) -> list[Step]:
 
 
 def _commit() -> str:
-    proc = subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True, cwd=ROOT)
-    return proc.stdout.strip() or "unknown"
+    """The commit, with the time when the tree has uncommitted changes (then nothing is skipped)."""
+    head = subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True, cwd=ROOT)
+    dirty = subprocess.run(["git", "status", "--porcelain", "--untracked-files=no"], capture_output=True, text=True,
+                           cwd=ROOT)
+    commit = head.stdout.strip() or "unknown"
+    return f"{commit}-dirty-{int(time.time())}" if dirty.stdout.strip() or commit == "unknown" else commit
 
 
 def install_wheels() -> int:
@@ -153,7 +157,11 @@ def main(argv=None) -> int:
         print(f"== {s.name}: {' '.join(s.command)}", flush=True)
         t = time.monotonic()
         with open(os.path.join(args.out, f"{s.name}.log"), "w") as log:
-            rc = subprocess.call(s.command, cwd=ROOT, env=env, stdout=log, stderr=subprocess.STDOUT)
+            try:  # three times its estimate at most: a hung step must not eat the lease
+                rc = subprocess.call(s.command, cwd=ROOT, env=env, stdout=log, stderr=subprocess.STDOUT,
+                                     timeout=3 * s.estimate_s)
+            except subprocess.TimeoutExpired:
+                rc = 124
         seconds = time.monotonic() - t
         record["steps"][s.name] = {"rc": rc, "seconds": round(seconds, 1), "estimate_s": s.estimate_s,
                                    "commit": commit, "log": f"{s.name}.log"}

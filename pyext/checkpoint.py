@@ -40,7 +40,8 @@ def _shards(path: str) -> list[str]:
 def save_pretrained(model: nn.Module, path: str, max_shard_size: str | int = "5GB", **kwargs) -> list[str]:
     """model.save_pretrained(path, max_shard_size=...) plus the manifest (fp8 layers and the
     checksum of every saved tensor); returns the fp8 layers' names."""
-    model.save_pretrained(path, max_shard_size=max_shard_size, safe_serialization=True, **kwargs)
+    # The class's method: the one pyext puts on converted instances writes dequantized weights.
+    type(model).save_pretrained(model, path, max_shard_size=max_shard_size, safe_serialization=True, **kwargs)
     layers = {name: {"per_channel": m.per_channel, "compute_dtype": str(m.compute_dtype).removeprefix("torch.")}
               for name, m in model.named_modules() if isinstance(m, (FP8Linear, FP8Conv2d))}
     # Hashed as read back from disk, so the checksums describe exactly the bytes in the files.
@@ -81,6 +82,8 @@ def _load_shard(path: str, shard: str) -> dict[str, torch.Tensor]:
     file = os.path.join(path, shard)
     try:
         return load_file(file)
+    except MemoryError:
+        raise
     except Exception as err:  # safetensors' own error types: a truncated file, a damaged header
         raise PyextError(f"{_WHERE}: {file} cannot be read as safetensors ({type(err).__name__}: {err}); the file "
                          "is truncated or damaged: save the model again") from err

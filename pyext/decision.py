@@ -105,7 +105,9 @@ def _device_check(device: torch.device) -> None:
                          f"{device.type} devices (indices 0..{count - 1})")
 
 
-def decide(pipe, opts: OptimizeOptions) -> Decision:
+def decide(pipe, opts: OptimizeOptions, default_device: torch.device | None = None) -> Decision:
+    """`default_device`: where the pipeline runs when options.device is None (a second optimize
+    passes the first's: offload may have left the weights elsewhere)."""
     check_pipeline(pipe)
     comps = find_components(pipe)
     denoisers = comps.denoisers
@@ -114,7 +116,7 @@ def decide(pipe, opts: OptimizeOptions) -> Decision:
     first = next(iter(denoisers.values()), next(iter(comps.modules.values())))
     devices = {device_of(m) for m in comps.modules.values()}
     multi_device = bool(getattr(pipe, "hf_device_map", None)) or len(devices) > 1
-    device = torch.device(opts.device) if opts.device is not None else device_of(first)
+    device = torch.device(opts.device) if opts.device is not None else default_device or device_of(first)
     _device_check(device)
     if device.type == "cuda" and device.index is None:
         device = torch.device("cuda", torch.cuda.current_device())

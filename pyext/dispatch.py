@@ -123,6 +123,8 @@ class Op:
     output(args, returned) -> the result to compare (an out= op returns None and writes args);
     pure: the op reads its inputs only, so measurement may run it repeatedly on them and a
         failed run may be retried on another backend;
+    signature(args) -> what the choice for args depends on beyond the op (default: every
+        tensor's dtype, shape, strides and device, and the plain arguments but floats);
     dtype(args) -> the compute dtype that backends' `dtypes` are checked against;
     sizes(args) -> {name: int}, the sizes that backends' `limits` are checked against;
     example(spec, dtype, device) -> args of a backend's test shape `spec` (the op tests).
@@ -138,6 +140,7 @@ class Op:
     variant: Callable = default_variant
     bucket: Callable = default_bucket
     pure: bool = True
+    signature: Callable | None = None
     dtype: Callable = lambda args: _first_tensor(args).dtype
     sizes: Callable = lambda args: {}
     example: Callable | None = None
@@ -349,6 +352,7 @@ def reset() -> None:
     with _LOCK:
         _CACHES.clear()
         _CHOSEN.clear()
+        _GUARDED.clear()
         _WARNED.clear()
 
 
@@ -378,10 +382,11 @@ def clear_marks() -> int:
     with _LOCK:
         count = 0
         for cache in _CACHES.values():
-            count += len(cache.unusable)
-            cache.unusable.clear()
-            cache.confirmed.clear()
-            cache.save()
+            if cache.unusable:  # (a file of another pyext or torch loads empty: it stays as it is)
+                count += len(cache.unusable)
+                cache.unusable.clear()
+                cache.confirmed.clear()
+                cache.save()
         _CHOSEN.clear()
         return count
 
@@ -556,7 +561,7 @@ def _automatic(op: Op, args: tuple, exclude: frozenset = frozenset()) -> tuple[B
     if mode(device) == "measured":
         known = cache.decisions.get(f"{op.name}|{op.bucket(args)}")
         chosen = next((b for b in able if known and b.name == known["backend"]), None)
-        if chosen is not None:
+        if chosen is not None and f"{op.name}|{chosen.name}|{op.variant(args)}" not in cache.unusable:
             return chosen, keep
         timed = [b for b in able if b.timed]
         if measuring and op.pure and len(timed) > 1:
@@ -582,8 +587,9 @@ _WARNED: set[tuple] = set()
 
 
 def _fall_back(op: Op, backend: Backend, args: tuple, err: Exception, exclude: frozenset):
-    """Run args on the next backend after `backend` raised on them; nothing is marked (the input
-    was valid, and the backend passed its self-check): a warning says so, once per variant."""
+    """Run args on the next backend after `backend` raised on them, and keep that choice for their
+    signature; nothing is marked (the input was valid, and the backend passed its self-check): a
+    warning says so, once per variant."""
     what = (op.name, backend.name, str(op.variant(args)))
     if what not in _WARNED:
         _WARNED.add(what)
@@ -593,13 +599,23 @@ def _fall_back(op: Op, backend: Backend, args: tuple, err: Exception, exclude: f
     exclude = exclude | {backend.name}
     with _LOCK:
         nxt, _ = _automatic(op, args, exclude)
-    return _guarded(op, nxt, exclude).run(*args)
+        chosen = _guarded(op, nxt, exclude)
+        if can_measure(_device(args)):
+            _keep(_signature(op, None, args), chosen)
+    return chosen.run(*args)
+
+
+_GUARDED: dict[tuple, tuple[Backend, Backend]] = {}  # (op, backend, exclude) -> (backend, its wrapper)
 
 
 def _guarded(op: Op, backend: Backend, exclude: frozenset = frozenset()) -> Backend:
-    """The backend, with a run that moves on to the next backend if it raises on a valid input."""
+    """The backend, with a run that moves on to the next backend if it raises on a valid input
+    (one wrapper per op, backend and exclusions, shared by the signatures that choose it)."""
     if backend.name == op.reference or not op.pure:
         return backend
+    known = _GUARDED.get((op.name, backend.name, exclude))
+    if known is not None and known[0] is backend:
+        return known[1]
 
     def run(*args):
         try:
@@ -609,19 +625,35 @@ def _guarded(op: Op, backend: Backend, exclude: frozenset = frozenset()) -> Back
         except Exception as err:
             return _fall_back(op, backend, args, err, exclude)
 
-    return replace(backend, run=run)
+    wrapper = replace(backend, run=run)
+    _GUARDED[(op.name, backend.name, exclude)] = backend, wrapper  # new, or the op was registered again
+    return wrapper
 
 
-def _signature(op_name: str, forced, args: tuple) -> tuple:
-    key = [op_name, forced]
+def _signature(op: Op, forced, args: tuple) -> tuple:
+    if op.signature is not None:
+        return (op.name, forced, *op.signature(args))
+    key = [op.name, forced]
     for a in args:
         if isinstance(a, torch.Tensor):
             key.append((a.dtype, a.shape, a.stride(), a.device))
         elif isinstance(a, list):
             key.append(tuple(a))
+        elif isinstance(a, float):  # a scale, an eps: no backend's reasons read them
+            key.append(float)
         else:
             key.append(a)
     return tuple(key)
+
+
+CHOSEN_MAX = 4096  # signatures kept; a server meeting many shapes drops the oldest
+
+
+def _keep(key: tuple, chosen: Backend) -> None:
+    """Under the lock."""
+    if len(_CHOSEN) >= CHOSEN_MAX:
+        _CHOSEN.pop(next(iter(_CHOSEN)))
+    _CHOSEN[key] = chosen
 
 
 def select(op_name: str, args: tuple, forced: str | None = None) -> Backend:
@@ -631,7 +663,7 @@ def select(op_name: str, args: tuple, forced: str | None = None) -> Backend:
     op = _OPS[op_name]
     if op.check is not None:
         op.check(*args)
-    key = _signature(op_name, forced, args)
+    key = _signature(op, forced, args)
     chosen = _CHOSEN.get(key)
     if chosen is not None and (chosen.guard is None or not _guard_reasons(chosen, args)):
         return chosen
@@ -642,7 +674,7 @@ def select(op_name: str, args: tuple, forced: str | None = None) -> Backend:
             backend, keep = _automatic(op, args)
             chosen = _guarded(op, backend)
         if keep:
-            _CHOSEN[key] = chosen
+            _keep(key, chosen)
         return chosen
 
 

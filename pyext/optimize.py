@@ -14,6 +14,7 @@ second `optimize` gives what one call with its options would (see optimize).
 """
 from __future__ import annotations
 
+import contextlib
 from dataclasses import dataclass, field, replace
 
 import torch.nn as nn
@@ -45,26 +46,25 @@ def optimize(pipe, options: OptimizeOptions | None = None, **changes):
     options must ask for alike, else a PyextError says so before anything changes."""
     check_pipeline(pipe)
     opts = (options or OptimizeOptions()).replace(**changes)  # a new object: the caller's is never changed
-    decision = decide(pipe, opts)
     state = _state.get(pipe, STATE)
-    if state is not None:  # stays on the pipeline, holding what cannot be undone, if this call fails
-        decision = _check_again(state, decision)
+    again = state is not None
+    if not again:
+        decision = decide(pipe, opts)
+        state = State(decision)
+    else:  # refused before anything changes; decided again once the first call's exact changes are undone
+        _check_again(state, decide(pipe, opts, state.decision.device))
         _undo(pipe, [e for e in state.entries if e.exact])
         state.entries = [e for e in state.entries if not e.exact]
-    new: list[Entry] = []
+        decision = _check_again(state, decide(pipe, opts, state.decision.device))
     before = storage_spans(modules_of(pipe).values())
     try:
-        with offload.suspended(pipe):
-            for technique in TECHNIQUES:
-                if technique.changes_modules:
-                    new += technique.apply(pipe, decision)
-        for technique in TECHNIQUES:
-            if not technique.changes_modules:
-                new += technique.apply(pipe, decision)
+        new = _apply(pipe, decision)
     except BaseException:
-        _undo(pipe, new)  # never a half-changed pipeline
+        if again:  # what stays of the earlier call: put the rest of it back as it was decided
+            with contextlib.suppress(Exception):
+                state.entries += _apply(pipe, state.decision)
+            _state.put(pipe, STATE, state)
         raise
-    state = state or State(decision)
     state.decision = decision
     kept = {(e.component, e.technique) for e in state.entries}
     state.entries += [e for e in new if not (e.status == "already" and (e.component, e.technique) in kept)]
@@ -74,14 +74,33 @@ def optimize(pipe, options: OptimizeOptions | None = None, **changes):
     return pipe
 
 
+def _apply(pipe, decision: Decision) -> list[Entry]:
+    """Every technique on the pipeline, module changes with offload hooks suspended; if one
+    fails, what this call did is undone before the error propagates (never a half-changed pipeline)."""
+    new: list[Entry] = []
+    try:
+        with offload.suspended(pipe):
+            for technique in TECHNIQUES:
+                if technique.changes_modules:
+                    new += technique.apply(pipe, decision)
+        for technique in TECHNIQUES:
+            if not technique.changes_modules:
+                new += technique.apply(pipe, decision)
+    except BaseException:
+        _undo(pipe, new)
+        raise
+    return new
+
+
 def _check_again(state: State, decision: Decision) -> Decision:
     """The decision of a second optimize, given what the first did that cannot be undone exactly:
     the new options must keep it (same dtype; fp8 for the same components, by the same rule), or
-    PyextError. An fp8="auto" asked again keeps the first call's resolution."""
+    PyextError. An fp8="auto" asked again keeps the first call's resolution (and its plan): the
+    planner now sees fp8 weights."""
     before = state.decision
     lossy = [e for e in state.entries if not e.exact]
     if any(e.technique == "fp8" for e in lossy) and decision.options.fp8 == before.options.fp8:
-        decision = replace(decision, fp8=before.fp8)  # the plan now sees fp8 weights: keep what it chose
+        decision = replace(decision, fp8=before.fp8, plan=before.plan)
     conflicts = []
     if any(e.technique == "dtype" for e in lossy) and decision.dtype != before.dtype:
         conflicts.append(f"dtype: the weights were cast to {before.dtype}, {decision.dtype or 'keep'} is asked")

@@ -382,3 +382,14 @@ def test_sdpa_declines_inputs_whose_softmax_is_nan(special):
     assert torch.equal(attention(q, k, v).isnan(), expected.isnan())
     with pytest.raises(PyextError, match="backend 'sdpa' cannot run this input: q or k holds NaN/inf"):
         attention(q, k, v, backend="sdpa")
+
+
+def test_no_silent_gradients():
+    """The ops have no backward: outputs of inputs that require grad raise on backward, a PyextError
+    naming the op, rather than leaving the inputs without gradients."""
+    q = torch.randn(1, 2, 5, 8, requires_grad=True)
+    out = attention(q, q.detach(), q.detach())
+    with pytest.raises(PyextError, match="pyext.attention has no backward"):
+        out.sum().backward()
+    with torch.no_grad():
+        assert not attention(q, q, q).requires_grad

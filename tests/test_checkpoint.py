@@ -150,3 +150,23 @@ def test_missing_config_names_the_file(saved):
     (path / "config.json").unlink()
     with pytest.raises(PyextError, match=r"config.json cannot be read"):
         checkpoint.from_pretrained(Tiny, str(path))
+
+
+def test_a_model_converted_by_quantize_fp8_saves_its_codes(tmp_path, monkeypatch):
+    """quantize_fp8 puts a save_pretrained on the instance that writes plain weights; the fp8
+    checkpoint still writes the codes."""
+    from safetensors.torch import load_file
+
+    import pyext.nn.fp8 as fp8_module
+    from pyext import quantize_fp8
+
+    monkeypatch.setattr(fp8_module, "MIN_NUMEL", 0)
+    torch.manual_seed(0)
+    model = Tiny()
+    assert quantize_fp8(model, skip=()).converted == ["down"]  # (`up` holds the model's first parameter)
+    checkpoint.save_pretrained(model, str(tmp_path))
+    [shard] = tmp_path.glob("*.safetensors")
+    saved = load_file(shard)
+    assert saved["down.weight"].dtype == torch.uint8 and "down.weight_scale" in saved
+    loaded = checkpoint.from_pretrained(Tiny, str(tmp_path))
+    assert torch.equal(loaded.down.weight, model.down.weight)

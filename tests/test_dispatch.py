@@ -147,6 +147,27 @@ def test_a_run_time_failure_falls_back_marks_nothing_and_warns_once():
     assert dispatch.select(OP, (small,)).name == "fragile"  # the fast backend stays the choice
 
 
+def test_after_a_run_time_failure_the_signature_keeps_the_next_backend():
+    calls = make_op(Backend("fragile", lambda x: raises(x) if x.numel() > 100 else x * 2),
+                    Backend("good", lambda x: x + x))
+    x = torch.randn(1000)
+    with pytest.warns(RuntimeWarning):
+        dispatch.select(OP, (x,)).run(x)
+    failed = calls["fragile"]
+    assert dispatch.select(OP, (x,)).name == "good"
+    dispatch.select(OP, (x,)).run(x)
+    assert calls["fragile"] == failed  # not tried again for this signature
+
+
+def test_the_choices_kept_are_bounded(monkeypatch):
+    monkeypatch.setattr(dispatch, "CHOSEN_MAX", 4)
+    make_op(Backend("fast", lambda x: x + x))
+    for n in range(1, 12):
+        dispatch.select(OP, (torch.randn(n),))
+    assert len(dispatch._CHOSEN) <= 4
+    assert dispatch.select(OP, (torch.randn(1),)).name == "fast"  # dropped, chosen again
+
+
 def test_an_impure_op_is_not_retried():
     make_op(Backend("fragile", lambda x: raises(x) if x.numel() > 100 else x * 2), pure=False)
     with pytest.raises(RuntimeError, match="shared memory"):

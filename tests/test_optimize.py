@@ -121,6 +121,21 @@ def test_report_restore_and_idempotence(arch, references):
     assert pyext.report(pipe).plan == "not optimized by pyext"
 
 
+def test_a_second_call_decides_on_the_pipeline_the_first_call_undid():
+    """The first call traced the UNet: the second decides once it is eager again, so it traces anew."""
+    from pyext.traced import TracedUNet
+
+    pipe = build_pipeline("sd15", "tiny")
+    pyext.optimize(pipe, dtype="keep", compile="trace")
+    assert isinstance(pipe.unet, TracedUNet)
+    pyext.optimize(pipe, dtype="keep", compile="trace", attention="off")
+    assert isinstance(pipe.unet, TracedUNet)
+    [entry] = [e for e in pyext.report(pipe).entries if e.technique == "compile"]
+    assert entry.status == "applied"
+    pyext.restore(pipe)
+    assert not isinstance(pipe.unet, TracedUNet)
+
+
 def test_restore_without_originals_says_lossy(references):
     pipe = pyext.optimize(build_pipeline("sd15", "tiny"), fp8="denoiser")
     notes = " ".join(pyext.restore(pipe))

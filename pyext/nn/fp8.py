@@ -109,6 +109,8 @@ class _FP8Storage:
                 and weight.shape == self.weight.shape):
             q, scale = fp8_quantize(weight, self.per_channel)
             codes = q.view(torch.uint8)
+            if self.original_weight is not None:  # the kept original is now this weight
+                self.original_weight = weight.detach().to("cpu", self.original_weight.dtype, copy=True)
             state_dict[prefix + "weight"] = codes.contiguous(memory_format=torch.channels_last) \
                 if self.weight.dim() == 4 and self.weight.is_contiguous(memory_format=torch.channels_last) else codes
             state_dict[prefix + "weight_scale"] = scale.view(torch.int32)

@@ -11,17 +11,42 @@ from typing import Callable
 
 import torch
 
+from pyext.dispatch import PyextError
+
 LIBRARY = torch.library.Library("pyext", "DEF")
 
 
+class _NoBackward(torch.autograd.Function):
+    """Marks an op's outputs as computed from inputs that require grad, so that a backward
+    through them raises instead of leaving those inputs without gradients."""
+
+    @staticmethod
+    def forward(ctx, name: str, out: torch.Tensor, *inputs: torch.Tensor) -> torch.Tensor:
+        ctx.name = name
+        return out
+
+    @staticmethod
+    def backward(ctx, grad):
+        raise PyextError(f"pyext.{ctx.name} has no backward; it is for inference (call it under torch.no_grad(), "
+                         "or on tensors that do not require grad)")
+
+
 def define(schema: str, kernel: Callable, fake: Callable) -> None:
-    """Define pyext::<schema>: `kernel` runs it on every device, without autograd (its outputs do
-    not require grad, and backends may write into out= buffers), `fake` gives its outputs' metadata."""
+    """Define pyext::<schema>: `kernel` runs it on every device, without autograd (backends may
+    write into out= buffers), `fake` gives its outputs' metadata. Outputs of a call on inputs that
+    require grad raise on backward."""
     name = schema.split("(", 1)[0]
 
     def run(*args, **kwargs):
         with torch.no_grad():
-            return kernel(*args, **kwargs)
+            out = kernel(*args, **kwargs)
+        if torch.is_grad_enabled():
+            needing = [a for a in args if isinstance(a, torch.Tensor) and a.requires_grad]
+            if needing and isinstance(out, torch.Tensor):
+                out = _NoBackward.apply(name, out, *needing)
+            elif needing and isinstance(out, tuple):
+                out = tuple(_NoBackward.apply(name, o, *needing) for o in out)
+        return out
 
     LIBRARY.define(schema)
     LIBRARY.impl(name, run, "CompositeExplicitAutograd")

@@ -324,7 +324,7 @@ dispatch.define("fp8_upcast", check=check_upcast, sample=lambda args: _sample_up
                 dtype=lambda args: args[2].dtype, example=_example_upcast)
 dispatch.define("fp8_linear", check=check_linear, sample=lambda args: _sample_linear(*args),
                 close=relative_close(LINEAR_TOLERANCE),
-                variant=lambda args: (str(args[0].dtype), args[2].numel() == 1, args[3] is None),
+                variant=lambda args: (str(args[0].dtype), args[0].shape[-1], args[2].numel() == 1, args[3] is None),
                 example=_example_linear)
 
 
@@ -401,9 +401,10 @@ def fp8_linear(x: torch.Tensor, w: torch.Tensor, scale: torch.Tensor, bias: Opti
                backend: Optional[str] = None) -> torch.Tensor:
     """F.linear(x, fp8_upcast(w, scale, x.dtype), bias) without materialising the upcast weight.
 
-    That is the meaning on every backend, non-finite or huge scales included. The fused
-    GEMMs apply the scale to the fp32 accumulator, which agrees to rounding while
-    |scale| * 448 is a finite x.dtype value; other scales take an upcast path.
+    That is the meaning on every backend, non-finite or huge scales included: the Triton GEMM
+    scales each decoded tile before its dot product; the C++ GEMMs apply the scale to the fp32
+    accumulator, which agrees to rounding while |scale| * 448 is a finite x.dtype value, and take
+    an upcast path for other scales.
     """
     check_public("fp8_linear", x, w, scale, bias)
     return torch.ops.pyext.fp8_linear(x, w.view(torch.uint8), scale, bias, backend)

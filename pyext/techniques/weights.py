@@ -106,6 +106,9 @@ class FP8(Technique):
 
     @staticmethod
     def _undo(pipe, module, exact: bool) -> str:
+        # (layers that fuse_lora or fuse_qkv_projections stored anew have no originals)
+        exact = exact and all(m.original_weight is not None for m in module.modules()
+                              if isinstance(m, (FP8Linear, FP8Conv2d)))
         n = len(restore_fp8(module))
         if not any(isinstance(m, (FP8Linear, FP8Conv2d)) for c in modules_of(pipe).values() for m in c.modules()):
             fp8_methods.remove(pipe)
