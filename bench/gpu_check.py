@@ -60,12 +60,14 @@ def steps(out: str) -> list[Step]:
 
 
 def _commit() -> str:
-    """The commit, with the time when the tree has uncommitted changes (then nothing is skipped)."""
+    """The commit, and a hash of the uncommitted changes to tracked files if any: a step that passed
+    is skipped again only on the same code."""
+    import hashlib
+
     head = subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True, cwd=ROOT)
-    dirty = subprocess.run(["git", "status", "--porcelain", "--untracked-files=no"], capture_output=True, text=True,
-                           cwd=ROOT)
-    commit = head.stdout.strip() or "unknown"
-    return f"{commit}-dirty-{int(time.time())}" if dirty.stdout.strip() or commit == "unknown" else commit
+    diff = subprocess.run(["git", "diff", "HEAD"], capture_output=True, cwd=ROOT)
+    commit = head.stdout.strip() or f"unknown-{int(time.time())}"
+    return f"{commit}+{hashlib.sha1(diff.stdout).hexdigest()[:10]}" if diff.stdout else commit
 
 
 def install_wheels() -> int:

@@ -8,6 +8,8 @@ import pytest
 
 from tests.conftest import run_in_triton_interpreter
 
+pytestmark = pytest.mark.slow  # make test runs it; make test-fast leaves it out
+
 SCRIPT = textwrap.dedent("""
     import json, torch
     from pyext.dispatch import select

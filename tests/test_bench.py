@@ -10,6 +10,8 @@ import torch
 
 from bench import latency, plot
 
+pytestmark = pytest.mark.slow  # make test runs it; make test-fast leaves it out
+
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 # Rows that must produce a number on any machine (CPU included).
 ALWAYS_RUN = ("original", "fp16", "channels_last", "traced_unet", "sdpa_attention", "pyext_fp8")
@@ -24,7 +26,6 @@ def tiny_report(tmp_path_factory):
         return out, json.load(f)
 
 
-@pytest.mark.slow
 def assert_rows_well_formed(rows: dict) -> None:
     """Each row measured (positive finite latency, stage times, memory above weights, check ok)
     or carrying the reason it was not."""
@@ -52,7 +53,6 @@ def test_tiny_preset_reports_every_row(tiny_report):
     assert {"torch", "diffusers", "pyext"} <= set(report["versions"])
 
 
-@pytest.mark.slow
 def test_tiny_preset_writes_table_and_chart(tiny_report):
     out, report = tiny_report
     md = (out / "latency.md").read_text()

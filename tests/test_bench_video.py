@@ -9,10 +9,11 @@ import pytest
 from bench import video
 from tests.test_bench import assert_rows_well_formed
 
+pytestmark = pytest.mark.slow  # make test runs it; make test-fast leaves it out
+
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 
-@pytest.mark.slow
 def test_tiny_preset_reports_every_row(tmp_path):
     subprocess.run([sys.executable, "-m", "bench.video", "--preset", "tiny", "--out", str(tmp_path)],
                    cwd=ROOT, check=True, timeout=300, stdout=subprocess.DEVNULL)

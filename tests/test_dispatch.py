@@ -340,6 +340,7 @@ def test_declared_dtypes_are_what_the_backend_takes(op_name, backend_name):
     assert agreement_problems(op, backend, device) == []
 
 
+@pytest.mark.slow
 def test_interpreter_backends_on_their_declared_cases():
     """The Triton backends run on CPU only in Triton's interpreter (a subprocess: TRITON_INTERPRET
     must be set before triton is imported), where they declare float16/float32 only."""

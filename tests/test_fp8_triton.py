@@ -1,8 +1,13 @@
+
 """The Triton fp8 linear kernel, run by Triton's interpreter on CPU in a subprocess
 (TRITON_INTERPRET must be set before triton is imported). fp16/fp32 activations:
 the interpreter's bf16 dot is broken, the bf16 path is for GPUs."""
 import textwrap
 
+import pytest
+
+
+pytestmark = pytest.mark.slow  # make test runs it; make test-fast leaves it out
 from tests.conftest import run_in_triton_interpreter
 
 SCRIPT = textwrap.dedent("""

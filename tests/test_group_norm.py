@@ -274,6 +274,7 @@ TRITON_SCRIPT = textwrap.dedent("""
 """)
 
 
+@pytest.mark.slow
 def test_triton_group_norm_in_interpreter():
     result = run_in_triton_interpreter(TRITON_SCRIPT, timeout=900)
     assert len(result["cases"]) == 12

@@ -86,6 +86,7 @@ TRITON_SCRIPT = textwrap.dedent("""
 """)
 
 
+@pytest.mark.slow
 def test_triton_backends_read_no_values():
     result = run_in_triton_interpreter(TRITON_SCRIPT)
     assert result["cases"] >= 3 and result["problems"] == []

@@ -10,6 +10,8 @@ pytest.importorskip("triton")
 
 from pyext.kernels import compile_check  # noqa: E402
 
+pytestmark = pytest.mark.slow  # make test runs it; make test-fast leaves it out
+
 ENTRIES = []
 
 

@@ -302,6 +302,7 @@ def test_device_map_pipelines_never_move(monkeypatch, references):
     assert "several devices" in off.detail
 
 
+@pytest.mark.slow
 def test_torch_compile_with_model_offload_and_new_resolution(references):
     pipe = build_pipeline("sd15", "tiny")
     pipe.enable_model_cpu_offload(device="cpu")

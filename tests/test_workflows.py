@@ -21,6 +21,8 @@ from pyext import dispatch
 from pyext.dispatch import PyextError
 from pyext.offline import build_pipeline, run_example
 
+pytestmark = pytest.mark.slow  # make test runs it; make test-fast leaves it out
+
 ARCHS = ["sd15", "sdxl", "flux", "wan21"]
 DENOISER = {"sd15": "unet", "sdxl": "unet", "flux": "transformer", "wan21": "transformer"}
 # defaults: what optimize does on a CPU (prepack, fused norms, attention routing, channels-last);
@@ -180,8 +182,11 @@ def test_save_pretrained_reloads_in_plain_diffusers(arch, techniques, tmp_path):
 def test_users_torch_compile_after_optimize(arch):
     opt, twin = pair(arch, "fp8")
     den = DENOISER[arch]
+    # aot_eager traces the fp8 ops' fake kernels too; on the UNets, dynamo alone meets the packed
+    # layers, where tracing broke, in a fraction of the time.
+    backend = "eager" if den == "unet" else "aot_eager"
     for pipe in (opt, twin):
-        setattr(pipe, den, torch.compile(getattr(pipe, den), backend="aot_eager"))
+        setattr(pipe, den, torch.compile(getattr(pipe, den), backend=backend))
         # (dynamo alone: aot_eager's group norm refuses the strides of plain diffusers' own VAE here)
         pipe.vae.decode = torch.compile(pipe.vae.decode, backend="eager")
     assert_same(run(opt, arch), run(twin, arch))

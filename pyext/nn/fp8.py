@@ -190,16 +190,17 @@ class FP8Conv2d(_FP8Storage, nn.Conv2d):
             x = x.to(self.compute_dtype)
         bias = self.bias if self.bias is None or self.bias.dtype == x.dtype else self.bias.to(x.dtype)
         args = (x, self.weight, self.scale, bias, self.stride, self.padding, self.dilation, self.groups)
+        if torch.compiler.is_compiling() and isinstance(self.padding, tuple):
+            # One op in the graph, which chooses its backend when it runs: the choice below reads
+            # the CPU's features and the scales, which a trace would break on.
+            return torch.ops.pyext.fp8_conv2d(*args, None)
         if self.weight.is_contiguous(memory_format=torch.channels_last) and isinstance(self.padding, tuple) and \
                 _fp8_conv_cpp_unavailable() is None and not _fp8_conv_cpp_reasons(*args):
             # Reads the fp8 codes in place; an NCHW x is reordered to channels-last first.
             return torch.ops.pyext.fp8_conv2d(*args, "cpp")
-        # Otherwise upcast the whole weight in its memory layout, then torch's conv.
+        # Otherwise upcast the whole weight into a reused buffer, in its memory layout, then torch's conv.
         w8 = self.fp8_weight if self.weight.is_contiguous() else self.fp8_weight.permute(0, 2, 3, 1)
-        if torch.compiler.is_compiling():  # let the compiler own the buffer
-            weight = fp8_upcast(w8, self.scale, x.dtype)
-        else:
-            weight = fp8_upcast(w8, self.scale, x.dtype, out=_workspace(w8.numel(), x.dtype, x.device).view(w8.shape))
+        weight = fp8_upcast(w8, self.scale, x.dtype, out=_workspace(w8.numel(), x.dtype, x.device).view(w8.shape))
         return self._conv_forward(x, weight if self.weight.is_contiguous() else weight.permute(0, 3, 1, 2), bias)
 
     def extra_repr(self) -> str:
