@@ -96,33 +96,41 @@ def _per_call(fn, calls: int, device: str) -> float:
 
 
 def overhead(device: str, rounds: int, calls: int) -> list[dict]:
+    """Under torch.no_grad(), as a pipeline calls its modules."""
+    import torch
+
     from pyext import dispatch
 
     rows = []
-    for op, (raw, torch_call, args) in _tiny_calls(device).items():
-        backend = dispatch.select(op, args)
-        bare = lambda b=backend, a=args: b.run(*a)  # noqa: E731
-        for fn in (raw, torch_call, bare):
-            _per_call(fn, calls, device)  # warm: choices made, allocator primed
-        times = {"raw": [], "torch": [], "bare": []}
-        for _ in range(rounds):
-            for name, fn in (("raw", raw), ("torch", torch_call), ("bare", bare)):
-                times[name].append(_per_call(fn, calls, device))
-        vs_torch = sorted(r / t for r, t in zip(times["raw"], times["torch"]))
-        vs_bare = sorted(r / b for r, b in zip(times["raw"], times["bare"]))
-        rows.append({"op": op, "backend": backend.name, "raw_us": statistics.median(times["raw"]) * 1e6,
-                     "torch_us": statistics.median(times["torch"]) * 1e6,
-                     "bare_us": statistics.median(times["bare"]) * 1e6,
-                     "raw_vs_torch": statistics.median(vs_torch), "raw_vs_torch_range": [vs_torch[0], vs_torch[-1]],
-                     "raw_vs_bare": statistics.median(vs_bare), "raw_vs_bare_range": [vs_bare[0], vs_bare[-1]]})
+    with torch.no_grad():
+        for op, (raw, torch_call, args) in _tiny_calls(device).items():
+            backend = dispatch.select(op, args)
+            calls_of = {"raw": raw, "torch": torch_call, "bare": lambda b=backend, a=args: b.run(*a)}
+            if backend.guard is not None and device == "cpu":  # a value check that runs on CPU inputs only
+                calls_of["guard"] = lambda b=backend, a=args: b.guard(*a)
+            for fn in calls_of.values():
+                _per_call(fn, calls, device)  # warm: choices made, allocator primed
+            times = {name: [] for name in calls_of}
+            for _ in range(rounds):
+                for name, fn in calls_of.items():
+                    times[name].append(_per_call(fn, calls, device))
+            vs_torch = sorted(r / t for r, t in zip(times["raw"], times["torch"]))
+            vs_bare = sorted(r / b for r, b in zip(times["raw"], times["bare"]))
+            rows.append({"op": op, "backend": backend.name,
+                         **{f"{name}_us": statistics.median(t) * 1e6 for name, t in times.items()},
+                         "raw_vs_torch": statistics.median(vs_torch), "raw_vs_torch_range": [vs_torch[0], vs_torch[-1]],
+                         "raw_vs_bare": statistics.median(vs_bare), "raw_vs_bare_range": [vs_bare[0], vs_bare[-1]]})
     return rows
 
 
 def _print_overhead(rows: list[dict]) -> None:
-    print("| op | backend | raw op | PyTorch's call | backend bare | raw / PyTorch (range) | raw / bare (range) |")
-    print("|---|---|---:|---:|---:|---:|---:|")
+    print("| op | backend | raw op | PyTorch's call | backend bare | its CPU value guard | raw / PyTorch (range) "
+          "| raw / bare (range) |")
+    print("|---|---|---:|---:|---:|---:|---:|---:|")
     for r in rows:
+        guard = f"{r['guard_us']:.1f} us" if "guard_us" in r else "none"
         print(f"| {r['op']} | {r['backend']} | {r['raw_us']:.1f} us | {r['torch_us']:.1f} us | {r['bare_us']:.1f} us | "
+              f"{guard} | "
               f"{r['raw_vs_torch']:.2f}x ({r['raw_vs_torch_range'][0]:.2f}-{r['raw_vs_torch_range'][1]:.2f}) | "
               f"{r['raw_vs_bare']:.2f}x ({r['raw_vs_bare_range'][0]:.2f}-{r['raw_vs_bare_range'][1]:.2f}) |")
 

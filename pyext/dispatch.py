@@ -14,7 +14,8 @@ advisory, slower and the self-check.
 
 Every call is validated first (`Op.check`), the same for the public function and the raw
 `torch.ops.pyext.*` op: bad input is a PyextError before any backend is chosen, and it
-changes nothing that dispatch keeps.
+changes nothing that dispatch keeps. A call whose signature (below) was validated before is
+not validated again: the signature holds all that the validation reads.
 
 The choice for a call signature (the op, the forced backend, every tensor's dtype, shape,
 strides and device, the other arguments) is kept in memory: a repeated call does no
@@ -47,6 +48,7 @@ from __future__ import annotations
 import functools
 import importlib.metadata
 import json
+import math
 import os
 import re
 import threading
@@ -631,6 +633,9 @@ def _guarded(op: Op, backend: Backend, exclude: frozenset = frozenset()) -> Back
 
 
 def _signature(op: Op, forced, args: tuple) -> tuple:
+    """What the choice for args depends on. With the default signature it is also all that the
+    op's validation reads: a float is keyed as `float` when finite and positive (every positive
+    scale or eps is as valid as another), by its value otherwise."""
     if op.signature is not None:
         return (op.name, forced, *op.signature(args))
     key = [op.name, forced]
@@ -640,7 +645,7 @@ def _signature(op: Op, forced, args: tuple) -> tuple:
         elif isinstance(a, list):
             key.append(tuple(a))
         elif isinstance(a, float):  # a scale, an eps: no backend's reasons read them
-            key.append(float)
+            key.append(float if 0 < a < math.inf else ("float", repr(a)))
         else:
             key.append(a)
     return tuple(key)
@@ -661,19 +666,25 @@ def select(op_name: str, args: tuple, forced: str | None = None) -> Backend:
     choice. Validates args first; raises one PyextError showing the input and every backend's
     reasons if none can take them."""
     op = _OPS[op_name]
-    if op.check is not None:
+    if op.signature is not None and op.check is not None:
+        op.check(*args)  # an op's own signature may leave out what its validation reads
+    try:
+        key = _signature(op, forced, args)
+        chosen = _CHOSEN.get(key)
+    except TypeError:  # an argument that cannot be a key: the validation says what is wrong with it
+        key, chosen = None, None
+    if chosen is not None:  # (a kept signature passed the validation)
+        if chosen.guard is None or not _guard_reasons(chosen, args):
+            return chosen
+    elif op.signature is None and op.check is not None:
         op.check(*args)
-    key = _signature(op, forced, args)
-    chosen = _CHOSEN.get(key)
-    if chosen is not None and (chosen.guard is None or not _guard_reasons(chosen, args)):
-        return chosen
     with _LOCK:
         if forced is not None:
             chosen, keep = _forced(op, forced, args), True
         else:
             backend, keep = _automatic(op, args)
             chosen = _guarded(op, backend)
-        if keep:
+        if keep and key is not None:
             _keep(key, chosen)
         return chosen
 

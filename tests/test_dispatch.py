@@ -190,6 +190,49 @@ def test_a_repeated_signature_does_no_reasoning():
     assert asked == [(4,), (2, 2), (2,)]
 
 
+class _Trap:
+    """Stands for the lock and the environment: any use fails the test."""
+
+    def __init__(self, what):
+        self.what = what
+
+    def __getattr__(self, name):
+        raise AssertionError(f"a repeated call used {self.what}.{name}")
+
+    def __enter__(self):
+        raise AssertionError(f"a repeated call took {self.what}")
+
+
+def test_a_repeated_signature_is_validated_once_and_takes_no_lock_nor_environment(monkeypatch):
+    validated = []
+    make_op(Backend("fast", lambda x: x + x), check=lambda x: validated.append(tuple(x.shape)))
+    assert dispatch.select(OP, (torch.randn(4),)).name == "fast"
+    monkeypatch.setattr(dispatch, "_LOCK", _Trap("the dispatch lock"))
+    monkeypatch.setattr(dispatch.os, "environ", _Trap("os.environ"))
+    try:
+        for _ in range(3):
+            assert dispatch.select(OP, (torch.randn(4),)).name == "fast"
+    finally:
+        monkeypatch.undo()
+    assert validated == [(4,)]
+
+
+@pytest.mark.parametrize("bad", [float("nan"), float("inf"), -1.0, 0.0])
+def test_a_float_argument_is_validated_whatever_was_kept_before(bad):
+    x, gamma = torch.randn(1, 4, 3, 3), torch.ones(4)
+    torch.ops.pyext.group_norm(x, 2, gamma, gamma, None, 1e-5, False, None)
+    with pytest.raises(PyextError, match="eps"):
+        torch.ops.pyext.group_norm(x, 2, gamma, gamma, None, bad, False, None)
+    q = torch.randn(1, 1, 3, 8)
+    torch.ops.pyext.attention(q, q, q, 0.5, None)
+    if bad != bad or abs(bad) == float("inf"):
+        with pytest.raises(PyextError, match="scale"):
+            torch.ops.pyext.attention(q, q, q, bad, None)
+    else:  # a negative or zero scale is valid
+        torch.testing.assert_close(torch.ops.pyext.attention(q, q, q, bad, None),
+                                   torch.nn.functional.scaled_dot_product_attention(q, q, q, scale=bad))
+
+
 def test_a_guard_on_values_is_asked_on_every_call_and_never_cached():
     guarded = []
 

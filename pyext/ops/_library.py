@@ -7,6 +7,7 @@ that need autograd to torch); the fake kernels let torch.compile trace them.
 """
 from __future__ import annotations
 
+from functools import lru_cache
 from typing import Callable
 
 import torch
@@ -38,16 +39,24 @@ def define(schema: str, kernel: Callable, fake: Callable) -> None:
     name = schema.split("(", 1)[0]
 
     def run(*args, **kwargs):
+        if not torch.is_grad_enabled():  # a pipeline's call: no context to enter
+            return kernel(*args, **kwargs)
         with torch.no_grad():
             out = kernel(*args, **kwargs)
-        if torch.is_grad_enabled():
-            needing = [a for a in args if isinstance(a, torch.Tensor) and a.requires_grad]
-            if needing and isinstance(out, torch.Tensor):
-                out = _NoBackward.apply(name, out, *needing)
-            elif needing and isinstance(out, tuple):
-                out = tuple(_NoBackward.apply(name, o, *needing) for o in out)
+        needing = [a for a in args if isinstance(a, torch.Tensor) and a.requires_grad]
+        if needing and isinstance(out, torch.Tensor):
+            out = _NoBackward.apply(name, out, *needing)
+        elif needing and isinstance(out, tuple):
+            out = tuple(_NoBackward.apply(name, o, *needing) for o in out)
         return out
 
     LIBRARY.define(schema)
     LIBRARY.impl(name, run, "CompositeExplicitAutograd")
     torch.library.register_fake(f"pyext::{name}", fake, lib=LIBRARY)
+
+
+@lru_cache(maxsize=1024)
+def like_strides(shape: torch.Size, stride: tuple[int, ...]) -> tuple[int, ...]:
+    """The strides torch.empty_like gives a tensor of this shape and these strides (kernels return
+    outputs laid out so, as their fake kernels promise)."""
+    return torch.empty_like(torch.empty_strided(shape, stride, device="meta")).stride()

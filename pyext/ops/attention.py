@@ -18,7 +18,7 @@ from pyext import dispatch
 from pyext._ext import kernel_missing
 from pyext.dispatch import Backend, PyextError
 from pyext.kernels import interpreter_advisory, triton_devices, triton_unavailable
-from pyext.ops._library import define
+from pyext.ops._library import define, like_strides
 from pyext.ops._triton import TRITON_NOTES, triton_dtypes
 
 DTYPES = (torch.bfloat16, torch.float16, torch.float32)
@@ -94,17 +94,17 @@ def _triton(q, k, v, scale):
 
 # ----------------------------------------------------------------------------- PyTorch backends
 
-def _amax_abs(x) -> torch.Tensor:
-    # aminmax, not vector_norm(x, inf): the latter is ~25x slower on CPU on large tensors. Both
-    # propagate NaN, and so does maximum. The order of the elements does not matter, so a large
-    # permuted dense tensor (diffusers' (B, S, H, D) transposed to (B, H, S, D)) is read in memory
-    # order, several times faster than through its strides; a small one is read as it is, where
-    # the call's overhead is the cost.
+def _amax_abs(x) -> float:
+    """max |x| as a Python float, NaN when x holds one. aminmax, not vector_norm(x, inf): the
+    latter is ~25x slower on CPU on large tensors, and abs() would copy x. The order of the
+    elements does not matter, so a large permuted dense tensor (diffusers' (B, S, H, D)
+    transposed to (B, H, S, D)) is read in memory order, several times faster than through its
+    strides; a small one is read as it is, where the call's overhead is the cost."""
     if x.numel() > 4096 and not x.is_contiguous():
         dense = x.permute(sorted(range(x.dim()), key=lambda d: -x.stride(d)))
         x = dense if dense.is_contiguous() else x
-    low, high = torch.aminmax(x)
-    return torch.maximum(-low, high)
+    low, high = (t.item() for t in torch.aminmax(x))  # CPU tensors only: no device sync
+    return math.nan if math.isnan(low) or math.isnan(high) else max(-low, high)
 
 
 def _sdpa_guard(q, k, v, scale):
@@ -113,8 +113,8 @@ def _sdpa_guard(q, k, v, scale):
     # next to the attention), finds the inputs where that cannot happen; others go elsewhere.
     if q.numel() == 0 or k.numel() == 0:
         return []
-    bound = _amax_abs(q).float() * _amax_abs(k).float()
-    if not bool(bound * (q.shape[-1] * abs(_scale(q, scale))) < 1e37):  # NaN compares False
+    bound = _amax_abs(q) * _amax_abs(k) * q.shape[-1] * abs(_scale(q, scale))
+    if not bound < 1e37:  # NaN compares False; 0 * inf is NaN
         return ["q or k holds NaN/inf, or scores may overflow fp32: torch's CPU SDPA returns 0 "
                 "where softmax gives NaN"]
     return []
@@ -192,9 +192,11 @@ def _attention_kernel(q, k, v, scale=None, backend=None):
     # own when q is dense (as SDPA does, e.g. the (B, S, H, D)-transposed layout diffusers
     # passes), contiguous otherwise. A custom op may not return one of its inputs either.
     aliased = out.data_ptr() in (q.data_ptr(), k.data_ptr(), v.data_ptr())
-    if aliased or out.stride() != torch.empty_like(q, device="meta").stride():
+    if aliased or out.stride() != like_strides(q.shape, q.stride()):
         out = torch.empty_like(q).copy_(out)
     return out
+
+
 
 
 def _attention_fake(q, k, v, scale=None, backend=None):
