@@ -45,17 +45,18 @@ def steps(out: str) -> list[Step]:
         Step("info", 5, (py, "-m", "pyext", "info"), "the build, the GPU, every backend's availability"),
         Step("tests", 60, (py, "-m", "pytest", "-q", "-m", "cuda", "tests"),
              "the tests marked cuda: every backend on its declared cases on the GPU, against the reference"),
-        Step("sync_debug", 30, (py, "-m", "bench.gpu_check", "--sync-debug"),
+        Step("sync_debug", 25, (py, "-m", "bench.gpu_check", "--sync-debug"),
              "one step of optimized tiny SD1.5 and Flux under torch.cuda.set_sync_debug_mode('error')"),
-        Step("dispatch_overhead", 15, (py, "-m", "bench.dispatch", "--overhead", "--device", "cuda",
+        Step("dispatch_overhead", 10, (py, "-m", "bench.dispatch", "--overhead", "--device", "cuda",
                                        "--out", os.path.join(out, "dispatch_overhead.json")),
              "each op's call against PyTorch's own call, tiny inputs"),
-        Step("kernels", 45, (py, "-m", "bench.kernels", "--json", os.path.join(out, "kernels.json")),
+        Step("kernels", 40, (py, "-m", "bench.kernels", "--json", os.path.join(out, "kernels.json")),
              "kernel benches (attention against SDPA's backends, fp8 linears against cuBLAS bf16)"),
-        Step("latency", 105, (py, "-m", "bench.latency", "--preset", "gpu", "--repeats", "1", "--rows",
-                              "original,fp16,sdpa_attention,pyext_optimize,torch_compile",
+        Step("latency", 120, (py, "-m", "bench.latency", "--preset", "gpu", "--repeats", "1", "--rows",
+                              "sdpa_attention,pyext_optimize,pyext_cudagraphs,torch_compile_cudagraphs",
                               "--out", os.path.join(out, "latency")),
-             "SD1.5 512x512, 50 steps: the guide's rows, pyext_optimize and torch.compile"),
+             "SD1.5 512x512, 50 steps: fp16 + SDPA, pyext_optimize eager and with CUDA graphs, "
+             "torch.compile with CUDA graphs"),
     ]
 
 

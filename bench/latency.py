@@ -75,7 +75,9 @@ ROWS = {
     "xformers": (True, ("channels_last", "xformers")),
     "pyext_fp8": (True, ("channels_last", "sdpa_attention", "pyext_fp8")),
     "pyext_optimize": (False, ("pyext_optimize",)),
+    "pyext_cudagraphs": (False, ("pyext_cudagraphs",)),
     "torch_compile": (True, ("channels_last", "sdpa_attention", "torch_compile")),
+    "torch_compile_cudagraphs": (True, ("channels_last", "sdpa_attention", "torch_compile_cudagraphs")),
     # CPU runtimes: inductor with weight freezing, and OpenVINO converted from the
     # same fp32 modules, computing in bf16 where the CPU has it natively (OpenVINO's own default).
     "torch_compile_freezing": (True, ("channels_last", "sdpa_attention", "torch_compile_freezing")),
@@ -115,22 +117,18 @@ def unavailable(name: str, preset: Preset) -> str | None:
     if skipped:
         return skipped
     steps = ROWS[name][1]
-    if "pyext_attention" in steps and importlib.util.find_spec("pyext.attention") is None:
-        return "pyext.attention not available (module missing)"
     if "xformers" in steps:
         if importlib.util.find_spec("xformers") is None:
             return "xformers not installed"
         if preset.device != "cuda":
             return "xformers memory-efficient attention needs CUDA"
+    if any("cudagraphs" in step for step in steps) and preset.device != "cuda":
+        return "CUDA graphs need a CUDA device"
     if "openvino" in steps:
         from bench.cpu_runtimes import unavailable as runtime_unavailable
         if preset.device != "cpu":
             return "the openvino row is for CPU presets"
         return runtime_unavailable("openvino")
-    if "pyext_optimize" in steps:
-        import pyext
-        if not hasattr(pyext, "optimize"):
-            return "pyext.optimize does not exist yet"
     return None
 
 
@@ -208,13 +206,17 @@ def _apply_step(pipe, step, preset, notes: dict):
     elif step == "pyext_optimize":
         import pyext
 
-        if not hasattr(pyext, "optimize"):
-            raise RowUnavailable("pyext.optimize does not exist yet")
         pipe = pyext.optimize(pipe, height=preset.height, width=preset.width) or pipe
-        if hasattr(pyext, "report"):
-            notes["pyext_optimize"] = " ".join(str(pyext.report(pipe)).split())
+        notes["pyext_optimize"] = " ".join(str(pyext.report(pipe)).split())
+    elif step == "pyext_cudagraphs":
+        import pyext
+
+        pipe = pyext.optimize(pipe, height=preset.height, width=preset.width, compile="cudagraphs") or pipe
+        notes["pyext_cudagraphs"] = " ".join(str(pyext.report(pipe)).split())
     elif step == "torch_compile":
         pipe.unet = torch.compile(pipe.unet)
+    elif step == "torch_compile_cudagraphs":
+        pipe.unet = torch.compile(pipe.unet, mode="reduce-overhead")
     elif step == "torch_compile_freezing":
         import torch._inductor.config as inductor_config
 

@@ -90,6 +90,8 @@ def test_unavailable_rows_say_why():
     assert "CUDA" in latency.unavailable("xformers", cpu) or "not installed" in latency.unavailable("xformers", cpu)
     assert latency.unavailable("original", cpu) is None
     assert "tiny" in latency.unavailable("torch_compile", latency.PRESETS["tiny"])
+    for row in ("pyext_cudagraphs", "torch_compile_cudagraphs"):
+        assert "CUDA" in latency.unavailable(row, cpu) and latency.unavailable(row, latency.PRESETS["gpu"]) is None
 
 
 def test_markdown_shows_reasons_and_failures(tmp_path):

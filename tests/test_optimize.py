@@ -5,7 +5,7 @@ import torch
 
 import pyext
 import pyext.nn.fp8 as fp8_module
-from pyext import offload, planner
+from pyext import _compat, offload, planner
 from pyext.dispatch import PyextError
 from pyext.offline import build_pipeline
 
@@ -83,6 +83,14 @@ def test_auto_compile_stays_eager_on_cpu_and_says_why():
     entry = next(e for e in pyext.report(pipe).entries if e.technique == "compile")
     assert type(pipe.unet).__name__ == "UNet2DConditionModel"
     assert entry.status == "skipped" and "compile='trace'" in entry.detail
+
+
+def test_cudagraphs_on_cpu_is_skipped_with_the_reason_and_the_pipeline_stays_eager(references):
+    pipe = pyext.optimize(build_pipeline("sd15", "tiny"), compile="cudagraphs", **LOSSLESS)
+    entry = next(e for e in pyext.report(pipe).entries if e.technique == "compile")
+    assert entry.status == "skipped" and "CUDA graphs" in entry.detail and "compile='compile'" in entry.detail
+    assert not _compat.is_compiled_in_place(pipe.unet)
+    assert np.abs(generate(pipe) - references["sd15"]).max() <= 1e-3
 
 
 def test_trace_runs_eagerly_once_offload_hooks_appear(references):

@@ -32,7 +32,7 @@ class FuseNorms(PerComponent):
             return reason
         if d.options.fuse_norms == "auto" and d.device.type != "cpu":
             return f"auto: on {d.device.type} the fused kernel is not measured yet; fuse_norms='on' uses it"
-        if d.options.compile in ("trace", "compile") and name in d.components.denoisers:
+        if d.options.compile in ("trace", "compile", "cudagraphs") and name in d.components.denoisers:
             return f"compile={d.options.compile!r}: the compiler fuses norms itself"
         return None
 

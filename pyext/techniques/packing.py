@@ -31,7 +31,7 @@ class Prepack(PerComponent):
             return reason
         if d.device.type != "cpu":
             return f"on {d.device.type}: oneDNN packing is for CPU pipelines"
-        if d.options.compile in ("trace", "compile") and name in d.components.denoisers:
+        if d.options.compile in ("trace", "compile", "cudagraphs") and name in d.components.denoisers:
             return f"compile={d.options.compile!r} takes the weights as they are (inductor's freezing packs them itself)"
         return dtype_reason(d.dtype) if d.dtype is not None else None
 
