@@ -29,6 +29,8 @@ class Decision:
     geometry: Geometry
     plan: Plan
     fp8: str  # "off" | "denoiser" | "all"
+    fp8_gemm: str  # the fp8 linears' mode: "weight_only" | "dynamic" | "measured"
+    fp8_gemm_reason: str
     offload: str  # "off" | "model" | "group" | "sequential"
     offload_reason: str
     vae_tiling: bool
@@ -40,7 +42,8 @@ class Decision:
         frames = f", {g.frames} frames" if g.frames > 1 else ""
         fams = ", ".join(f"{n}={f.name}" for n, f in self.families.items())
         dtype = str(self.dtype).removeprefix("torch.") if self.dtype else "kept"
-        return f"{dtype} on {self.device}, {g.width}x{g.height}{frames}, batch {g.batch}; denoisers: {fams}"
+        gemm = f"; fp8 GEMM {self.fp8_gemm}" if self.fp8 != "off" else ""
+        return f"{dtype} on {self.device}, {g.width}x{g.height}{frames}, batch {g.batch}{gemm}; denoisers: {fams}"
 
 
 def check_pipeline(pipe, what: str = "pyext.optimize") -> None:
@@ -161,5 +164,17 @@ def decide(pipe, opts: OptimizeOptions, default_device: torch.device | None = No
     fp8 = plan.fp8 if opts.fp8 == "auto" else opts.fp8
     if (fp8, offload_mode, tiling) != (plan.fp8, plan.offload, plan.vae_tiling):  # the plan in force is the options'
         plan = planner.as_asked(comps, geo, budget, fp8, offload_mode, tiling, elem, opts.fp8_skip, device.type == "cpu")
-    return Decision(opts, comps, families, device, dtype, geo, plan, fp8, offload_mode,
+    fp8_gemm, fp8_gemm_reason = _fp8_gemm(opts, device)
+    return Decision(opts, comps, families, device, dtype, geo, plan, fp8, fp8_gemm, fp8_gemm_reason, offload_mode,
                     offload_reason, tiling, tiling_reason, multi_device)
+
+
+def _fp8_gemm(opts: OptimizeOptions, device: torch.device) -> tuple[str, str]:
+    """The fp8 linears' mode and why: "auto" measures per layer shape where fp8 tensor cores exist."""
+    from pyext.ops.fp8_dynamic import fp8_tensor_cores
+
+    if opts.fp8_gemm != "auto":
+        return opts.fp8_gemm, f"fp8_gemm={opts.fp8_gemm!r}"
+    if device.type == "cuda" and fp8_tensor_cores(device):
+        return "measured", "fp8 tensor cores: each layer shape keeps the faster of weight-only and dynamic"
+    return "weight_only", "no fp8 tensor cores here: the weight is upcast in the GEMM"

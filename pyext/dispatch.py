@@ -104,13 +104,13 @@ def default_variant(args) -> tuple:
     return () if t is None else (str(t.dtype).removeprefix("torch."), t.shape[-1] if t.dim() else 0)
 
 
-def _bucket_dim(n: int) -> int:
+def bucket_dim(n: int) -> int:
     return n if n <= 256 else 1 << (n - 1).bit_length()  # small dims exact (kernels specialise on them)
 
 
 def default_bucket(args) -> tuple:
     """Measurement key: every tensor's dtype and shape, dims above 256 rounded up to a power of two."""
-    return tuple((str(a.dtype).removeprefix("torch."), tuple(_bucket_dim(n) for n in a.shape))
+    return tuple((str(a.dtype).removeprefix("torch."), tuple(bucket_dim(n) for n in a.shape))
                  if isinstance(a, torch.Tensor) else a for a in args if isinstance(a, (torch.Tensor, bool, int, str)))
 
 

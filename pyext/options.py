@@ -18,6 +18,7 @@ from pyext.nn.fp8 import DEFAULT_SKIP
 
 Switch = Literal["auto", "on", "off"]
 FP8Mode = Literal["auto", "off", "denoiser", "all"]
+FP8Gemm = Literal["auto", "weight_only", "dynamic"]
 CompileMode = Literal["auto", "off", "trace", "compile", "cudagraphs"]
 OffloadMode = Literal["auto", "off", "model", "group", "sequential"]
 DTypeChoice = Union[Literal["auto", "keep"], torch.dtype]
@@ -56,6 +57,11 @@ class OptimizeOptions:
     dtype: "auto" (the family's dtype on CUDA, bf16 on CPU) | "keep" | torch.float32/float16/bfloat16.
     fp8: "auto" (only when the budget needs it) | "off" | "denoiser" | "all" (denoisers,
         controlnets and conditioning encoders).
+    fp8_gemm: how fp8 linears compute: "weight_only" (the weight upcast in the GEMM: exact to the
+        stored weights), "dynamic" (bfloat16 linears: activations quantized per row to fp8 too, an
+        fp8 x fp8 GEMM on fp8 tensor cores, with the activations' rounding) or "auto" (on a GPU
+        with fp8 tensor cores, each layer shape measures both and keeps the faster; weight_only
+        elsewhere).
     fp8_skip: regexes of layer names kept in full precision, on top of each model's own
         `_skip_layerwise_casting_patterns` and `_keep_in_fp32_modules`.
     keep_original_weights: keep a CPU copy of converted weights so `restore` is exact.
@@ -79,6 +85,7 @@ class OptimizeOptions:
     attention: str = "auto"
     dtype: DTypeChoice = "auto"
     fp8: FP8Mode = "auto"
+    fp8_gemm: FP8Gemm = "auto"
     fp8_skip: tuple[str, ...] = DEFAULT_SKIP
     keep_original_weights: bool = False
     channels_last: Switch = "auto"
@@ -97,7 +104,7 @@ class OptimizeOptions:
     batch: int = 2
 
     def __post_init__(self):
-        for name, kind in (("fp8", FP8Mode), ("channels_last", Switch), ("prepack", Switch), ("fuse_norms", Switch),
+        for name, kind in (("fp8", FP8Mode), ("fp8_gemm", FP8Gemm), ("channels_last", Switch), ("prepack", Switch), ("fuse_norms", Switch),
                            ("compile", CompileMode),
                            ("vae_tiling", Switch), ("vae_slicing", Switch), ("offload", OffloadMode)):
             value = getattr(self, name)

@@ -58,6 +58,14 @@ def raw_cases() -> dict[str, list[tuple[str, Callable]]]:
             ("int x", lambda: P.fp8_linear(torch.ones(3, 8, dtype=torch.int32), w, s, None, None)),
             ("forced cpp, k mismatch", lambda: P.fp8_linear(torch.randn(3, 9), w, s, None, "cpp")),
         ],
+        "fp8_linear_dynamic": [
+            ("k mismatch", lambda: P.fp8_linear_dynamic(torch.randn(3, 9), w, s, None, None)),
+            ("no features", lambda: P.fp8_linear_dynamic(torch.randn(3, 0), w[:, :0], s, None, None)),
+            ("float weight", lambda: P.fp8_linear_dynamic(torch.randn(3, 8), w.float(), s, None, None)),
+            ("scale size", lambda: P.fp8_linear_dynamic(torch.randn(3, 8), w, s[:2], None, None)),
+            ("forced scaled_mm, 8 features", lambda: P.fp8_linear_dynamic(torch.randn(3, 8).bfloat16(), w, s, None,
+                                                                          "scaled_mm")),
+        ],
         "fp8_upcast": [
             ("out shape", lambda: P.fp8_upcast_out(w, s, torch.empty(8, 6), None)),
             ("out strided", lambda: P.fp8_upcast_out(w, s, torch.empty(6, 16)[:, ::2], None)),

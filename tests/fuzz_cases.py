@@ -30,9 +30,10 @@ import torch.nn.functional as F
 
 from pyext._ext import cpu_capabilities, has_kernel
 from pyext.dispatch import PyextError
-from pyext.ops import (FP8, attention, fp8_conv2d, fp8_linear, fp8_quantize, fp8_upcast, tile_blend_diffusers,
-                       tile_blend_normalized)
+from pyext.ops import (FP8, attention, fp8_conv2d, fp8_linear, fp8_linear_dynamic, fp8_quantize, fp8_upcast,
+                       tile_blend_diffusers, tile_blend_normalized)
 from pyext.ops.fp8 import decode_codes
+from pyext.ops.fp8_dynamic import quantize_rows
 
 DTYPES = {"bfloat16": torch.bfloat16, "float16": torch.float16, "float32": torch.float32}
 # Output tolerance relative to the magnitudes that feed an element (rounding of the output and
@@ -355,6 +356,50 @@ def _linear_bad(p: dict, what: str) -> None:
     calls[what]()
 
 
+# ----------------------------------------------------------------------------- fp8_linear_dynamic
+
+def draw_dynamic(r: random.Random) -> dict:
+    p = draw_linear(r)
+    p.update(k=r.choice([1, 3, 16, 17, 32, 64, 100]), n=r.choice([1, 16, 33, 48, 64]))
+    return p
+
+
+def dynamic_oracle(x, w, s, b, dtype):
+    """The dynamic linear's meaning in float64 on the op's own row quantization: the e4m3 products
+    summed (exact in float64 here), then the row and channel scales, then the bias."""
+    xq, sx = quantize_rows(x.reshape(-1, x.shape[-1]))
+    xd, wd = xq.double(), decode_codes(w.contiguous().view(torch.uint8)).double()
+    sw = s.double().reshape(1, -1)
+    b64 = b.double() if b is not None else torch.zeros(w.shape[0], dtype=torch.float64)
+    exact = (xd @ wd.T) * sx.double() * sw + b64
+    finite = lambda t: torch.where(torch.isfinite(t), t.abs(), torch.zeros((), dtype=t.dtype))
+    mag = (finite(xd) @ finite(wd).T) * finite(sx.double()) * finite(sw) + b64.abs()
+    shape = (*x.shape[:-1], w.shape[0])
+    return exact.reshape(shape), gemm_tol(dtype, w.shape[1], mag).reshape(shape), (mag > FP32_MAX / 16).reshape(shape)
+
+
+def run_dynamic(p: dict) -> None:
+    x, w, s, b, dtype = linear_inputs(p)
+    exact, tol, skip = dynamic_oracle(x, w, s, b, dtype)
+    run_variants("fp8_linear_dynamic", lambda backend: fp8_linear_dynamic(x, w, s, b, backend=backend),
+                 lambda name, out: check_close(f"fp8_linear_dynamic {name}", out, exact, tol, skip),
+                 extra=("reference", "scaled_mm"))
+
+
+def _dynamic_bad(p: dict, what: str) -> None:
+    x, w, s, b, dtype = linear_inputs(p)
+    n, k = w.shape
+    calls = {
+        "int_x": lambda: fp8_linear_dynamic(x.to(torch.int32), w, s, b),
+        "k_mismatch": lambda: fp8_linear_dynamic(torch.ones(2, k + 1, dtype=dtype), w, s, b),
+        "no_features": lambda: fp8_linear_dynamic(torch.ones(2, 0, dtype=dtype), w[:, :0], s, b),
+        "scale_size": lambda: fp8_linear_dynamic(x, w, torch.ones(n + 1), b),
+        "bias_dtype": lambda: fp8_linear_dynamic(x, w, s, torch.ones(n, dtype=torch.float64)),
+        "float_weight": lambda: fp8_linear_dynamic(x, w.float(), s, b),
+    }
+    calls[what]()
+
+
 # ----------------------------------------------------------------------------- fp8_conv2d
 
 def draw_conv(r: random.Random) -> dict:
@@ -665,6 +710,9 @@ FUZZERS = {
     "fp8_linear": Fuzzer("fp8_linear", draw_linear, run_linear,
                          _bad(_linear_bad, ["int_x", "k_mismatch", "weight_3d", "scale_size", "bias_shape",
                                             "bias_dtype", "float_weight", "x_not_tensor", "scalar_x"])),
+    "fp8_linear_dynamic": Fuzzer("fp8_linear_dynamic", draw_dynamic, run_dynamic,
+                                 _bad(_dynamic_bad, ["int_x", "k_mismatch", "no_features", "scale_size", "bias_dtype",
+                                                     "float_weight"])),
     "fp8_conv2d": Fuzzer("fp8_conv2d", draw_conv, run_conv,
                          _bad(_conv_bad, ["groups_0", "groups_not_dividing", "groups_float", "stride_0",
                                           "stride_3_values", "padding_negative", "padding_same", "dilation_0", "x_3d",

@@ -9,7 +9,7 @@ from pyext.ops import fp8_quantize
 from tests.fuzz_cases import FAILURES, FUZZERS, draw_case, repro, run_case
 
 SEED = 13
-CASES = {"fp8_quantize": 60, "fp8_upcast": 60, "fp8_linear": 60, "fp8_conv2d": 40, "attention": 30,
+CASES = {"fp8_quantize": 60, "fp8_upcast": 60, "fp8_linear": 60, "fp8_linear_dynamic": 60, "fp8_conv2d": 40, "attention": 30,
          "tile_blend_normalized": 50, "tile_blend_diffusers": 50}
 
 

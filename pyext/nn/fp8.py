@@ -19,7 +19,8 @@ from dataclasses import dataclass, field
 import torch
 import torch.nn as nn
 
-from pyext import _state
+from pyext import _state, dispatch
+from pyext.dispatch import PyextError
 from pyext.ops.fp8 import FP8, fp8_quantize, fp8_upcast
 from pyext.ops.fp8_conv import _cpp_reasons as _fp8_conv_cpp_reasons
 from pyext.ops.fp8_conv import _cpp_unavailable as _fp8_conv_cpp_unavailable
@@ -121,15 +122,58 @@ class _FP8Storage:
         return f"fp8=e4m3, {'per-channel' if self.per_channel else 'per-tensor'} scale, compute={self.compute_dtype}"
 
 
+GEMMS = ("weight_only", "dynamic", "measured")
+
+
+def check_gemm(gemm, what: str = "pyext.quantize_fp8: gemm") -> None:
+    if gemm not in GEMMS:
+        raise PyextError(f"{what}={gemm!r} is not an fp8 GEMM mode; modes are: {', '.join(map(repr, GEMMS))}")
+
+
+# (device, dtype, rows bucket, in, out) -> "weight_only" | "dynamic": measured_choice's answer, kept
+# here so that a repeated call costs one dict lookup.
+_GEMM_CHOICE: dict[tuple, str] = {}
+
+
 class FP8Linear(_FP8Storage, nn.Linear):
+    """gemm: "weight_only" (pyext.ops.fp8_linear: the weight upcast in the GEMM), "dynamic"
+    (pyext.ops.fp8_linear_dynamic: activations quantized per row, an fp8 x fp8 GEMM), or
+    "measured" (per input shape, the faster of the two, timed on its first call). Layers the
+    dynamic GEMM cannot take (not bfloat16, features not multiples of 16) stay weight-only."""
+
+    gemm = "weight_only"
+
     @classmethod
-    def from_linear(cls, linear: nn.Linear, per_channel: bool = True, keep_original: bool = False) -> "FP8Linear":
+    def from_linear(cls, linear: nn.Linear, per_channel: bool = True, keep_original: bool = False,
+                    gemm: str = "weight_only") -> "FP8Linear":
+        check_gemm(gemm)
         new = cls.__new__(cls)
         nn.Module.__init__(new)
         new.in_features, new.out_features = linear.in_features, linear.out_features
         new._store(linear.weight.detach(), per_channel, keep_original)
         new.bias = linear.bias
+        new.gemm = gemm
         return new
+
+    def _dynamic(self, x: torch.Tensor) -> bool:
+        if self.gemm == "weight_only" or x.dtype != torch.bfloat16 or self.in_features % 16 or self.out_features % 16:
+            return False
+        if self.gemm == "dynamic":
+            return True
+        rows = x.numel() // self.in_features
+        key = (x.device, x.dtype, dispatch.bucket_dim(rows), self.in_features, self.out_features)
+        choice = _GEMM_CHOICE.get(key)
+        if choice is None:
+            if not dispatch.can_measure(x.device):  # tracing or capturing: fp8 tensor cores, unmeasured
+                return True
+            bias = self.bias if self.bias is None or self.bias.dtype == x.dtype else self.bias.to(x.dtype)
+            args = (x, self.weight, self.scale, bias, None)
+            decision = dispatch.measured_choice(
+                "fp8_gemm", str(key[1:]), x.device,
+                {"weight_only": lambda: torch.ops.pyext.fp8_linear(*args),
+                 "dynamic": lambda: torch.ops.pyext.fp8_linear_dynamic(*args)})
+            choice = _GEMM_CHOICE[key] = decision["backend"]
+        return choice == "dynamic"
 
     def forward(self, input: torch.Tensor) -> torch.Tensor:  # nn.Linear's name: callers pass input=
         x = input
@@ -140,10 +184,12 @@ class FP8Linear(_FP8Storage, nn.Linear):
             bias = bias.to(x.dtype)
         # The layer's own tensors are valid by construction: skip the public function's
         # checks and the fp8 <-> uint8 view round trip on this hot path.
+        if self.gemm != "weight_only" and self._dynamic(x):
+            return torch.ops.pyext.fp8_linear_dynamic(x, self.weight, self.scale, bias, None)
         return torch.ops.pyext.fp8_linear(x, self.weight, self.scale, bias, None)
 
     def extra_repr(self) -> str:
-        return super().extra_repr() + ", " + self._fp8_extra_repr()
+        return super().extra_repr() + ", " + self._fp8_extra_repr() + f", gemm={self.gemm}"
 
 
 # One upcast buffer per thread and (device, dtype), shared by all FP8Conv2d layers
@@ -265,15 +311,17 @@ def _skip_reason(name: str, module: nn.Module, patterns: tuple[str, ...]) -> str
 
 
 def quantize_fp8(model: nn.Module, skip: tuple[str, ...] = DEFAULT_SKIP, per_channel: bool = True,
-                 keep_original: bool = False) -> FP8Report:
+                 keep_original: bool = False, gemm: str = "weight_only") -> FP8Report:
     """Replace the model's nn.Linear / nn.Conv2d layers by fp8-stored ones, in place.
 
     `skip` holds regexes searched in each layer's qualified name; the model's own skip
-    patterns (skip_patterns) are added. Returns what was converted, what was kept and why,
-    and the weight bytes before and after.
+    patterns (skip_patterns) are added. `gemm` is the linears' mode (FP8Linear); the model's
+    fp8 linears converted before take it too. Returns what was converted, what was kept and
+    why, and the weight bytes before and after.
     """
     from pyext.nn import fp8_methods
 
+    check_gemm(gemm)
     report = FP8Report()
     patterns = skip_patterns(model, skip)
     for name, module, reason in list(layer_rules(model, patterns)):
@@ -283,14 +331,18 @@ def quantize_fp8(model: nn.Module, skip: tuple[str, ...] = DEFAULT_SKIP, per_cha
             report.skipped[name] = reason
             continue
         report.bytes_before += module.weight.numel() * module.weight.element_size()
-        new = (FP8Linear.from_linear(module, per_channel, keep_original) if isinstance(module, nn.Linear)
+        new = (FP8Linear.from_linear(module, per_channel, keep_original, gemm) if isinstance(module, nn.Linear)
                else FP8Conv2d.from_conv(module, per_channel, keep_original))
         report.bytes_after += new.weight.numel() + new.weight_scale.numel() * 4
         parent_name, _, child = name.rpartition(".")
         setattr(model.get_submodule(parent_name) if parent_name else model, child, new)
         report.converted.append(name)
+    for module in model.modules():
+        if isinstance(module, FP8Linear):
+            module.gemm = gemm
     if report.converted or any(isinstance(m, (FP8Linear, FP8Conv2d)) for m in model.modules()):
-        _state.put(model, STATE, dict(skip=tuple(skip), per_channel=per_channel, keep_original=keep_original))
+        _state.put(model, STATE, dict(skip=tuple(skip), per_channel=per_channel, keep_original=keep_original,
+                                      gemm=gemm))
         fp8_methods.install(model)
     return report
 

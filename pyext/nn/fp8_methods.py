@@ -48,7 +48,8 @@ def _plain(obj, select):
     finally:
         for model in touched:  # (no originals: they no longer describe the layers the call changed)
             rule = _state.get(model, CONVERTED)
-            quantize_fp8(model, skip=rule["skip"], per_channel=rule["per_channel"], keep_original=False)
+            quantize_fp8(model, skip=rule["skip"], per_channel=rule["per_channel"], keep_original=False,
+                         gemm=rule.get("gemm", "weight_only"))
             _state.put(model, CONVERTED, rule)
 
 

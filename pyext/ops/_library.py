@@ -7,7 +7,6 @@ that need autograd to torch); the fake kernels let torch.compile trace them.
 """
 from __future__ import annotations
 
-from functools import lru_cache
 from typing import Callable
 
 import torch
@@ -55,8 +54,17 @@ def define(schema: str, kernel: Callable, fake: Callable) -> None:
     torch.library.register_fake(f"pyext::{name}", fake, lib=LIBRARY)
 
 
-@lru_cache(maxsize=1024)
-def like_strides(shape: torch.Size, stride: tuple[int, ...]) -> tuple[int, ...]:
-    """The strides torch.empty_like gives a tensor of this shape and these strides (kernels return
-    outputs laid out so, as their fake kernels promise)."""
-    return torch.empty_like(torch.empty_strided(shape, stride, device="meta")).stride()
+
+_LIKE: dict[tuple, tuple[int, ...]] = {}  # (shape, strides) -> empty_like's strides
+
+
+def like_strides(t: torch.Tensor) -> tuple[int, ...]:
+    """The strides torch.empty_like(t) has (kernels return outputs laid out so, as their fake
+    kernels promise), kept per shape and strides: a repeated call reads a dict."""
+    key = (t.shape, t.stride())
+    strides = _LIKE.get(key)
+    if strides is None:
+        if len(_LIKE) >= 1024:
+            _LIKE.clear()
+        strides = _LIKE[key] = torch.empty_like(t, device="meta").stride()
+    return strides

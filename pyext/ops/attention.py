@@ -192,7 +192,7 @@ def _attention_kernel(q, k, v, scale=None, backend=None):
     # own when q is dense (as SDPA does, e.g. the (B, S, H, D)-transposed layout diffusers
     # passes), contiguous otherwise. A custom op may not return one of its inputs either.
     aliased = out.data_ptr() in (q.data_ptr(), k.data_ptr(), v.data_ptr())
-    if aliased or out.stride() != like_strides(q.shape, q.stride()):
+    if aliased or out.stride() != like_strides(q):
         out = torch.empty_like(q).copy_(out)
     return out
 

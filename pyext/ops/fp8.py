@@ -82,20 +82,20 @@ def check_upcast(w, scale, out) -> None:
     _check_dtype("fp8_upcast", out.dtype, "out.dtype")
 
 
-def check_linear(x, w, scale, bias) -> None:
-    """The validation of torch.ops.pyext.fp8_linear and fp8_linear."""
-    check_codes("fp8_linear", w, scale)
+def check_linear(x, w, scale, bias, op: str = "fp8_linear") -> None:
+    """The validation of torch.ops.pyext.fp8_linear and fp8_linear (and, by name, of the dynamic linear)."""
+    check_codes(op, w, scale)
     if not isinstance(x, torch.Tensor):
-        _fail("fp8_linear", f"x must be a tensor, got {type(x).__name__}")
-    _check_dtype("fp8_linear", x.dtype, "x.dtype")
+        _fail(op, f"x must be a tensor, got {type(x).__name__}")
+    _check_dtype(op, x.dtype, "x.dtype")
     if w.dim() != 2 or x.dim() < 1 or x.shape[-1] != w.shape[1]:
-        _fail("fp8_linear", f"x.shape[-1] must equal weight.shape[1] for a 2-D weight; got x {tuple(x.shape)}, "
+        _fail(op, f"x.shape[-1] must equal weight.shape[1] for a 2-D weight; got x {tuple(x.shape)}, "
               f"weight {tuple(w.shape)}")
     if x.device != w.device:
-        _fail("fp8_linear", f"x is on {x.device} but weight is on {w.device}")
+        _fail(op, f"x is on {x.device} but weight is on {w.device}")
     if bias is not None and (not isinstance(bias, torch.Tensor) or bias.shape != (w.shape[0],)
                              or bias.dtype != x.dtype or bias.device != x.device):
-        _fail("fp8_linear", f"bias must be {x.dtype}[{w.shape[0]}] on {x.device}, got {dispatch.describe(bias)}")
+        _fail(op, f"bias must be {x.dtype}[{w.shape[0]}] on {x.device}, got {dispatch.describe(bias)}")
 
 
 # ----------------------------------------------------------------------------- quantize

@@ -190,7 +190,7 @@ def _group_norm_kernel(x, num_groups, weight, bias, shift, eps, silu, backend=No
     args = (dense, num_groups, weight, bias, shift, eps, silu)
     out = dispatch.select("group_norm", args, backend).run(*args)
     # empty_like(x)'s strides on every backend, as the fake kernel promises (x's own when x is dense).
-    if out.stride() != like_strides(x.shape, x.stride()):
+    if out.stride() != like_strides(x):
         out = torch.empty_like(x).copy_(out)
     return out
 

@@ -91,12 +91,13 @@ class FP8(Technique):
                     why = "fp8='off'" if d.options.fp8 == "off" else f"fp8='auto': plan {d.plan.name} needs none"
                 entries.append(self.skipped(name, why))
                 continue
-            report = quantize_fp8(module, skip=d.options.fp8_skip, keep_original=d.options.keep_original_weights)
+            report = quantize_fp8(module, skip=d.options.fp8_skip, keep_original=d.options.keep_original_weights,
+                                  gemm=d.fp8_gemm)
             if report.converted:
-                entries.append(self.applied(name, str(report), functools.partial(
+                entries.append(self.applied(name, f"{report}; GEMM {d.fp8_gemm}: {d.fp8_gemm_reason}", functools.partial(
                     self._undo, pipe, module, d.options.keep_original_weights), exact=d.options.keep_original_weights))
             elif any(isinstance(m, (FP8Linear, FP8Conv2d)) for m in module.modules()):
-                entries.append(self.already(name, "fp8 layers present, none left to convert"))
+                entries.append(self.already(name, f"fp8 layers present, none left to convert; GEMM {d.fp8_gemm}"))
             else:
                 kept = "; ".join(f"{n} {why}" for why, n in report.kept_by_reason().items())
                 entries.append(self.skipped(name, f"no eligible layers ({kept or 'no Linear/Conv2d layers'})"))
