@@ -123,16 +123,16 @@ def overhead(device: str, rounds: int, calls: int) -> list[dict]:
     return rows
 
 
-def _print_overhead(rows: list[dict]) -> None:
-    print("| op | backend | raw op | PyTorch's call | backend bare | its CPU value guard | raw / PyTorch (range) "
-          "| raw / bare (range) |")
-    print("|---|---|---:|---:|---:|---:|---:|---:|")
+def render_overhead(rows: list[dict]) -> str:
+    lines = ["| op | backend | raw op | PyTorch's call | backend bare | its CPU value guard | raw / PyTorch (range) "
+             "| raw / bare (range) |", "|---|---|---:|---:|---:|---:|---:|---:|"]
     for r in rows:
         guard = f"{r['guard_us']:.1f} us" if "guard_us" in r else "none"
-        print(f"| {r['op']} | {r['backend']} | {r['raw_us']:.1f} us | {r['torch_us']:.1f} us | {r['bare_us']:.1f} us | "
-              f"{guard} | "
-              f"{r['raw_vs_torch']:.2f}x ({r['raw_vs_torch_range'][0]:.2f}-{r['raw_vs_torch_range'][1]:.2f}) | "
-              f"{r['raw_vs_bare']:.2f}x ({r['raw_vs_bare_range'][0]:.2f}-{r['raw_vs_bare_range'][1]:.2f}) |")
+        lines.append(f"| `{r['op']}` | {r['backend']} | {r['raw_us']:.1f} us | {r['torch_us']:.1f} us | "
+                     f"{r['bare_us']:.1f} us | {guard} | "
+                     f"{r['raw_vs_torch']:.2f}x ({r['raw_vs_torch_range'][0]:.2f}-{r['raw_vs_torch_range'][1]:.2f}) | "
+                     f"{r['raw_vs_bare']:.2f}x ({r['raw_vs_bare_range'][0]:.2f}-{r['raw_vs_bare_range'][1]:.2f}) |")
+    return "\n".join(lines)
 
 
 def main(argv=None) -> dict:
@@ -151,7 +151,7 @@ def main(argv=None) -> dict:
 
         torch.set_num_threads(1)  # a tiny input: one thread, as the op's own cost is what is measured
         rows = overhead(args.device, args.rounds, args.calls)
-        _print_overhead(rows)
+        print(render_overhead(rows))
         result = {"bench": "dispatch --overhead", "machine": machine_info(args.device), "versions": versions(),
                   "commit": _commit(), "rounds": args.rounds, "calls": args.calls, "rows": rows}
         if args.out:

@@ -219,3 +219,22 @@ def test_vae_bench_rows_compare_each_tiled_run_with_the_untiled_one(tmp_path, ch
     run = "decode, channels-last" if channels_last else "decode"
     label = "pyext prepacked" if prepack else "pyext"
     assert f"| small | {run} | 512x256 | 256 | {label} |" in vae.table(rows)
+
+
+def test_the_benchmarks_page_shows_what_the_results_files_hold():
+    from bench import render
+
+    with open(render.PAGE) as f:
+        page = f.read()
+    assert render.rendered(page) == page, "docs/benchmarks.md is out of date: python -m bench.render"
+    assert render.main(["--check"]) == 0
+
+
+def test_rendering_replaces_a_block_with_its_file(tmp_path):
+    from bench import render
+
+    stale = "x\n<!-- rendered from bench/results/fp8_accuracy_cpu.json -->\nold table\n" + render.END + "\ny\n"
+    stale += "<!-- rendered from bench/results/dispatch_overhead_cpu.json -->\n" + render.END + "\n"
+    new = render.rendered(stale)
+    assert "old table" not in new and "| sd15 |" in new and "| `attention` |" in new and "at commit" in new
+    assert render.rendered(new) == new

@@ -1,0 +1,77 @@
+"""Puts the benches' results files into docs/benchmarks.md.
+
+    python -m bench.render [--check]
+
+Each results file in RENDERED has a block in docs/benchmarks.md between
+
+    <!-- rendered from bench/results/NAME.json -->
+    <!-- end of rendered table -->
+
+which is replaced by the file's table and a line naming the machine, the commit and the
+versions it was measured with. --check changes nothing and exits 1 when the page is not what
+the files give (a results file was updated without rendering).
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import re
+import sys
+from typing import Callable
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+PAGE = os.path.join(ROOT, "docs", "benchmarks.md")
+END = "<!-- end of rendered table -->"
+
+
+def _renderers() -> dict[str, Callable[[list[dict]], str]]:
+    from bench.dispatch import render_overhead
+    from bench.fp8_accuracy import render as render_fp8_accuracy
+
+    return {"dispatch_overhead_cpu": render_overhead, "fp8_accuracy_cpu": render_fp8_accuracy}
+
+
+def _provenance(result: dict) -> str:
+    m, v = result["machine"], result["versions"]
+    where = m.get("gpu") or f"{m.get('cpu', 'unknown CPU')}, {m.get('cpu_count')} cores"
+    return (f"Measured on {where}, torch {v.get('torch')}, diffusers {v.get('diffusers')}, "
+            f"at commit {result.get('commit', 'unknown')}.")
+
+
+def block(name: str) -> str:
+    with open(os.path.join(ROOT, "bench", "results", f"{name}.json")) as f:
+        result = json.load(f)
+    table = _renderers()[name](result["rows"])
+    return f"<!-- rendered from bench/results/{name}.json -->\n{_provenance(result)}\n\n{table}\n{END}"
+
+
+def rendered(page: str) -> str:
+    for name in _renderers():
+        pattern = re.compile(rf"<!-- rendered from bench/results/{re.escape(name)}\.json -->.*?{re.escape(END)}",
+                             re.DOTALL)
+        if not pattern.search(page):
+            raise SystemExit(f"docs/benchmarks.md has no block for bench/results/{name}.json")
+        page = pattern.sub(lambda _: block(name), page)
+    return page
+
+
+def main(argv=None) -> int:
+    p = argparse.ArgumentParser(prog="python -m bench.render", description=__doc__.split("\n\n")[0])
+    p.add_argument("--check", action="store_true", help="exit 1 if docs/benchmarks.md is out of date")
+    args = p.parse_args(argv)
+    with open(PAGE) as f:
+        page = f.read()
+    new = rendered(page)
+    if args.check:
+        if new != page:
+            print("docs/benchmarks.md differs from the results files: run python -m bench.render")
+            return 1
+        return 0
+    with open(PAGE, "w") as f:
+        f.write(new)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
