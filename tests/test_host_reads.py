@@ -98,17 +98,22 @@ def test_trap_catches_a_read():
             bool(torch.ones(1) > 0)
 
 
-@pytest.mark.parametrize("arch", ["sd15", "flux"])
-def test_an_optimized_denoiser_step_reads_no_values(arch, monkeypatch, tmp_path):
-    """The routing hooks, the fp8 layers and dispatch's cached path in one denoiser forward (the
-    attention backend forced: the CPU backends' value guards are CPU-only by design)."""
+@pytest.mark.parametrize("arch,gemm", [("sd15", "weight_only"), ("flux", "weight_only"), ("flux", "dynamic")])
+def test_an_optimized_denoiser_step_reads_no_values(arch, gemm, monkeypatch, tmp_path):
+    """The routing hooks, the fp8 layers (in bf16 for the dynamic GEMM) and dispatch's cached path
+    in one denoiser forward (the attention backend forced, and value guards left out: the CPU
+    backends' guards are CPU-only by design)."""
     import pyext.nn.fp8 as fp8_module
 
     monkeypatch.setattr(fp8_module, "MIN_NUMEL", 0)
+    monkeypatch.setattr(dispatch, "_guard_reasons", lambda backend, args: [])
     monkeypatch.setenv("PYEXT_CACHE_DIR", str(tmp_path))
     dispatch.reset()
-    pipe = pyext.optimize(build_pipeline(arch, "tiny"), dtype="keep", fp8="denoiser", attention="reference",
-                          prepack="off", fuse_norms="off")
+    pipe = pyext.optimize(build_pipeline(arch, "tiny"), dtype=torch.bfloat16 if gemm == "dynamic" else "keep",
+                          fp8="denoiser", fp8_gemm=gemm, attention="reference", prepack="off", fuse_norms="off")
+    fp8_layers = [m for m in pipe.components[("unet" if arch == "sd15" else "transformer")].modules()
+                  if isinstance(m, pyext.FP8Linear)]
+    assert fp8_layers and all(m.gemm == gemm for m in fp8_layers)
     calls = []
     denoiser = pipe.unet if arch == "sd15" else pipe.transformer
     denoiser.register_forward_hook(lambda m, a, kw, out: calls.append((a, kw)), with_kwargs=True)
