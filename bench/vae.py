@@ -4,7 +4,7 @@
     python -m bench.vae --preset full [--json PATH] # the issue-14 table (an hour or more on 2 cores)
     python -m bench.vae --shapes sd --sizes 1024 2048 --encode-sizes 1024 [--max-full-mpix 4.2]
     python -m bench.vae --preset quick --pyext '{}' '{"compact_state": true}'  # one pyext row per option set
-    python -m bench.vae --shapes sd --sizes 1024 --prepack --pyext '{}' '{"state_dir": null}'  # defaults (a large state in a temporary file), and all in memory
+    python -m bench.vae --shapes sd --sizes 1024 --pyext '{}' '{"memory": {"vae_block_pool": true, "vae_state_on_disk": true}}'  # the library's defaults, and pyext.memory's process-wide settings
 
 Image VAEs (AutoencoderKL, seeded random weights): "sd" (SD 1.5's VAE, 512-px tiles), "flux"
 (Flux's: 16 latent channels, no quant convs, 512-px tiles) and "small" (4 blocks of 32/32/64/64
@@ -136,7 +136,11 @@ def _prepare(spec: dict):
     if method == "diffusers":
         vae.enable_tiling()
     elif method == "pyext":
-        tile_vae(vae, **spec.get("pyext", {}))
+        import pyext
+
+        options = dict(spec.get("pyext", {}))
+        pyext.memory.configure(**options.pop("memory", {}))  # this child process only
+        tile_vae(vae, **options)
         if spec.get("prepack"):  # what pyext.optimize does to a CPU pipeline's VAE besides tiling
             from pyext.nn.packed import pack
             facts["packed_layers"] = len(pack(vae).packed)
@@ -292,7 +296,8 @@ def main(argv=None) -> None:
     p.add_argument("--max-full-mpix", type=float, default=4.2, help="skip untiled decodes above this many megapixels")
     p.add_argument("--latents", choices=("smooth", "random"), default="smooth")
     p.add_argument("--pyext", nargs="+", default=["{}"],
-                   help='tile_vae options as JSON, one pyext row each, e.g. \'{}\' \'{"method": "tiles"}\'')
+                   help='tile_vae options as JSON, one pyext row each, e.g. \'{}\' \'{"method": "tiles"}\'; '
+                        'a "memory" key holds pyext.memory settings for that row')
     p.add_argument("--malloc", choices=sorted(MALLOC), default="live",
                    help="glibc's settings in each child: 'live' (default) for peaks of live memory, 'default' as users run")
     p.add_argument("--channels-last", action="store_true",

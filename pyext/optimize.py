@@ -19,7 +19,7 @@ from dataclasses import dataclass, field, replace
 
 import torch.nn as nn
 
-from pyext import _state, offload
+from pyext import _state, memory, offload
 from pyext._memory import release_freed_memory, release_mapped_pages, storage_spans
 from pyext.decision import Decision, check_pipeline, decide
 from pyext.dispatch import PyextError
@@ -56,7 +56,8 @@ def optimize(pipe, options: OptimizeOptions | None = None, **changes):
         _undo(pipe, [e for e in state.entries if e.exact])
         state.entries = [e for e in state.entries if not e.exact]
         decision = _check_again(state, decide(pipe, opts, state.decision.device))
-    before = storage_spans(modules_of(pipe).values())
+    release = memory.settings().release_after_optimize  # (pyext.memory: off unless asked)
+    before = storage_spans(modules_of(pipe).values()) if release else set()
     try:
         new = _apply(pipe, decision)
     except BaseException:
@@ -69,8 +70,9 @@ def optimize(pipe, options: OptimizeOptions | None = None, **changes):
     kept = {(e.component, e.technique) for e in state.entries}
     state.entries += [e for e in new if not (e.status == "already" and (e.component, e.technique) in kept)]
     _state.put(pipe, STATE, state)
-    release_freed_memory()
-    release_mapped_pages(before, storage_spans(modules_of(pipe).values()))
+    if release:
+        release_freed_memory()
+        release_mapped_pages(before, storage_spans(modules_of(pipe).values()))
     return pipe
 
 

@@ -104,7 +104,8 @@ def test_optimize_reclaims_the_mapped_pages_of_the_weights_it_rewrote(tmp_path):
         p.sum()  # resident, as a first inference or a rewrite makes them
     before = resident_kib(weight)
     del weight, p
-    pyext.optimize(pipe, dtype="keep")  # no cast: where "auto" picks bf16 (AVX512-BF16) the bias would be rewritten too
+    with pyext.memory.using(release_after_optimize=True):
+        pyext.optimize(pipe, dtype="keep")  # no cast: where "auto" picks bf16 (AVX512-BF16) the bias would be rewritten
     mapped_bias = pipe.unet.conv_in.bias  # not rewritten: still on the file's mapping
     assert resident_kib(mapped_bias) < before / 2
 
@@ -137,3 +138,77 @@ def test_trim_heap_hands_free_heap_pages_back():
     trim_heap()
     assert before - resident() > (size * count) // 2
     libc.free(top)
+
+
+# ----------------------------------------------------------------------------- the process left alone
+
+def _spies(monkeypatch):
+    """Records every process-wide memory action optimize and the exact tiled decode can take."""
+    import importlib
+
+    import pyext.vae.exact as exact
+    import pyext.vae.spill as spill
+
+    optimize_module = importlib.import_module("pyext.optimize")  # (pyext.optimize is the function)
+    taken = []
+
+    def spy(name, real):
+        def call(*args, **kwargs):
+            taken.append(name)
+            return real(*args, **kwargs)
+        return call
+
+    for module, name in ((optimize_module, "release_freed_memory"), (optimize_module, "release_mapped_pages"),
+                         (exact, "reused_blocks"), (exact, "trim_heap"), (spill, "_open")):
+        monkeypatch.setattr(module, name, spy(name, getattr(module, name)))
+    return taken
+
+
+def _decode_tiled(pipe):
+    from pyext.vae import TilingConfig, tile_vae
+
+    tile_vae(pipe.vae, TilingConfig(method="exact", tile_size=16))
+    with torch.no_grad():
+        return pipe.vae.decode(torch.randn(1, 4, 24, 24)).sample
+
+
+def test_the_defaults_leave_allocator_heap_and_mappings_alone(monkeypatch):
+    import threading
+
+    import pyext
+    from pyext.offline import build_pipeline
+    from pyext.vae import exact
+
+    taken = _spies(monkeypatch)
+    monkeypatch.setattr(exact, "AUTO_MEMORY_TILES", 0)  # a state that would go to a file if allowed
+    pipe = pyext.optimize(build_pipeline("sd15", "tiny"), dtype="keep")
+    _decode_tiled(pipe)
+    assert taken == []
+    assert not [t for t in threading.enumerate() if t.name.startswith("pyext-vae-spill")]
+
+
+def test_each_setting_turns_its_action_on(monkeypatch):
+    import pyext
+    from pyext.offline import build_pipeline
+    from pyext.vae import exact, spill
+
+    taken = _spies(monkeypatch)
+    monkeypatch.setattr(exact, "AUTO_MEMORY_TILES", 0)
+    monkeypatch.setattr(spill, "default_dir", lambda room: spill.tempfile.gettempdir()
+                        if spill.unsupported(spill.tempfile.gettempdir()) is None else None)
+    with pyext.memory.using(release_after_optimize=True, vae_block_pool=True, vae_state_on_disk=True):
+        pipe = pyext.optimize(build_pipeline("sd15", "tiny"), dtype="keep")
+        _decode_tiled(pipe)
+    assert {"release_freed_memory", "release_mapped_pages", "reused_blocks", "trim_heap"} <= set(taken)
+    assert "_open" in taken or spill.unsupported(spill.tempfile.gettempdir()) is not None
+    assert pyext.memory.settings() == pyext.memory.MemorySettings()  # back to the defaults after the block
+
+
+def test_settings_are_checked():
+    import pyext
+
+    with pytest.raises(pyext.PyextError, match="unknown setting 'pool'"):
+        pyext.memory.configure(pool=True)
+    with pytest.raises(pyext.PyextError, match="vae_block_pool=1 is not allowed"):
+        pyext.memory.configure(vae_block_pool=1)
+    assert pyext.memory.settings() == pyext.memory.MemorySettings()

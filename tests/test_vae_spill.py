@@ -7,6 +7,7 @@ import threading
 import pytest
 import torch
 
+import pyext
 from pyext.dispatch import PyextError
 from pyext.vae import TilingConfig, exact, spill, stages, state, tiled_run
 from pyext.vae.geometry import equal_cores, window
@@ -283,10 +284,10 @@ def test_with_state_dir_narrow_resnets_run_whole_and_write_no_conv1_state(state_
 
 @torch.no_grad()
 def test_auto_keeps_a_small_state_in_memory_and_puts_a_large_one_in_a_temporary_file(state_dir, monkeypatch):
-    """state_dir "auto" (the default) on a CPU: the states stay in memory while the largest fits
-    in AUTO_MEMORY_TILES widest tiles; beyond, they go to a file in spill.default_dir (asked for
-    room for two states), state_memory_mib of them kept in memory; in memory where no directory
-    will do. Exact every way."""
+    """state_dir "auto" (the default) on a CPU, with pyext.memory's vae_state_on_disk: the states
+    stay in memory while the largest fits in AUTO_MEMORY_TILES widest tiles; beyond, they go to a
+    file in spill.default_dir (asked for room for two states), state_memory_mib of them kept in
+    memory; in memory where no directory will do. Without the setting, in memory. Exact every way."""
     files, asked, offered = [], [], [state_dir]
     real_init = spill.FileBands.__init__
     monkeypatch.setattr(spill.FileBands, "__init__",
@@ -296,14 +297,17 @@ def test_auto_keeps_a_small_state_in_memory_and_puts_a_large_one_in_a_temporary_
     z = _smooth((1, 4, 2 * vae.tile_latent_min_size + 5, vae.tile_latent_min_size + 3), 1)
     full = _full(vae, "decode", z)
 
-    def run(tiles=None, **options):
+    def run(tiles=None, on_disk=True, **options):
         files.clear(), asked.clear()
         if tiles is not None:
             monkeypatch.setattr(exact, "AUTO_MEMORY_TILES", tiles)
-        out = tiled_run(vae, z, "decode", TilingConfig(**options))
+        with pyext.memory.using(vae_state_on_disk=on_disk):
+            out = tiled_run(vae, z, "decode", TilingConfig(**options))
         assert psnr(out, full) >= 100
         return out
 
+    run(tiles=1, on_disk=False)
+    assert files == [] and asked == []  # the default: in memory, no directory looked for
     run(tiles=10 ** 6)
     assert files == [] and asked == []  # fits: in memory, no directory looked for
     run(tiles=1)

@@ -49,10 +49,11 @@ class TilingConfig:
       working set, a few pieces of the state and the output, whatever the image size; the
       numbers are those of the state in memory. The directory must allow O_DIRECT, must not
       be in memory (tmpfs, ramfs: refused), and must have room for two whole-image states.
-      None: in memory (pinned host memory on a GPU). "auto" (default): on a CPU, where the host
-      memory is the device's, a file in the temporary directory (spill.default_dir) once the
-      largest state outgrows exact.AUTO_MEMORY_TILES widest tiles; in memory on a GPU, or
-      where no directory has direct I/O and room. (A directory named auto: "./auto".)
+      None: in memory (pinned host memory on a GPU). "auto" (default): in memory, unless
+      pyext.memory's vae_state_on_disk is set: then on a CPU, where the host memory is the
+      device's, a file in the temporary directory (spill.default_dir) once the largest state
+      outgrows exact.AUTO_MEMORY_TILES widest tiles; in memory on a GPU, or where no directory
+      has direct I/O and room. (A directory named auto: "./auto".)
     state_memory_mib: with state_dir: MiB of that state kept in memory rather than written to
       the file (its first chunks, which the next segment reads first and frees soonest): less
       disk traffic for that much memory. 0 (default): all of it goes to the file.

@@ -52,7 +52,7 @@ from typing import Optional
 
 import torch
 
-from pyext import ops
+from pyext import memory, ops
 from pyext._memory import reused_blocks, trim_heap
 from pyext.vae import spill, stages
 from pyext.vae.config import AUTO, TilingConfig, fail
@@ -82,10 +82,11 @@ HEAD_CHANNELS = 16
 # what the convs do (200 GFLOP/s on two cores) in the time the disk moves a byte (1.3 GB/s) here
 # (docs/vae.md; SD's resnets read 128+).
 RECOMPUTE_CHANNELS = 64
-# With state_dir "auto" on a CPU, the run keeps its states in memory while the largest fits in the
-# bytes of this many widest tiles (about what it holds for its tiles anyway), else in a file with
-# state_memory_mib of them in memory (0 by default: 8 tiles' bytes there put the small VAE's peak
-# over diffusers', README). So memory stays that of a few tiles plus the output.
+# With state_dir "auto" on a CPU and pyext.memory.vae_state_on_disk, the run keeps its states in
+# memory while the largest fits in the bytes of this many widest tiles (about what it holds for
+# its tiles anyway), else in a file with state_memory_mib of them in memory (0 by default: 8
+# tiles' bytes there put the small VAE's peak over diffusers', docs/vae.md). So memory stays that
+# of a few tiles plus the output. Without the setting the states are in memory.
 AUTO_MEMORY_TILES = 8
 
 
@@ -247,7 +248,7 @@ def placement(config: TilingConfig, segs: list[Segment], x: torch.Tensor, elemen
     keep = config.state_memory_mib << 20
     if config.state_dir != AUTO:
         return config.state_dir, keep
-    if x.is_cuda:
+    if x.is_cuda or not memory.settings().vae_state_on_disk:
         return None, 0
     largest = largest_state(segs, x)
     if largest <= AUTO_MEMORY_TILES * elements * x.element_size():
@@ -273,17 +274,16 @@ def run(tiled_steps, x: torch.Tensor, tile: int, config: TilingConfig = TilingCo
             return FileBands(rows, width, directory, config.compact_state, budget)
         return Bands(rows, width, x.is_cuda, config.compact_state)
 
-    # Freed tensors serve the next tiles, and a state's freed bands the next state's (on a GPU the
-    # device's allocator keeps its blocks already). No bound: the pool frees cached blocks before
-    # it takes new memory, so the peak is that of the tensors in use (README: a bound of 8 tiles
-    # kept too few bands, and cost time)
-    with contextlib.nullcontext() if x.is_cuda else reused_blocks():
-        out = _run(segs, x, tile, elements, new_state)
-    spill.wait_closed()  # the run leaves no state file behind
-    return out
+    # With pyext.memory.vae_block_pool, freed tensors serve the next tiles, and a state's freed
+    # bands the next state's (on a GPU the device's allocator keeps its blocks already). No bound:
+    # the pool frees cached blocks before it takes new memory, so the peak is that of the tensors
+    # in use (docs/vae.md: a bound of 8 tiles kept too few bands, and cost time).
+    pooled = memory.settings().vae_block_pool and not x.is_cuda
+    with spill.io_threads(), reused_blocks() if pooled else contextlib.nullcontext():
+        return _run(segs, x, tile, elements, new_state, trim=pooled)  # no state file or I/O thread stays
 
 
-def _run(segs: list[Segment], x: torch.Tensor, tile: int, elements: int, new_state) -> torch.Tensor:
+def _run(segs: list[Segment], x: torch.Tensor, tile: int, elements: int, new_state, trim: bool) -> torch.Tensor:
     state, res, moments, batch = None, Fraction(1), None, x.shape[0]  # res: pixels of the state per pixel of x
     for i, seg in enumerate(segs):
         at = max(1, math.floor(tile * res))
@@ -301,9 +301,9 @@ def _run(segs: list[Segment], x: torch.Tensor, tile: int, elements: int, new_sta
             done = Joined(done, state)
         else:
             state.release()
-        if not x.is_cuda:  # (on a GPU the tiles are the device's, the state pinned memory)
+        if trim:  # (pyext.memory.vae_block_pool; on a GPU the tiles are the device's)
             # glibc keeps the blocks freed in its heap, where the next segment's tiles, of other
-            # sizes, may not fit: under its default settings that raised the peak (README)
+            # sizes, may not fit: under its default settings that raised the peak (docs/vae.md)
             trim_heap()
         state, res = done, res * seg.scale
     if state is None:  # nothing to tile (a VAE without resampling blocks)

@@ -10,10 +10,11 @@ read again), and the output.
 """
 from __future__ import annotations
 
-import functools
+import contextlib
 import math
 import os
 import tempfile
+import threading
 import weakref
 from collections import OrderedDict, deque
 from concurrent.futures import ThreadPoolExecutor, wait
@@ -96,12 +97,38 @@ def _typed(buf: torch.Tensor, start: int, shape: tuple, dtype: torch.dtype) -> t
     return buf[start:start + math.prod(shape) * dtype.itemsize].view(dtype).view(shape)
 
 
-@functools.cache
+_POOL: ThreadPoolExecutor | None = None
+_POOL_USERS = 0
+_POOL_LOCK = threading.Lock()
+
+
 def _io() -> ThreadPoolExecutor:
     # direct I/O waits for the disk: writes, reads ahead and closes run here while the tiles
     # compute. Threads that wait for the disk take no CPU; four keep more requests in flight
-    # than two, which a disk serves faster (README, "Tiled VAE").
-    return ThreadPoolExecutor(4, thread_name_prefix="pyext-vae-spill")
+    # than two, which a disk serves faster (docs/vae.md).
+    global _POOL
+    with _POOL_LOCK:
+        if _POOL is None:
+            _POOL = ThreadPoolExecutor(4, thread_name_prefix="pyext-vae-spill")
+        return _POOL
+
+
+@contextlib.contextmanager
+def io_threads():
+    """The I/O threads live while a run that may use them does (runs may nest or overlap); at the
+    end of the last one, every state file is closed and the threads end."""
+    global _POOL, _POOL_USERS
+    with _POOL_LOCK:
+        _POOL_USERS += 1
+    try:
+        yield
+    finally:
+        wait_closed()
+        with _POOL_LOCK:
+            _POOL_USERS -= 1
+            pool, _POOL = (_POOL, None) if _POOL_USERS == 0 else (None, _POOL)
+        if pool is not None:
+            pool.shutdown(wait=True)
 
 
 _closing: list = []  # files closing in the background (_File.close)
