@@ -31,7 +31,7 @@ Why this way:
   and is counted with its reason.
 
 Cost: in eager mode every torch call inside a patched layer passes through the mode's Python
-handler (~20 calls per AttnProcessor2_0 layer; see the README for the measured overhead).
+handler (~20 calls per AttnProcessor2_0 layer; see docs/optimize.md for the measured overhead).
 torch.compile traces hooks and mode: the graph holds torch.ops.pyext.attention and no break
 (fullgraph=True works); compiled calls are not counted in status().
 Do not call apply()/remove() on a model while it runs in another thread.

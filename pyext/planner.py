@@ -153,7 +153,7 @@ def activation_bytes(module: nn.Module, role: str, geo: Geometry, elem: int) -> 
 def tiled_activation_bytes(module: nn.Module, role: str, geo: Geometry, act: int, host: bool) -> int:
     """A tiled VAE's peak: one tile's share of the full decode's, except pyext's exact tiling of a
     2-D KL VAE on a CPU (`host`), which keeps each stage's whole-image activation in the same RAM:
-    there it is EXACT_ON_HOST of the untiled peak (README, "Tiled VAE": 3242 vs 3844 MiB)."""
+    there it is EXACT_ON_HOST of the untiled peak (docs/vae.md)."""
     if role != "vae":
         return act
     if host and vae_kind(module) == "kl2d":

@@ -134,7 +134,7 @@ def test_the_speed_rule():
     assert "MiB" in winograd_reason(2, 5120, 320, 64, 64)  # 225 MiB of weight, but 50 MiB of tiles on top
 
 
-def test_the_rule_mirrors_the_kept_workspace():
+def test_the_rule_mirrors_the_workspace_arithmetic():
     # The rule's workspace arithmetic copies the C++ op's constants: a drift would send layers to
     # a fresh buffer per call (or keep them from Winograd) without any test noticing.
     import re
@@ -148,7 +148,6 @@ def test_the_rule_mirrors_the_kept_workspace():
         value, shift = re.search(rf"{name} = (\d+)(?: << (\d+))?;", source).groups()
         return int(value) << int(shift or 0)
 
-    assert constant("kKeptBytes") == winograd.KEPT_WORKSPACE_BYTES
     assert constant("kChunkBytes") == winograd.CHUNK_BYTES
     assert constant("kMinChunkTiles") == winograd.MIN_CHUNK_TILES
     header = (Path(__file__).parents[1] / "csrc/winograd/winograd_cpu.h").read_text()
@@ -216,3 +215,43 @@ def test_a_weight_written_while_on_winograd_is_used_and_read_back():
         model.load_state_dict({"0.weight": new, "0.bias": plain[0].bias})
         assert torch.equal(model[0].weight.detach().clone(), new)
         assert_within_rounding(model(x), x, new, plain[0].bias.detach())
+
+
+@needs_cpp
+def test_a_workspace_is_used_when_it_fits_and_the_op_keeps_none_of_its_own():
+    from pyext.ops import winograd
+
+    x, weight, bias = make(1, 64, 64, 32, 32)
+    own = winograd_conv3x3(x, weight, bias, backend="cpp")  # a buffer of its own, freed after the call
+    workspace = winograd.Workspace()
+    buffer = workspace.get(winograd.workspace_bytes(1, 64, 64, 32, 32) // 4).fill_(float("nan"))
+    with winograd.using_workspace(workspace):
+        assert torch.equal(winograd_conv3x3(x, weight, bias, backend="cpp"), own)
+    assert workspace.get(0) is buffer and not buffer.isnan().all()  # worked in, not grown
+    small = torch.full((10,), float("nan"))
+    assert torch.equal(torch.ops.pyext_C.winograd_conv3x3(x, weight, bias, small), own)
+    assert small.isnan().all()  # too small: left alone
+
+
+@needs_cpp
+def test_a_packed_model_shares_one_workspace_and_frees_it_when_unpacked():
+    import copy
+    import gc
+    import weakref
+
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Conv2d(64, 64, 3, padding=1), nn.Conv2d(64, 64, 3, padding=1)).eval()
+    model.to(memory_format=CL)
+    packed.pack(model)
+    workspace = model[0]._workspace
+    assert model[1]._workspace is workspace
+    with torch.no_grad():
+        model(torch.randn(1, 64, 32, 32).contiguous(memory_format=CL))
+    assert model[0].weight.packed.winograd and workspace.get(0).numel() > 0
+    twin = copy.deepcopy(model)
+    assert twin[0]._workspace is workspace
+    gone = weakref.ref(workspace)
+    del workspace, twin
+    packed.unpack(model)
+    gc.collect()
+    assert gone() is None and not hasattr(model[0], "_workspace")

@@ -1,7 +1,7 @@
 // AVX-512 build of the Winograd convolution: the transforms (the same source as the other units,
 // auto-vectorised over channels, 16 fp32 lanes) and a GEMM of its own over U in panels: torch's
 // BLAS (MKL) runs its AVX2 code on AMD CPUs, at under half the rate of oneDNN's AVX-512
-// convolutions there, which left Winograd barely ahead of them (README, "CPU runtimes").
+// convolutions there, which left Winograd barely ahead of them (docs/benchmarks.md, "CPU runtimes").
 #if defined(__x86_64__) && (defined(__GNUC__) || defined(__clang__))
 #pragma GCC target("avx512f,avx512bw,avx512vl,avx2,fma")
 // GCC 12 flags its own AVX-512 intrinsics' deliberately undefined pass-through operands.

@@ -11,7 +11,6 @@
 
 #include <algorithm>
 #include <atomic>
-#include <mutex>
 #include <vector>
 
 #include "winograd/winograd_cpu.h"
@@ -19,39 +18,17 @@
 namespace pyext::cpu {
 namespace {
 
-// Bytes of V and M per chunk (at least kMinChunkTiles tiles, for an efficient GEMM). The buffer is
-// kept between calls, so it adds to the peak of every caller (a tiled VAE's small tiles): no larger
-// than the GEMMs need to run at full speed (README, "CPU runtimes").
+// Bytes of V and M per chunk (at least kMinChunkTiles tiles, for an efficient GEMM). A kept
+// workspace adds them to the peak of every caller (a tiled VAE's small tiles): no larger than the
+// GEMMs need to run at full speed (docs/benchmarks.md, "CPU runtimes").
 constexpr int64_t kChunkBytes = 2 << 20;
 constexpr int64_t kMinChunkTiles = 64;
 
-// The transformed weight and tile buffers, kept between calls: fresh buffers this large are
-// mapped anew by malloc on every call, and their page faults cost as much as the transforms.
-// Up to kKeptBytes is kept (pyext.ops.winograd's rule mirrors these constants and keeps the layers
-// it picks within it: 225 MiB of transformed weight for 1280x1280 channels, plus a tile chunk);
-// a larger call gets a buffer of its own, freed after it. Calls take turns on the kept one
-// (inference runs one convolution at a time; each is parallel inside).
-constexpr int64_t kKeptBytes = 256 << 20;
-
-struct Workspace {
-  std::mutex lock;
-  at::Tensor buffer;
-
-  at::Tensor get(int64_t floats) {
-    const auto f32 = at::TensorOptions().dtype(at::kFloat);
-    if (floats * 4 > kKeptBytes) return at::empty({floats}, f32);
-    if (!buffer.defined() || buffer.numel() < floats) {
-      buffer = at::Tensor();  // free the old one first
-      buffer = at::empty({floats}, f32);
-    }
-    return buffer;
-  }
-};
-
-Workspace& workspace() {
-  static auto* ws = new Workspace();  // never destroyed: no tensor freed after torch's teardown
-  return *ws;
-}
+// The transformed weight and tile buffers live in `workspace` when the caller passes one large
+// enough (pyext.ops.winograd.Workspace: the packed layers of one model share one, grown to their
+// largest call, so fresh buffers this large are not mapped anew on every call, whose page faults
+// cost as much as the transforms); otherwise in a buffer of this call's own, freed after it.
+// Nothing is kept between calls here.
 
 WinogradKernels kernels() {
   const SimdLevel level = simd_level();
@@ -60,7 +37,8 @@ WinogradKernels kernels() {
   return winograd_scalar();
 }
 
-at::Tensor winograd_conv3x3_cpu(const at::Tensor& x, const at::Tensor& weight, const std::optional<at::Tensor>& bias) {
+at::Tensor winograd_conv3x3_cpu(const at::Tensor& x, const at::Tensor& weight, const std::optional<at::Tensor>& bias,
+                                const std::optional<at::Tensor>& workspace) {
   TORCH_CHECK(x.dim() == 4 && weight.dim() == 4 && weight.size(2) == 3 && weight.size(3) == 3 &&
                   weight.size(1) == x.size(1),
               "pyext winograd_conv3x3: x (N, Ci, H, W) and weight (Co, Ci, 3, 3) expected");
@@ -90,11 +68,12 @@ at::Tensor winograd_conv3x3_cpu(const at::Tensor& x, const at::Tensor& weight, c
   const int64_t per_tile = kWinogradPoints * (ci + co) * 4;
   const int64_t chunk = std::min(tiles, std::max(kMinChunkTiles, kChunkBytes / per_tile));
   const int64_t u_size = kWinogradPoints * ci * (k.gemm ? panels(co) * kPanel : co);
-  Workspace& ws = workspace();
-  std::lock_guard<std::mutex> guard(ws.lock);
-  const at::Tensor buffer = ws.get(u_size + kWinogradPoints * chunk * (ci + co));
-  float* base = buffer.data_ptr<float>();
+  const int64_t needed = u_size + kWinogradPoints * chunk * (ci + co);
   const auto f32 = at::TensorOptions().dtype(at::kFloat);
+  const bool fits = workspace && workspace->defined() && workspace->device().is_cpu() &&
+                    workspace->scalar_type() == at::kFloat && workspace->is_contiguous() && workspace->numel() >= needed;
+  const at::Tensor buffer = fits ? *workspace : at::empty({needed}, f32);
+  float* base = buffer.data_ptr<float>();
   at::parallel_for(0, ci, 1, [&](int64_t lo, int64_t hi) { k.weight(g.data_ptr<float>(), base, ci, co, lo, hi); });
 
   std::atomic<bool> finite{true};
@@ -128,7 +107,7 @@ at::Tensor winograd_conv3x3_cpu(const at::Tensor& x, const at::Tensor& weight, c
 
 }  // namespace
 
-TORCH_LIBRARY_FRAGMENT(pyext_C, m) { m.def("winograd_conv3x3(Tensor x, Tensor weight, Tensor? bias) -> Tensor"); }
+TORCH_LIBRARY_FRAGMENT(pyext_C, m) { m.def("winograd_conv3x3(Tensor x, Tensor weight, Tensor? bias, Tensor(a!)? workspace) -> Tensor"); }
 
 TORCH_LIBRARY_IMPL(pyext_C, CPU, m) { m.impl("winograd_conv3x3", winograd_conv3x3_cpu); }
 

@@ -2,7 +2,7 @@
 
 torch's eager CPU convolution reorders a plain weight into oneDNN's blocked layout on every
 call. At a UNet's small spatial sizes that reorder costs more than the convolution itself
-(bench/cpu_runtimes.py; README, "CPU runtimes"). OpenVINO and inductor's freezing pack once;
+(bench/cpu_runtimes.py; docs/benchmarks.md, "CPU runtimes"). OpenVINO and inductor's freezing pack once;
 `PackedWeight` does the same in eager mode.
 
 A PackedWeight is the layer's `weight` Parameter itself, so the layer stays an nn.Conv2d /
@@ -42,7 +42,7 @@ DTYPES = (torch.float32, torch.bfloat16)
 # fp32 Linears with up to this many input features run as oneDNN 1x1 convolutions, whose kernels
 # beat both torch's BLAS addmm and oneDNN's packed GEMM on every SD1.5 UNet linear shape: 1-17%
 # faster than BLAS, and 128 rows x 1280 -> 10240: 18.6 ms against 30.1 (BLAS) and 22.4 (packed GEMM).
-# At 5120 input features (128 rows) the convolution was 2.7x slower than BLAS (README, "CPU
+# At 5120 input features (128 rows) the convolution was 2.7x slower than BLAS (docs/benchmarks.md, "CPU
 # runtimes"; 2-core AVX2 EPYC, 2 threads).
 CONV_LINEAR_MAX_IN = 2560
 # Wider fp32 Linear weights up to this size stay plain: torch's BLAS addmm beat oneDNN's packed
@@ -68,6 +68,7 @@ class _Packed:
     input_shape: tuple | None = None   # the input shape a convolution weight is packed for (a Linear's:
                                        # (1, in, rows, 1), the 1x1 convolution it runs as)
     lock: threading.Lock = field(default_factory=threading.Lock)
+    workspace: winograd.Workspace | None = None  # Winograd's buffer, shared by the layers pack() packed together
 
     @property
     def winograd(self) -> bool:
@@ -139,13 +140,13 @@ class PackedWeight(torch.Tensor):
         self.packed = packed
 
     @classmethod
-    def of(cls, weight: torch.Tensor, conv: tuple | None) -> "PackedWeight":
-        packed = _Packed(None, conv)
+    def of(cls, weight: torch.Tensor, conv: tuple | None, workspace: winograd.Workspace | None = None) -> "PackedWeight":
+        packed = _Packed(None, conv, workspace=workspace)
         packed.pack(weight.detach())
         return cls(packed, weight.detach())  # keeps the plain weight's strides (channels-last or not)
 
     def __deepcopy__(self, memo):
-        packed = _Packed(None, self.packed.conv)
+        packed = _Packed(None, self.packed.conv, workspace=self.packed.workspace)
         packed.pack(self.packed.dense(), self.packed.input_shape)
         copy = PackedWeight(packed, self)
         if getattr(self, "_is_param", False):  # a Parameter: stays one in the copied module
@@ -206,7 +207,8 @@ def _fast_path(func, args, kwargs):
         return None  # called with other arguments than the layer's (F.pad + padding 0, say): plain path
     tensor = weight.packed.for_input(tuple(x.shape))
     if not tensor.is_mkldnn:  # plain: the shape suits Winograd
-        y = torch.ops.pyext.winograd_conv3x3(x, tensor, bias, None)  # channels-last, as oneDNN gives it here
+        with winograd.using_workspace(weight.packed.workspace):
+            y = torch.ops.pyext.winograd_conv3x3(x, tensor, bias, None)  # channels-last, as oneDNN gives it here
         return y if x.is_contiguous(memory_format=torch.channels_last) else y.contiguous()
     return _compat.mkldnn_conv(x, tensor, bias, padding, stride, dilation, groups)
 
@@ -286,7 +288,8 @@ class _Packable:
         return out
 
     def _pack_weight(self) -> None:
-        self.weight = nn.Parameter(PackedWeight.of(self.weight, _conv_args(self)), requires_grad=False)
+        self.weight = nn.Parameter(PackedWeight.of(self.weight, _conv_args(self), self._workspace),
+                                   requires_grad=False)
 
     def _unpack_weight(self) -> None:
         w = self.weight
@@ -348,6 +351,7 @@ def pack(model: nn.Module, layers: tuple[type, ...] = (nn.Conv2d, nn.Linear)) ->
     The layers become PackedConv2d/PackedLinear (still nn.Conv2d/nn.Linear to diffusers and PEFT).
     If torch.compile later traces the model, its first compiled call unpacks it (exact)."""
     report = PackReport()
+    workspace = winograd.Workspace()  # the model's Winograd layers run one at a time: one buffer for all
     for name, module in model.named_modules():
         if not isinstance(module, layers):
             continue
@@ -355,6 +359,7 @@ def pack(model: nn.Module, layers: tuple[type, ...] = (nn.Conv2d, nn.Linear)) ->
         if reason:
             report.skipped[name] = reason
             continue
+        module._workspace = workspace
         module._trainable = module.weight.requires_grad  # packed weights are frozen; unpack thaws them
         module.__class__ = _PACKED_CLASS[type(module)]
         module._pack_weight()
@@ -378,4 +383,4 @@ def unpack(model: nn.Module) -> list[str]:
 def _unpack_layer(module: nn.Module) -> None:
     module._unpack_weight()
     module.__class__ = next(plain for plain, cls in _PACKED_CLASS.items() if cls is type(module))
-    del module._trainable
+    del module._trainable, module._workspace

@@ -69,7 +69,7 @@ def _scale(q, scale) -> float:
 # ----------------------------------------------------------------------------- cpp (CPU)
 
 def _cpp_slower(q, k, v, scale):
-    # Measured on Zen 4 (`python -m bench.attention`, README): the AVX-512 paths beat CPU
+    # Measured on Zen 4 (`python -m bench.attention`, docs/benchmarks.md): the AVX-512 paths beat CPU
     # SDPA on every SD1.5/SDXL/Flux shape and dtype tried, the AVX2 and scalar paths do not
     # (d=80, 1 thread: avx2 35, scalar 5.5, SDPA 42 GFLOP/s). So auto-dispatch takes cpp only
     # with AVX-512 in static dispatch (measured dispatch times it); backend="cpp" runs any path

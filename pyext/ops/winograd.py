@@ -3,18 +3,22 @@
 Each 4x4 block of output pixels takes 36 multiplies per (input, output) channel pair instead
 of 144: the input's 6x6 windows and the weight go to the Winograd domain, the 36 points are 36
 independent GEMMs (torch's BLAS), and the output transform brings each tile back
-(csrc/winograd/). The weight is transformed on every call into a workspace the process keeps
-(at most 256 MiB with the tile chunks, which the rule enforces), so the
-layers hold no second copy of their weights. In fp32 the result differs from a direct convolution by a
+(csrc/winograd/). The weight is transformed on every call, into the workspace of the caller
+(`using_workspace`: the packed layers of one model share one, at most 256 MiB with the tile
+chunks, which the rule enforces) or into a buffer of the call's own, so the layers hold no
+second copy of their weights and nothing outlives its owner. In fp32 the result differs from a direct convolution by a
 few times its rounding error (the transforms' constants are up to 8; tests bound it).
 
 It pays where the GEMMs dominate: many output pixels per weight element. Where they do not
 (the UNet's 8x8 levels, 3- or 4-channel layers) oneDNN's direct convolution is faster;
-`winograd_reason` is that rule, from measurements (README, "CPU runtimes"), and the prepacked
+`winograd_reason` is that rule, from measurements (docs/benchmarks.md, "CPU runtimes"), and the prepacked
 layers of pyext.nn.packed follow it per input shape.
 """
 from __future__ import annotations
 
+import contextlib
+import contextvars
+import threading
 from functools import partial
 from typing import Optional
 
@@ -33,10 +37,11 @@ DTYPES = (torch.float32,)
 # (the per-call weight transform is then small; 1920->640 at 512 pixels: 0.70x); below, up to
 # 5x slower (1920->1280 at 128 pixels).
 MIN_PIXELS, MIN_CHANNELS, PIXELS_PER_CHANNEL = 512, 32, 0.25
-# The transformed weight (36 floats per input/output channel pair) and the tile chunks live in
-# the workspace the C++ op keeps (csrc/winograd/winograd_ops.cpp: kKeptBytes, kChunkBytes,
-# kMinChunkTiles): 1280x1280 channels fit (225 MiB of weight), the largest of the SD UNets. A call
-# that needs more gets a fresh buffer per call, whose page faults cost more than Winograd saves.
+# The transformed weight (36 floats per input/output channel pair) and the tile chunks live in a
+# workspace (csrc/winograd/winograd_ops.cpp: kChunkBytes, kMinChunkTiles), which the rule keeps
+# within KEPT_WORKSPACE_BYTES: 1280x1280 channels fit (225 MiB of weight), the largest of the SD
+# UNets. Without a kept workspace each call maps fresh pages, whose faults cost about what the
+# transforms do.
 KEPT_WORKSPACE_BYTES, CHUNK_BYTES, MIN_CHUNK_TILES = 256 << 20, 2 << 20, 64
 PANEL = 32  # csrc/winograd/winograd_cpu.h: kPanel
 
@@ -73,8 +78,45 @@ def winograd_conv3x3_reference(x, weight, bias):
     return F.conv2d(x, weight, bias, padding=1)
 
 
+class Workspace:
+    """A float32 buffer for winograd_conv3x3's C++ backend, grown to its owner's largest call and
+    freed with the owner (pyext.nn.packed gives the packed layers of one model one). One buffer
+    per thread, so that two threads never share one."""
+
+    def __init__(self):
+        self._local = threading.local()
+
+    def __deepcopy__(self, memo):
+        return self  # a copied model shares its source's buffer (they run one layer at a time per thread)
+
+    def get(self, floats: int) -> torch.Tensor:
+        buffer = getattr(self._local, "buffer", None)
+        if buffer is None or buffer.numel() < floats:
+            self._local.buffer = None  # free the old one first
+            buffer = self._local.buffer = torch.empty(floats)
+        return buffer
+
+
+_WORKSPACE: contextvars.ContextVar[Workspace | None] = contextvars.ContextVar("pyext_winograd_workspace",
+                                                                             default=None)
+
+
+@contextlib.contextmanager
+def using_workspace(workspace: Workspace | None):
+    """winograd_conv3x3 calls inside the block work in `workspace` (None: a buffer per call)."""
+    token = _WORKSPACE.set(workspace)
+    try:
+        yield
+    finally:
+        _WORKSPACE.reset(token)
+
+
 def _cpp(x, weight, bias):
-    return torch.ops.pyext_C.winograd_conv3x3(x, weight, bias)
+    workspace = _WORKSPACE.get()
+    if workspace is not None:
+        floats = workspace_bytes(x.shape[0], x.shape[1], weight.shape[0], x.shape[2], x.shape[3]) // 4
+        workspace = workspace.get(floats)
+    return torch.ops.pyext_C.winograd_conv3x3(x, weight, bias, workspace)
 
 
 def _cpp_slower(x, weight, bias):

@@ -43,7 +43,7 @@ class TilingConfig:
     compact_state: "exact" only: keep a float32 run's whole-image state between GroupNorms in
       float16 with power-of-two scales (pyext.vae.state): half the host memory, at the cost of
       float16 rounding of that state (about 2^-12 relative per value instead of fp32's; the
-      README has the measured PSNR).
+      docs/benchmarks.md has the measured PSNR).
     state_dir: "exact" only: keep that state in an unlinked file in this directory instead,
       written and read with direct I/O (pyext.vae.spill), so that memory holds one tile's
       working set, a few pieces of the state and the output, whatever the image size; the

@@ -299,7 +299,7 @@ class FileBands:
         """(buffer, block it starts at) for each of a piece's _parts in the file: the whole blocks
         around it. Made by the thread that runs the tiles, which frees them too: buffers made by
         the I/O threads would come from those threads' malloc arenas, which keep their freed
-        blocks apart from the main heap (a higher peak: README, "Tiled VAE")."""
+        blocks apart from the main heap (a higher peak: docs/vae.md)."""
         bufs = []
         for begin, nbytes in parts:
             at = begin // ALIGN * ALIGN
