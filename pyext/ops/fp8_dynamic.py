@@ -64,6 +64,8 @@ def fp8_linear_dynamic_reference(x, w, scale, bias=None):
 
 def _scaled_mm(x, w, scale, bias):
     n = w.shape[0]
+    if x.numel() == 0:  # no rows: nothing for the GEMM to do
+        return x.new_empty((*x.shape[:-1], n))
     xq, sx = quantize_rows(_rows(x).contiguous())
     sw = scale.reshape(1, -1).expand(1, n).contiguous()  # row-wise scaling takes one scale per column
     y = torch._scaled_mm(xq, w.view(FP8).t(), scale_a=sx, scale_b=sw, bias=bias, out_dtype=x.dtype)
