@@ -28,8 +28,10 @@ END = "<!-- end of rendered table -->"
 def _renderers() -> dict[str, Callable[[list[dict]], str]]:
     from bench.dispatch import render_overhead
     from bench.fp8_accuracy import render as render_fp8_accuracy
+    from bench.vae import render_runs
 
-    return {"dispatch_overhead_cpu": render_overhead, "fp8_accuracy_cpu": render_fp8_accuracy}
+    return {"dispatch_overhead_cpu": render_overhead, "fp8_accuracy_cpu": render_fp8_accuracy,
+            "vae_memory_settings_cpu": render_runs}
 
 
 def _provenance(result: dict) -> str:

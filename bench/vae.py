@@ -286,6 +286,19 @@ def table(rows: list[dict]) -> str:
     return "\n".join(lines)
 
 
+def render_runs(rows: list[dict]) -> str:
+    """The rows that ran, as a table: time and peak against the first diffusers row."""
+    ran = [r for r in rows if "seconds" in r]
+    base = next((r for r in ran if r["method"] == "diffusers"), None)
+    lines = ["| VAE | size | method | time | vs diffusers | peak above the input | vs diffusers |",
+             "|---|---|---|---:|---:|---:|---:|"]
+    for r in ran:
+        ratio = lambda key: f"{r[key] / base[key]:.2f}x" if base else ""  # noqa: E731
+        lines.append(f"| {r['shape']} | {r['size']} | {r['method']} | {r['seconds']:.1f} s | {ratio('seconds')} | "
+                     f"{r['peak_extra_mib']:.0f} MiB | {ratio('peak_extra_mib')} |")
+    return "\n".join(lines)
+
+
 def main(argv=None) -> None:
     p = argparse.ArgumentParser(prog="python -m bench.vae", description=__doc__.splitlines()[0])
     p.add_argument("--preset", choices=sorted(PRESETS), default="quick")

@@ -233,8 +233,9 @@ def test_the_benchmarks_page_shows_what_the_results_files_hold():
 def test_rendering_replaces_a_block_with_its_file(tmp_path):
     from bench import render
 
-    stale = "x\n<!-- rendered from bench/results/fp8_accuracy_cpu.json -->\nold table\n" + render.END + "\ny\n"
-    stale += "<!-- rendered from bench/results/dispatch_overhead_cpu.json -->\n" + render.END + "\n"
+    stale = "".join(f"x\n<!-- rendered from bench/results/{name}.json -->\nold table\n{render.END}\ny\n"
+                    for name in render._renderers())
     new = render.rendered(stale)
-    assert "old table" not in new and "| sd15 |" in new and "| `attention` |" in new and "at commit" in new
+    assert "old table" not in new and "| sd15 |" in new and "| `attention` |" in new and "| small | 2048 |" in new
+    assert new.count("at commit") == len(render._renderers())
     assert render.rendered(new) == new
