@@ -8,6 +8,7 @@ request never leaves a half-changed pipeline. The techniques act on the Decision
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import Literal
 
 import torch
 import torch.nn as nn
@@ -28,10 +29,10 @@ class Decision:
     dtype: torch.dtype | None  # None: keep each component's dtype
     geometry: Geometry
     plan: Plan
-    fp8: str  # "off" | "denoiser" | "all"
-    fp8_gemm: str  # the fp8 linears' mode: "weight_only" | "dynamic" | "measured"
+    fp8: Literal["off", "denoiser", "all"]
+    fp8_gemm: Literal["weight_only", "dynamic", "measured"]  # the fp8 linears' mode
     fp8_gemm_reason: str
-    offload: str  # "off" | "model" | "group" | "sequential"
+    offload: Literal["off", "model", "group", "sequential"]
     offload_reason: str
     vae_tiling: bool
     vae_tiling_reason: str

@@ -27,6 +27,7 @@ from pyext.families import modules_of
 from pyext.options import OptimizeOptions
 from pyext.planner import FP8_ROLES
 from pyext.techniques import TECHNIQUES, Entry
+from pyext.techniques.base import Step
 
 STATE = "optimize"
 
@@ -74,6 +75,33 @@ def optimize(pipe, options: OptimizeOptions | None = None, **changes):
         release_freed_memory()
         release_mapped_pages(before, storage_spans(modules_of(pipe).values()))
     return pipe
+
+
+@dataclass(frozen=True)
+class OptimizePlan:
+    """What `optimize` would do with these options: the decision (every "auto" resolved, the
+    memory plan) and each technique's step per component, in the order they would run."""
+
+    pipeline: str
+    decision: Decision
+    steps: tuple[Step, ...]
+
+    def __str__(self) -> str:
+        lines = [f"pyext plan for {self.pipeline}", f"  {self.decision.describe()}", f"  {self.decision.plan.describe()}"]
+        return "\n".join(lines + [f"  {s}" for s in self.steps])
+
+
+def plan(pipe, options: OptimizeOptions | None = None, **changes) -> OptimizePlan:
+    """What optimize(pipe, options, **changes) would do, decided before anything changes; this call
+    changes nothing. A step "apply" means the technique will look inside that component (it may
+    find nothing to change: the report then says why); "skip" gives the reason. The same
+    PyextErrors as optimize's are raised for options the pipeline cannot take."""
+    check_pipeline(pipe)
+    opts = (options or OptimizeOptions()).replace(**changes)
+    state = _state.get(pipe, STATE)
+    decision = decide(pipe, opts) if state is None else _check_again(state, decide(pipe, opts, state.decision.device))
+    steps = tuple(step for technique in TECHNIQUES for step in technique.plan(pipe, decision))
+    return OptimizePlan(type(pipe).__name__, decision, steps)
 
 
 def _apply(pipe, decision: Decision) -> list[Entry]:

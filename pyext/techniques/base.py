@@ -1,10 +1,13 @@
 """A technique: a named change to a pipeline that says where it applies, why not elsewhere,
 and hands back its undo.
 
-`Technique.apply(pipe, decision)` returns one Entry per component it looked at:
-"applied" (something changed; the entry holds the undo), "already" (it was so before) or
-"skipped" (with the reason). Techniques that change modules (`changes_modules`) run while
-offload hooks are suspended, so offload may be enabled before or after pyext.
+`Technique.plan(pipe, decision)` says, before anything changes, what the technique will do to
+each component it looks at: a Step "apply" (it will look inside and change what it finds) or
+"skip" (with the reason, known from the decision and the modules as they are). `apply` carries
+the plan out and returns one Entry per step: "applied" (something changed; the entry holds the
+undo), "already" (it was so before) or "skipped" (the plan's reason, or what it found inside).
+Techniques that change modules (`changes_modules`) run while offload hooks are suspended, so
+offload may be enabled before or after pyext.
 """
 from __future__ import annotations
 
@@ -13,6 +16,20 @@ from dataclasses import dataclass, field
 from typing import Callable, Literal
 
 Status = Literal["applied", "skipped", "already"]
+Action = Literal["apply", "skip"]
+
+
+@dataclass(frozen=True)
+class Step:
+    """What a technique will do to one component ("*": the whole pipeline)."""
+
+    component: str
+    technique: str
+    action: Action
+    why: str = ""  # for "skip": the reason
+
+    def __str__(self) -> str:
+        return f"{self.component:<15} {self.technique:<14} {self.action:<8} {self.why}".rstrip()
 
 
 @dataclass(frozen=True)
@@ -44,8 +61,22 @@ class Technique:
     name: str = ""
     changes_modules: bool = True  # run with offload hooks suspended (and undone so)
 
-    def apply(self, pipe, decision) -> list[Entry]:
+    def plan(self, pipe, d) -> list[Step]:
         raise NotImplementedError
+
+    def apply(self, pipe, d) -> list[Entry]:
+        """The plan carried out: a skipped entry per "skip", `change` per "apply"."""
+        return [self.skipped(s.component, s.why) if s.action == "skip" else self.change(pipe, s.component, d)
+                for s in self.plan(pipe, d)]
+
+    def change(self, pipe, component: str, d) -> Entry:
+        raise NotImplementedError
+
+    def will(self, component: str) -> Step:
+        return Step(component, self.name, "apply")
+
+    def wont(self, component: str, why: str) -> Step:
+        return Step(component, self.name, "skip", why)
 
     def applied(self, component: str, detail: str, undo: Callable[[], str], exact: bool = True) -> Entry:
         return Entry(component, self.name, "applied", detail, undo, self.changes_modules, exact)
@@ -61,12 +92,12 @@ class PerComponent(Technique):
     """A technique that decides for each component on its own: `why_not` gives the reason to leave
     it as it is (None: change it), `change` changes it and returns its entry."""
 
-    def apply(self, pipe, d) -> list[Entry]:
-        entries = []
+    def plan(self, pipe, d) -> list[Step]:
+        steps = []
         for name, module in d.components.modules.items():
             why = self.why_not(name, module, d)
-            entries.append(self.skipped(name, why) if why else self.change(name, module, d))
-        return entries
+            steps.append(self.wont(name, why) if why else self.will(name))
+        return steps
 
     def why_not(self, name: str, module, d) -> str | None:
         raise NotImplementedError
@@ -81,6 +112,3 @@ class PerComponent(Technique):
         if setting == "auto" and role not in auto_roles:
             return f"auto: a {role}; {self.name}='on' includes it"
         return None
-
-    def change(self, name: str, module, d) -> Entry:
-        raise NotImplementedError

@@ -2,7 +2,8 @@
 from __future__ import annotations
 
 from pyext import _compat
-from pyext.techniques.base import Entry, Technique, undo_by
+from pyext.planner import FP8_ROLES
+from pyext.techniques.base import Entry, Step, Technique, undo_by
 from pyext.traced import TracedUNet, trace_reason
 
 
@@ -16,19 +17,51 @@ class Compile(Technique):
     name = "compile"
     changes_modules = False  # runs last, on the final modules; offload hooks stay as they are
 
-    def apply(self, pipe, d) -> list[Entry]:
-        mode = d.options.compile
-        entries = []
+    def plan(self, pipe, d) -> list[Step]:
+        steps = []
         for name, module in d.components.denoisers.items():
-            if mode == "off":
-                entries.append(self.skipped(name, "compile='off'"))
-            elif mode == "compile":
-                entries.append(self._compile(name, module, d.options.compile_backend, d.device))
-            elif mode == "cudagraphs":
-                entries.append(self._cudagraphs(name, module, d))
-            else:
-                entries.append(self._trace(pipe, name, module, d, auto=mode == "auto"))
-        return entries
+            why = self._why_not(name, module, d)
+            steps.append(self.wont(name, why) if why else self.will(name))
+        return steps
+
+    def _why_not(self, name, module, d) -> str | None:
+        mode = d.options.compile
+        if mode == "off":
+            return "compile='off'"
+        if mode == "cudagraphs" and d.device.type != "cuda":
+            return (f"cudagraphs: CUDA graphs replay CUDA kernels, and this pipeline runs on {d.device.type}; "
+                    "on a CPU use compile='compile' or 'trace'")
+        if mode == "cudagraphs" and d.offload != "off":
+            return (f"cudagraphs: offload={d.offload!r} moves weights between calls, which a captured graph "
+                    "cannot follow; use compile='compile', or offload='off'")
+        if mode in ("trace", "auto") and not isinstance(module, TracedUNet):
+            reason = self._trace_reason(name, module, d)
+            if reason:
+                return f"{'auto' if mode == 'auto' else 'trace'}: {reason}"
+        return None
+
+    @staticmethod
+    def _trace_reason(name, module, d) -> str | None:
+        family = d.families[name]
+        if not family.trace:
+            return f"the {family.name} family has no trace support"
+        if "denoiser" in FP8_ROLES[d.fp8]:  # (the fp8 technique runs first)
+            return "fp8 layers reinterpret their storage (dtype views), which torch.jit.trace cannot record"
+        reason = trace_reason(module, d.offload)
+        if not reason and d.options.compile == "auto" and d.device.type == "cpu":
+            # Measured on SD1.5 (cpu bench preset): the trace saves a few percent of UNet time
+            # once pyext attention runs, but its graph keeps more memory resident per run.
+            reason = "on CPU a trace saves ~4% of UNet time for ~0.2 GB more memory; compile='trace' takes that trade"
+        return reason
+
+    def change(self, pipe, name: str, d) -> Entry:
+        module = d.components.denoisers[name]
+        mode = d.options.compile
+        if mode == "compile":
+            return self._compile(name, module, d.options.compile_backend, d.device)
+        if mode == "cudagraphs":
+            return self._cudagraphs(name, module)
+        return self._trace(pipe, name, module)
 
     def _compile(self, name, module, backend, device) -> Entry:
         if _compat.is_compiled_in_place(module):
@@ -44,32 +77,17 @@ class Compile(Technique):
         module.compile(backend=backend, options=options)  # in place: hooks and attribute access keep working
         return self.applied(name, detail, undo_by(_compat.uncompile_in_place, module, says="eager again"))
 
-    def _cudagraphs(self, name, module, d) -> Entry:
+    def _cudagraphs(self, name, module) -> Entry:
         if _compat.is_compiled_in_place(module):
             return self.already(name, "torch.compile")
-        if d.device.type != "cuda":
-            return self.skipped(name, f"cudagraphs: CUDA graphs replay CUDA kernels, and this pipeline runs on "
-                                      f"{d.device.type}; on a CPU use compile='compile' or 'trace'")
-        if d.offload != "off":
-            return self.skipped(name, f"cudagraphs: offload={d.offload!r} moves weights between calls, which a "
-                                      "captured graph cannot follow; use compile='compile', or offload='off'")
         # dynamic=False: one graph per resolution, captured on its first call and replayed after.
         module.compile(backend="inductor", mode="reduce-overhead", dynamic=False)
         return self.applied(name, "torch.compile(mode='reduce-overhead'): CUDA graphs, one per input shape",
                             undo_by(_compat.uncompile_in_place, module, says="eager again"))
 
-    def _trace(self, pipe, name, module, d, auto: bool) -> Entry:
+    def _trace(self, pipe, name, module) -> Entry:
         if isinstance(module, TracedUNet):
             return self.already(name, "traced")
-        family = d.families[name]
-        reason = (f"the {family.name} family has no trace support" if not family.trace
-                  else trace_reason(module, d.offload))
-        if not reason and auto and d.device.type == "cpu":
-            # Measured on SD1.5 (cpu bench preset): the trace saves ~4% of UNet time once
-            # pyext attention runs, but its graph keeps ~0.2 GB more resident per run.
-            reason = "on CPU a trace saves ~4% of UNet time for ~0.2 GB more memory; compile='trace' takes that trade"
-        if reason:
-            return self.skipped(name, f"{'auto' if auto else 'trace'}: {reason}")
         traced = TracedUNet(module)
         setattr(pipe, name, traced)
         return self.applied(name, traced.describe(), undo_by(setattr, pipe, name, module, says="eager again"))

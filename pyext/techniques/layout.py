@@ -5,38 +5,30 @@ import torch
 import torch.nn as nn
 
 from pyext.families import conv_share
-from pyext.techniques.base import Entry, Technique, undo_by
+from pyext.techniques.base import Entry, PerComponent, undo_by
 
 
 def _contiguous(module: nn.Module) -> None:
     module.to(memory_format=torch.contiguous_format)
 
 
-class ChannelsLast(Technique):
+class ChannelsLast(PerComponent):
     """NHWC conv weights where 2-D convolutions carry the model: denoisers whose family says
     so, and conv-heavy VAEs and controlnets. Models with 5-D weights (3-D video VAEs) are left
     alone: channels-last is a 4-D format."""
 
     name = "channels_last"
 
-    def apply(self, pipe, d) -> list[Entry]:
-        entries = []
-        for name, module in d.components.modules.items():
-            why = self._why_not(name, module, d)
-            if why:
-                entries.append(self.skipped(name, why))
-                continue
-            convs = [m.weight for m in module.modules() if isinstance(m, nn.Conv2d) and m.weight.dim() == 4]
-            if all(w.is_contiguous(memory_format=torch.channels_last) for w in convs):
-                entries.append(self.already(name, "conv weights in NHWC order"))
-                continue
-            module.to(memory_format=torch.channels_last)
-            entries.append(self.applied(name, f"{len(convs)} conv weights in NHWC order", undo_by(
-                _contiguous, module, says="contiguous format again")))
-        return entries
+    def change(self, pipe, name: str, d) -> Entry:
+        module = d.components.modules[name]
+        convs = [m.weight for m in module.modules() if isinstance(m, nn.Conv2d) and m.weight.dim() == 4]
+        if all(w.is_contiguous(memory_format=torch.channels_last) for w in convs):
+            return self.already(name, "conv weights in NHWC order")
+        module.to(memory_format=torch.channels_last)
+        return self.applied(name, f"{len(convs)} conv weights in NHWC order", undo_by(
+            _contiguous, module, says="contiguous format again"))
 
-    @staticmethod
-    def _why_not(name: str, module: nn.Module, d) -> str | None:
+    def why_not(self, name: str, module: nn.Module, d) -> str | None:
         setting = d.options.channels_last
         if setting == "off":
             return "channels_last='off'"

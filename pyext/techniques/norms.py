@@ -15,7 +15,8 @@ class FuseNorms(PerComponent):
 
     name = "fuse_norms"
 
-    def change(self, name: str, module, d) -> Entry:
+    def change(self, pipe, name: str, d) -> Entry:
+        module = d.components.modules[name]
         if any(type(m) is GroupNormSiLU for m in module.modules()):
             return self.already(name, "GroupNorm+SiLU fused before")
         report = fuse_norms(module)

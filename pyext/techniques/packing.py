@@ -16,7 +16,8 @@ class Prepack(PerComponent):
 
     name = "prepack"
 
-    def change(self, name: str, module, d) -> Entry:
+    def change(self, pipe, name: str, d) -> Entry:
+        module = d.components.modules[name]
         report = pack(module)
         if report.packed:
             return self.applied(name, str(report), functools.partial(self._undo, module))

@@ -5,7 +5,7 @@ import functools
 from collections import Counter
 
 from pyext import _state, attention
-from pyext.techniques.base import Entry, Technique
+from pyext.techniques.base import Entry, Step, Technique
 
 
 class Attention(Technique):
@@ -16,29 +16,26 @@ class Attention(Technique):
 
     name = "attention"
 
-    def apply(self, pipe, d) -> list[Entry]:
-        setting = d.options.attention
-        if setting == "off":
-            return [self.skipped("*", "attention='off'")]
-        backend = None if setting == "auto" else setting
-        entries = []
-        for name, module in d.components.modules.items():
-            layers = attention.attention_layers(module)
-            before = {id(m): _state.get(m, attention.STATE) for m in layers.values()}
-            if before and all(s is not None and s.backend == backend for s in before.values()):
-                entries.append(self.already(name, f"{len(layers)} layers routed before"))
-                continue
-            report = attention.apply(module, backend=backend).components[type(module).__name__]
-            if not report.patched:
-                attention.remove(module)
-                why = report.skipped.get("*") or _summary(report.skipped)
-                entries.append(self.skipped(name, why))
-                continue
-            detail = f"{report.patched} layers routed to pyext attention (backend {backend or 'auto'})"
-            if report.skipped:
-                detail += f"; not routed: {_summary(report.skipped)}"
-            entries.append(self.applied(name, detail, functools.partial(_remove, module)))
-        return entries
+    def plan(self, pipe, d) -> list[Step]:
+        if d.options.attention == "off":
+            return [self.wont("*", "attention='off'")]
+        return [self.will(name) for name in d.components.modules]
+
+    def change(self, pipe, name: str, d) -> Entry:
+        module = d.components.modules[name]
+        backend = None if d.options.attention == "auto" else d.options.attention
+        layers = attention.attention_layers(module)
+        before = {id(m): _state.get(m, attention.STATE) for m in layers.values()}
+        if before and all(s is not None and s.backend == backend for s in before.values()):
+            return self.already(name, f"{len(layers)} layers routed before")
+        report = attention.apply(module, backend=backend).components[type(module).__name__]
+        if not report.patched:
+            attention.remove(module)
+            return self.skipped(name, report.skipped.get("*") or _summary(report.skipped))
+        detail = f"{report.patched} layers routed to pyext attention (backend {backend or 'auto'})"
+        if report.skipped:
+            detail += f"; not routed: {_summary(report.skipped)}"
+        return self.applied(name, detail, functools.partial(_remove, module))
 
 
 def _remove(module) -> str:

@@ -3,7 +3,7 @@ from __future__ import annotations
 
 from pyext.dispatch import PyextError
 from pyext.families import vae_kind
-from pyext.techniques.base import Entry, Technique, undo_by
+from pyext.techniques.base import Entry, Step, Technique, undo_by
 
 
 class VAETiling(Technique):
@@ -14,36 +14,29 @@ class VAETiling(Technique):
 
     name = "vae_tiling"
 
-    def apply(self, pipe, d) -> list[Entry]:
+    def plan(self, pipe, d) -> list[Step]:
+        return [self.will(name) if d.vae_tiling else self.wont(name, d.vae_tiling_reason) for name in d.components.vaes]
+
+    def change(self, pipe, name: str, d) -> Entry:
         from pyext import vae as pvae
 
-        entries = []
-        for name, vae in d.components.vaes.items():
-            report = None
-            if not d.vae_tiling:
-                entries.append(self.skipped(name, d.vae_tiling_reason))
-                continue
-            if vae_kind(vae) == "kl2d":
-                report = pvae.tile_vae(vae)
-            if report is not None and report["patched"]:
-                entries.append(self.applied(name, f"pyext tiling (exact), {report['tile_sample_min_size']}-px tiles "
-                                                  f"({d.vae_tiling_reason})",
-                                            undo_by(pvae.untile_vae, vae, says="diffusers' decode again")))
-            elif getattr(vae, "use_tiling", False):
-                entries.append(self.already(name, "diffusers' tiling was on"))
-            elif hasattr(vae, "enable_tiling"):
-                try:
-                    fused = pvae.tile_video_vae(vae)["fused_blends"]
-                except PyextError as e:  # its default tiles would give the wrong size: left untiled
-                    entries.append(self.skipped(name, str(e)))
-                    continue
-                blend = f", {' and '.join(fused)} fused" if fused else ""
-                entries.append(self.applied(name, f"diffusers' tiling for this {vae_kind(vae)} VAE{blend} "
-                                                  f"({d.vae_tiling_reason})",
-                                            undo_by(pvae.untile_video_vae, vae, says="tiling off")))
-            else:
-                entries.append(self.skipped(name, f"{type(vae).__name__} has no tiling"))
-        return entries
+        vae = d.components.vaes[name]
+        report = pvae.tile_vae(vae) if vae_kind(vae) == "kl2d" else None
+        if report is not None and report["patched"]:
+            return self.applied(name, f"pyext tiling (exact), {report['tile_sample_min_size']}-px tiles "
+                                      f"({d.vae_tiling_reason})",
+                                undo_by(pvae.untile_vae, vae, says="diffusers' decode again"))
+        if getattr(vae, "use_tiling", False):
+            return self.already(name, "diffusers' tiling was on")
+        if not hasattr(vae, "enable_tiling"):
+            return self.skipped(name, f"{type(vae).__name__} has no tiling")
+        try:
+            fused = pvae.tile_video_vae(vae)["fused_blends"]
+        except PyextError as e:  # its default tiles would give the wrong size: left untiled
+            return self.skipped(name, str(e))
+        blend = f", {' and '.join(fused)} fused" if fused else ""
+        return self.applied(name, f"diffusers' tiling for this {vae_kind(vae)} VAE{blend} ({d.vae_tiling_reason})",
+                            undo_by(pvae.untile_video_vae, vae, says="tiling off"))
 
 
 class VAESlicing(Technique):
@@ -51,20 +44,18 @@ class VAESlicing(Technique):
 
     name = "vae_slicing"
 
-    def apply(self, pipe, d) -> list[Entry]:
+    def plan(self, pipe, d) -> list[Step]:
         setting = d.options.vae_slicing
-        want = setting == "on" or (setting == "auto" and (d.vae_tiling or d.offload != "off"))
-        entries = []
-        for name, vae in d.components.vaes.items():
-            if not want:
-                entries.append(self.skipped(name, "vae_slicing='off'" if setting == "off"
-                                            else "auto: neither tiling nor offload is on"))
-            elif getattr(vae, "use_slicing", False):
-                entries.append(self.already(name, "slicing was on"))
-            elif not hasattr(vae, "enable_slicing"):
-                entries.append(self.skipped(name, f"{type(vae).__name__} has no slicing"))
-            else:
-                vae.enable_slicing()
-                entries.append(self.applied(name, "batches decode one at a time",
-                                            undo_by(vae.disable_slicing, says="slicing off")))
-        return entries
+        if setting == "on" or (setting == "auto" and (d.vae_tiling or d.offload != "off")):
+            return [self.will(name) for name in d.components.vaes]
+        why = "vae_slicing='off'" if setting == "off" else "auto: neither tiling nor offload is on"
+        return [self.wont(name, why) for name in d.components.vaes]
+
+    def change(self, pipe, name: str, d) -> Entry:
+        vae = d.components.vaes[name]
+        if getattr(vae, "use_slicing", False):
+            return self.already(name, "slicing was on")
+        if not hasattr(vae, "enable_slicing"):
+            return self.skipped(name, f"{type(vae).__name__} has no slicing")
+        vae.enable_slicing()
+        return self.applied(name, "batches decode one at a time", undo_by(vae.disable_slicing, says="slicing off"))

@@ -11,7 +11,7 @@ from pyext.nn import fp8_methods
 from pyext.nn.fp8 import FP8Conv2d, FP8Linear, quantize_fp8, restore_fp8
 from pyext.families import modules_of
 from pyext.planner import FP8_ROLES
-from pyext.techniques.base import Entry, Technique
+from pyext.techniques.base import Entry, Step, Technique
 
 
 def _own_dtype(module: nn.Module) -> torch.dtype | None:
@@ -35,11 +35,13 @@ class DType(Technique):
 
     name = "dtype"
 
-    def apply(self, pipe, d) -> list[Entry]:
+    def plan(self, pipe, d) -> list[Step]:
         if d.dtype is None:
-            return [self.skipped("*", "dtype='keep'")]
-        return [self._cast(name, module, d.dtype, d.options.keep_original_weights)
-                for name, module in d.components.modules.items()]
+            return [self.wont("*", "dtype='keep'")]
+        return [self.will(name) for name in d.components.modules]
+
+    def change(self, pipe, name: str, d) -> Entry:
+        return self._cast(name, d.components.modules[name], d.dtype, d.options.keep_original_weights)
 
     def _cast(self, name: str, module: nn.Module, dtype: torch.dtype, keep_original: bool) -> Entry:
         keep = _compat.keep_in_fp32_modules(module, dtype)
@@ -77,33 +79,38 @@ class FP8(Technique):
 
     name = "fp8"
 
-    def apply(self, pipe, d) -> list[Entry]:
-        entries = []
-        roles = FP8_ROLES[d.fp8]
-        for name, module in d.components.modules.items():
+    def plan(self, pipe, d) -> list[Step]:
+        steps = []
+        for name in d.components.modules:
             role = d.components.roles[name]
-            if role not in roles:
-                if role == "vae":
-                    why = "VAE weights stay in the compute dtype (small and quality-sensitive)"
-                elif d.fp8 != "off":
-                    why = f"fp8={d.fp8!r} does not cover the {role}"
-                else:
-                    why = "fp8='off'" if d.options.fp8 == "off" else f"fp8='auto': plan {d.plan.name} needs none"
-                entries.append(self.skipped(name, why))
-                continue
-            report = quantize_fp8(module, skip=d.options.fp8_skip, keep_original=d.options.keep_original_weights,
-                                  gemm=d.fp8_gemm)
-            if report.converted:
-                entries.append(self.applied(name, f"{report}; GEMM {d.fp8_gemm}: {d.fp8_gemm_reason}", functools.partial(
-                    self._undo, pipe, module, d.options.keep_original_weights), exact=d.options.keep_original_weights))
-            elif any(isinstance(m, (FP8Linear, FP8Conv2d)) for m in module.modules()):
-                entries.append(self.already(name, f"fp8 layers present, none left to convert; GEMM {d.fp8_gemm}"))
+            if role in FP8_ROLES[d.fp8]:
+                steps.append(self.will(name))
+            elif role == "vae":
+                steps.append(self.wont(name, "VAE weights stay in the compute dtype (small and quality-sensitive)"))
+            elif d.fp8 != "off":
+                steps.append(self.wont(name, f"fp8={d.fp8!r} does not cover the {role}"))
             else:
-                kept = "; ".join(f"{n} {why}" for why, n in report.kept_by_reason().items())
-                entries.append(self.skipped(name, f"no eligible layers ({kept or 'no Linear/Conv2d layers'})"))
+                steps.append(self.wont(name, "fp8='off'" if d.options.fp8 == "off"
+                                       else f"fp8='auto': plan {d.plan.name} needs none"))
+        return steps
+
+    def apply(self, pipe, d) -> list[Entry]:
+        entries = super().apply(pipe, d)
         if any(e.status != "skipped" for e in entries):
             fp8_methods.install(pipe)  # the pipeline's fuse_lora reaches the text encoders' layers itself
         return entries
+
+    def change(self, pipe, name: str, d) -> Entry:
+        module = d.components.modules[name]
+        report = quantize_fp8(module, skip=d.options.fp8_skip, keep_original=d.options.keep_original_weights,
+                              gemm=d.fp8_gemm)
+        if report.converted:
+            return self.applied(name, f"{report}; GEMM {d.fp8_gemm}: {d.fp8_gemm_reason}", functools.partial(
+                self._undo, pipe, module, d.options.keep_original_weights), exact=d.options.keep_original_weights)
+        if any(isinstance(m, (FP8Linear, FP8Conv2d)) for m in module.modules()):
+            return self.already(name, f"fp8 layers present, none left to convert; GEMM {d.fp8_gemm}")
+        kept = "; ".join(f"{n} {why}" for why, n in report.kept_by_reason().items())
+        return self.skipped(name, f"no eligible layers ({kept or 'no Linear/Conv2d layers'})")
 
     @staticmethod
     def _undo(pipe, module, exact: bool) -> str:

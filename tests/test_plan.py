@@ -1,0 +1,76 @@
+"""pyext.plan: what optimize would do, decided before anything changes, and what optimize then does."""
+import typing
+
+import pytest
+import torch
+
+import pyext
+from pyext.decision import Decision
+from pyext.dispatch import PyextError
+from pyext.offline import build_pipeline
+
+
+def fingerprint(pipe) -> dict:
+    """Every component's module types, and its parameters' and buffers' dtypes, devices and values."""
+    out = {}
+    for name, module in pipe.components.items():
+        if isinstance(module, torch.nn.Module):
+            out[name] = ([type(m).__name__ for m in module.modules()],
+                         {k: (v.dtype, v.device, v.clone()) for k, v in module.state_dict().items()})
+    return out
+
+
+def same(a: dict, b: dict) -> bool:
+    return a.keys() == b.keys() and all(
+        a[n][0] == b[n][0] and a[n][1].keys() == b[n][1].keys()
+        and all(x[:2] == y[:2] and torch.equal(x[2], y[2]) for x, y in zip(a[n][1].values(), b[n][1].values()))
+        for n in a)
+
+
+def test_plan_changes_nothing():
+    pipe = build_pipeline("sd15", "tiny")
+    before = fingerprint(pipe)
+    planned = pyext.plan(pipe, fp8="denoiser", dtype=torch.bfloat16)
+    assert same(fingerprint(pipe), before)
+    assert pyext.report(pipe).plan == "not optimized by pyext"
+    assert planned.decision.fp8 == "denoiser" and planned.decision.dtype == torch.bfloat16
+    assert "pyext plan for StableDiffusionPipeline" in str(planned)
+
+
+def test_the_decision_is_typed():
+    hints = typing.get_type_hints(Decision)
+    for name in ("fp8", "fp8_gemm", "offload"):
+        assert typing.get_origin(hints[name]) is typing.Literal, name
+    planned = pyext.plan(build_pipeline("sd15", "tiny"))
+    for name in ("fp8", "fp8_gemm", "offload"):
+        assert getattr(planned.decision, name) in typing.get_args(hints[name])
+    assert all(s.action in ("apply", "skip") for s in planned.steps)
+
+
+@pytest.mark.parametrize("arch,options", [
+    ("sd15", {}), ("sd15", {"fp8": "denoiser", "compile": "trace"}), ("sdxl", {"fp8": "all", "prepack": "off"}),
+    ("flux", {"attention": "off", "vae_tiling": "on"}), ("wan21", {"dtype": "keep", "compile": "cudagraphs"}),
+])
+def test_optimize_does_what_the_plan_says(arch, options):
+    """Each step of the plan has its entry in the report: a skip with the plan's very reason, an
+    apply as applied, already, or skipped for what the technique found inside."""
+    pipe = build_pipeline(arch, "tiny")
+    planned = pyext.plan(pipe, **options)
+    pyext.optimize(pipe, **options)
+    entries = {(e.component, e.technique): e for e in pyext.report(pipe).entries}
+    assert set(entries) == {(s.component, s.technique) for s in planned.steps}
+    for step in planned.steps:
+        entry = entries[(step.component, step.technique)]
+        if step.action == "skip":
+            assert (entry.status, entry.detail) == ("skipped", step.why), step
+    assert any(s.action == "apply" for s in planned.steps)
+
+
+def test_plan_refuses_what_optimize_refuses_and_sees_an_earlier_optimize():
+    pipe = build_pipeline("sd15", "tiny")
+    with pytest.raises(PyextError, match="fp8_gemm"):
+        pyext.plan(pipe, fp8_gemm="fast")
+    pyext.optimize(pipe, dtype=torch.bfloat16)
+    with pytest.raises(PyextError, match="dtype"):
+        pyext.plan(pipe, dtype=torch.float16)  # the first call's cast cannot be undone exactly
+    assert pyext.plan(pipe, dtype=torch.bfloat16).decision.dtype == torch.bfloat16
