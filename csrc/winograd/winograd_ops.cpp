@@ -107,7 +107,7 @@ at::Tensor winograd_conv3x3_cpu(const at::Tensor& x, const at::Tensor& weight, c
 
 }  // namespace
 
-TORCH_LIBRARY_FRAGMENT(pyext_C, m) { m.def("winograd_conv3x3(Tensor x, Tensor weight, Tensor? bias, Tensor(a!)? workspace) -> Tensor"); }
+TORCH_LIBRARY_FRAGMENT(pyext_C, m) { m.def("winograd_conv3x3(Tensor x, Tensor weight, Tensor? bias, Tensor(a!)? workspace=None) -> Tensor"); }
 
 TORCH_LIBRARY_IMPL(pyext_C, CPU, m) { m.impl("winograd_conv3x3", winograd_conv3x3_cpu); }
 
