@@ -311,7 +311,8 @@ def _example_upcast(spec, dtype, device):
     return *example_weight((rows, cols), per_channel, device, g), torch.empty(rows, cols, dtype=dtype, device=device)
 
 
-def _example_linear(spec, dtype, device):
+def example_linear(spec, dtype, device):
+    """Args of a linear op test's shape (rows, in, out, per-channel scale, bias)."""
     m, k, n, per_channel, bias = spec
     g = torch.Generator(device=device).manual_seed(0)
     x = torch.randn(m, k, generator=g, device=device).to(dtype)
@@ -325,7 +326,7 @@ dispatch.define("fp8_upcast", check=check_upcast, sample=lambda args: _sample_up
 dispatch.define("fp8_linear", check=check_linear, sample=lambda args: _sample_linear(*args),
                 close=relative_close(LINEAR_TOLERANCE),
                 variant=lambda args: (str(args[0].dtype), args[0].shape[-1], args[2].numel() == 1, args[3] is None),
-                example=_example_linear)
+                example=example_linear)
 
 
 # ----------------------------------------------------------------------------- custom ops

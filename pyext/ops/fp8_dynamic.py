@@ -27,7 +27,7 @@ from pyext import dispatch
 from pyext.dispatch import Backend
 from pyext.ops._library import define
 from pyext.ops.fp8 import (FP8, FP8_MAX, LINEAR_TOLERANCE, _fail, check_linear, check_public, decode_codes,
-                           example_weight, relative_close, sample_codes, sample_scale)
+                           example_linear, relative_close, sample_codes, sample_scale)
 
 OP = "fp8_linear_dynamic"
 TINY = torch.finfo(torch.float32).tiny
@@ -123,18 +123,10 @@ def _sample(x, w, scale, bias):
     return sample_x, sample_codes((ALIGN, k), x.device, g), sample_scale(scale, ALIGN, g), sample_bias
 
 
-def _example(spec, dtype, device):
-    m, k, n, per_channel, bias = spec
-    g = torch.Generator(device=device).manual_seed(0)
-    x = torch.randn(m, k, generator=g, device=device).to(dtype)
-    b = torch.randn(n, generator=g, device=device).to(dtype) if bias else None
-    return x, *example_weight((n, k), per_channel, device, g), b
-
-
 # Backends agree with the reference to the output's rounding (both quantize x the same way).
 dispatch.define(OP, check=check_dynamic, sample=lambda args: _sample(*args), close=relative_close(LINEAR_TOLERANCE),
                 variant=lambda args: (str(args[0].dtype), args[0].shape[-1], args[2].numel() == 1, args[3] is None),
-                example=_example)
+                example=example_linear)
 
 
 def _kernel(x, w, scale, bias=None, backend=None):
