@@ -88,9 +88,8 @@ bool cpu_has_vbmi() {
   return has;
 }
 
-// Shorter rows take the arithmetic kernel: building the table (~14 ns) costs more than
-// the lookups save. Measured on Zen 4, one thread, in cache: lookups 19 Gcodes/s, the
-// arithmetic kernel 8 (bf16) and 13 (fp16), so the table pays from ~200 / ~580 codes.
+// Shorter rows take the arithmetic kernel: building the table costs more than the lookups
+// save there (measured per output dtype, one thread, in cache: `python -m bench.fp8`).
 template <PyextDtype kOut>
 constexpr int64_t kLutMinRow = kOut == PYEXT_BF16 ? 256 : 640;
 

@@ -23,8 +23,8 @@ import torch.nn.functional as F
 from pyext.ops.group_norm import DTYPES, group_norm
 
 _MARK = "_pyext_silu_applied"
-# Below this many elements the op's per-call cost (custom op and dispatch, ~0.1 ms) outweighs the
-# pass it saves: measured at 2x1280x8x8, 0.33 ms fused against 0.27 ms for torch's GroupNorm + SiLU.
+# Below this many elements the op's per-call cost (custom op and dispatch) outweighs the pass it
+# saves (measured on the UNet's 8x8 levels, where torch's GroupNorm + SiLU was faster).
 MIN_FUSED_NUMEL = 1 << 18
 
 

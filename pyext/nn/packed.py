@@ -40,13 +40,12 @@ DTYPES = (torch.float32, torch.bfloat16)
 
 
 # fp32 Linears with up to this many input features run as oneDNN 1x1 convolutions, whose kernels
-# beat both torch's BLAS addmm and oneDNN's packed GEMM on every SD1.5 UNet linear shape: 1-17%
-# faster than BLAS, and 128 rows x 1280 -> 10240: 18.6 ms against 30.1 (BLAS) and 22.4 (packed GEMM).
-# At 5120 input features (128 rows) the convolution was 2.7x slower than BLAS (docs/benchmarks.md, "CPU
-# runtimes"; 2-core AVX2 EPYC, 2 threads).
+# beat both torch's BLAS addmm and oneDNN's packed GEMM on every SD1.5 UNet linear shape; at
+# twice as many input features the convolution was much slower than BLAS (docs/benchmarks.md,
+# "CPU runtimes").
 CONV_LINEAR_MAX_IN = 2560
 # Wider fp32 Linear weights up to this size stay plain: torch's BLAS addmm beat oneDNN's packed
-# GEMM on the UNet's shapes with weights up to 13 MB (by 5-18%).
+# GEMM on the UNet's shapes of such weights.
 BLAS_LINEAR_BYTES = 32 << 20
 
 

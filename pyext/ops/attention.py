@@ -69,11 +69,10 @@ def _scale(q, scale) -> float:
 # ----------------------------------------------------------------------------- cpp (CPU)
 
 def _cpp_slower(q, k, v, scale):
-    # Measured on Zen 4 (`python -m bench.attention`, docs/benchmarks.md): the AVX-512 paths beat CPU
-    # SDPA on every SD1.5/SDXL/Flux shape and dtype tried, the AVX2 and scalar paths do not
-    # (d=80, 1 thread: avx2 35, scalar 5.5, SDPA 42 GFLOP/s). So auto-dispatch takes cpp only
-    # with AVX-512 in static dispatch (measured dispatch times it); backend="cpp" runs any path
-    # (PYEXT_CPU_SIMD caps it).
+    # The AVX-512 paths beat CPU SDPA on every SD1.5/SDXL/Flux shape and dtype tried, the AVX2
+    # and scalar paths do not (`python -m bench.attention`; figures in docs/benchmarks.md). So
+    # auto-dispatch takes cpp only with AVX-512 in static dispatch (measured dispatch times it);
+    # backend="cpp" runs any path (PYEXT_CPU_SIMD caps it).
     best = torch.ops.pyext_C.attention_paths()[0]
     if not best.startswith("avx512"):
         return [f"the C++ {best} path is slower than sdpa on CPU (measured); it runs when forced"]

@@ -31,16 +31,14 @@ from pyext.dispatch import Backend, PyextError
 from pyext.ops._library import define
 
 DTYPES = (torch.float32,)
-# The rule, measured on SD1.5 UNet and VAE layer shapes (2-core AVX2, fp32, channels-last):
-# Winograd takes 0.43-0.91x of oneDNN's time with at least this many output pixels per call,
-# at least MIN_CHANNELS in and out, and pixels >= PIXELS_PER_CHANNEL x the larger channel count
-# (the per-call weight transform is then small; 1920->640 at 512 pixels: 0.70x); below, up to
-# 5x slower (1920->1280 at 128 pixels).
+# The rule, measured on SD1.5 UNet and VAE layer shapes (`python -m bench.winograd`, figures in
+# docs/benchmarks.md, "Winograd per layer"): Winograd is faster than oneDNN with at least this
+# many output pixels per call, at least MIN_CHANNELS in and out, and pixels >= PIXELS_PER_CHANNEL
+# x the larger channel count (the per-call weight transform is then small); below, slower.
 MIN_PIXELS, MIN_CHANNELS, PIXELS_PER_CHANNEL = 512, 32, 0.25
 # The transformed weight (36 floats per input/output channel pair) and the tile chunks live in a
 # workspace (csrc/winograd/winograd_ops.cpp: kChunkBytes, kMinChunkTiles), which the rule keeps
-# within KEPT_WORKSPACE_BYTES: 1280x1280 channels fit (225 MiB of weight), the largest of the SD
-# UNets. Without a kept workspace each call maps fresh pages, whose faults cost about what the
+# within KEPT_WORKSPACE_BYTES: enough for 1280x1280 channels, the largest of the SD UNets. Without a kept workspace each call maps fresh pages, whose faults cost about what the
 # transforms do.
 KEPT_WORKSPACE_BYTES, CHUNK_BYTES, MIN_CHUNK_TILES = 256 << 20, 2 << 20, 64
 PANEL = 32  # csrc/winograd/winograd_cpu.h: kPanel

@@ -49,9 +49,10 @@ class Compile(Technique):
             return "fp8 layers reinterpret their storage (dtype views), which torch.jit.trace cannot record"
         reason = trace_reason(module, d.offload)
         if not reason and d.options.compile == "auto" and d.device.type == "cpu":
-            # Measured on SD1.5 (cpu bench preset): the trace saves a few percent of UNet time
-            # once pyext attention runs, but its graph keeps more memory resident per run.
-            reason = "on CPU a trace saves ~4% of UNet time for ~0.2 GB more memory; compile='trace' takes that trade"
+            # Measured on SD1.5 (cpu bench preset, docs/benchmarks.md): the trace saves a few
+            # percent of UNet time once pyext attention runs, but its graph keeps more memory
+            # resident per run.
+            reason = "on CPU a trace saves a few percent of UNet time for more memory; compile='trace' takes that trade"
         return reason
 
     def change(self, pipe, name: str, d) -> Entry:

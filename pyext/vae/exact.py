@@ -78,9 +78,9 @@ TILE_SHARE = Fraction(1, 4)
 HEAD_CHANNELS = 16
 # With the state on disk (state_dir), a resnet whose conv1 reads at most this many channels stays
 # whole: conv1 runs twice rather than its output being written and read back. Recomputing costs
-# 2.25 * C_in FLOPs per byte of fp32 output it saves writing and reading: at 64 channels 144, about
-# what the convs do (200 GFLOP/s on two cores) in the time the disk moves a byte (1.3 GB/s) here
-# (docs/vae.md; SD's resnets read 128+).
+# 2.25 * C_in FLOPs per byte of fp32 output it saves writing and reading; at this many channels
+# that is about what the convs compute in the time the disk moves a byte (docs/vae.md; SD's
+# resnets read more).
 RECOMPUTE_CHANNELS = 64
 # With state_dir "auto" on a CPU and pyext.memory.vae_state_on_disk, the run keeps its states in
 # memory while the largest fits in the bytes of this many widest tiles (about what it holds for
