@@ -2,8 +2,9 @@
 
     python -m bench.fp8 [--json PATH] [--skip-unet]
 
-Compared on the same inputs in one process: bf16 weights, pyext fp8 storage, and
-diffusers' layerwise casting (fp8 storage, cast back to bf16 per layer call).
+Compared on the same inputs in one process: bf16 weights, pyext fp8 storage (weight-only, and
+for the linears the dynamic fp8 x fp8 GEMM), and diffusers' layerwise casting (fp8 storage, cast
+back to bf16 per layer call). The linears run on the GPU when there is one.
 Latency is the median of repeats after a warm-up. Weights are random.
 """
 from __future__ import annotations
@@ -89,17 +90,32 @@ def _layerwise_cast(module: nn.Module) -> nn.Module:
 
 
 @torch.no_grad()
+def _synced(fn, device: str):
+    """fn, then a wait for the device: a GPU call is timed to its end, not to its launch."""
+    if device != "cuda":
+        return fn
+    return lambda: (fn(), torch.cuda.synchronize())
+
+
+@torch.no_grad()
 def bench_linear(shapes=LINEAR_SHAPES) -> list[dict]:
+    """bf16, pyext fp8 weight-only and dynamic, and diffusers' layerwise casting, on the GPU when
+    there is one (the rows' `device` says which)."""
+    device = "cuda" if torch.cuda.is_available() else "cpu"
     out = []
     for name, m, k, n in shapes:
-        lin = nn.Linear(k, n).to(torch.bfloat16)
-        x = torch.randn(m, k, dtype=torch.bfloat16)
+        lin = nn.Linear(k, n).to(device, torch.bfloat16)
+        x = torch.randn(m, k, dtype=torch.bfloat16, device=device)
         fp8 = FP8Linear.from_linear(lin)
+        dynamic = FP8Linear.from_linear(lin, gemm="dynamic")
         diff = _layerwise_cast(copy.deepcopy(lin))
-        t = compare({"bf16": lambda: lin(x), "fp8": lambda: fp8(x), "diff": lambda: diff(x)})
-        t_bf16, t_fp8, t_diff = t["bf16"], t["fp8"], t["diff"]
-        out.append(dict(bench="fp8_linear", shape=name, M=m, K=k, N=n, bf16_ms=t_bf16 * 1e3, pyext_fp8_ms=t_fp8 * 1e3,
-                        diffusers_fp8_ms=t_diff * 1e3, pyext_vs_bf16=t_fp8 / t_bf16, diffusers_vs_bf16=t_diff / t_bf16))
+        t = compare({key: _synced(fn, device) for key, fn in (
+            ("bf16", lambda: lin(x)), ("fp8", lambda: fp8(x)), ("dynamic", lambda: dynamic(x)),
+            ("diff", lambda: diff(x)))})
+        out.append(dict(bench="fp8_linear", shape=name, device=device, M=m, K=k, N=n, bf16_ms=t["bf16"] * 1e3,
+                        pyext_fp8_ms=t["fp8"] * 1e3, pyext_dynamic_ms=t["dynamic"] * 1e3,
+                        diffusers_fp8_ms=t["diff"] * 1e3, pyext_vs_bf16=t["fp8"] / t["bf16"],
+                        dynamic_vs_bf16=t["dynamic"] / t["bf16"], diffusers_vs_bf16=t["diff"] / t["bf16"]))
     return out
 
 
