@@ -1,7 +1,14 @@
+import os
+import tempfile
+
 import pytest
 import torch
 
 from pyext._ext import EXT
+
+# Dispatch's choices and marks go to a directory of this test run's own, never to the user's
+# (~/.cache/pyext): tests register made-up broken backends on purpose. Subprocesses inherit it.
+os.environ.setdefault("PYEXT_CACHE_DIR", tempfile.mkdtemp(prefix="pyext_test_dispatch_"))
 
 SIMD_LEVELS = ["scalar", "avx2", "avx512"]
 

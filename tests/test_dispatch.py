@@ -207,13 +207,11 @@ def test_a_repeated_signature_is_validated_once_and_takes_no_lock_nor_environmen
     validated = []
     make_op(Backend("fast", lambda x: x + x), check=lambda x: validated.append(tuple(x.shape)))
     assert dispatch.select(OP, (torch.randn(4),)).name == "fast"
-    monkeypatch.setattr(dispatch, "_LOCK", _Trap("the dispatch lock"))
-    monkeypatch.setattr(dispatch.os, "environ", _Trap("os.environ"))
-    try:
+    with monkeypatch.context() as traps:
+        traps.setattr(dispatch, "_LOCK", _Trap("the dispatch lock"))
+        traps.setattr(dispatch.os, "environ", _Trap("os.environ"))
         for _ in range(3):
             assert dispatch.select(OP, (torch.randn(4),)).name == "fast"
-    finally:
-        monkeypatch.undo()
     assert validated == [(4,)]
 
 
@@ -283,12 +281,12 @@ def test_slower_is_followed_statically_and_measured_otherwise(monkeypatch):
 
 
 def test_nothing_is_measured_while_compiling(monkeypatch):
-    monkeypatch.setenv("PYEXT_DISPATCH", "measured")
-    monkeypatch.setattr(torch.compiler, "is_compiling", lambda: True)
     calls = make_op(Backend("broken", raises), Backend("good", lambda x: x + x))
-    assert dispatch.select(OP, (torch.randn(4),)).name == "broken"  # static order, no self-check
-    assert dispatch.decisions() == [] and calls == {}
-    monkeypatch.undo()
+    with monkeypatch.context() as compiling:  # (undoes only its own changes: the cache dir stays the test's)
+        compiling.setenv("PYEXT_DISPATCH", "measured")
+        compiling.setattr(torch.compiler, "is_compiling", lambda: True)
+        assert dispatch.select(OP, (torch.randn(4),)).name == "broken"  # static order, no self-check
+        assert dispatch.decisions() == [] and calls == {}
     assert dispatch.select(OP, (torch.randn(4),)).name == "good"  # the traced choice was not kept
 
 
