@@ -155,8 +155,9 @@ class FP8Linear(_FP8Storage, nn.Linear):
         new.gemm = gemm
         return new
 
-    def _dynamic(self, x: torch.Tensor) -> bool:
-        if self.gemm == "weight_only" or x.dtype != torch.bfloat16 or self.in_features % 16 or self.out_features % 16:
+    def _dynamic(self, x: torch.Tensor, bias: torch.Tensor | None) -> bool:
+        """Whether this call takes the dynamic GEMM (the layer's gemm is not weight_only)."""
+        if x.dtype != torch.bfloat16 or self.in_features % 16 or self.out_features % 16:
             return False
         if self.gemm == "dynamic":
             return True
@@ -166,7 +167,6 @@ class FP8Linear(_FP8Storage, nn.Linear):
         if choice is None:
             if not dispatch.can_measure(x.device):  # tracing or capturing: fp8 tensor cores, unmeasured
                 return True
-            bias = self.bias if self.bias is None or self.bias.dtype == x.dtype else self.bias.to(x.dtype)
             args = (x, self.weight, self.scale, bias, None)
             decision = dispatch.measured_choice(
                 "fp8_gemm", str(key[1:]), x.device,
@@ -184,7 +184,7 @@ class FP8Linear(_FP8Storage, nn.Linear):
             bias = bias.to(x.dtype)
         # The layer's own tensors are valid by construction: skip the public function's
         # checks and the fp8 <-> uint8 view round trip on this hot path.
-        if self.gemm != "weight_only" and self._dynamic(x):
+        if self.gemm != "weight_only" and self._dynamic(x, bias):
             return torch.ops.pyext.fp8_linear_dynamic(x, self.weight, self.scale, bias, None)
         return torch.ops.pyext.fp8_linear(x, self.weight, self.scale, bias, None)
 

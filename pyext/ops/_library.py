@@ -54,7 +54,6 @@ def define(schema: str, kernel: Callable, fake: Callable) -> None:
     torch.library.register_fake(f"pyext::{name}", fake, lib=LIBRARY)
 
 
-
 _LIKE: dict[tuple, tuple[int, ...]] = {}  # (shape, strides) -> empty_like's strides
 
 

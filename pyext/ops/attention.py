@@ -196,8 +196,6 @@ def _attention_kernel(q, k, v, scale=None, backend=None):
     return out
 
 
-
-
 def _attention_fake(q, k, v, scale=None, backend=None):
     dispatch.check("attention", (q, k, v, scale))
     return torch.empty_like(q)

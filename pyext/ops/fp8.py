@@ -334,9 +334,9 @@ dispatch.define("fp8_linear", check=check_linear, sample=lambda args: _sample_li
 # bytes, and torch's op checkers (opcheck, schema checks) cannot compare float8 tensors.
 
 def _upcast_out_kernel(w, scale, out, backend=None):
-    dispatch.check("fp8_upcast", (w, scale, out))
+    chosen = dispatch.select("fp8_upcast", (w, scale, out), backend)  # validates the args first
     w, scale = apart_from([out], w, scale)
-    dispatch.select("fp8_upcast", (w, scale, out), backend).run(w, scale, out)
+    chosen.run(w, scale, out)
 
 
 def _upcast_out_fake(w, scale, out, backend=None):

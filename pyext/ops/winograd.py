@@ -6,13 +6,14 @@ independent GEMMs (torch's BLAS), and the output transform brings each tile back
 (csrc/winograd/). The weight is transformed on every call, into the workspace of the caller
 (`using_workspace`: the packed layers of one model share one, at most 256 MiB with the tile
 chunks, which the rule enforces) or into a buffer of the call's own, so the layers hold no
-second copy of their weights and nothing outlives its owner. In fp32 the result differs from a direct convolution by a
-few times its rounding error (the transforms' constants are up to 8; tests bound it).
+second copy of their weights and nothing outlives its owner. In fp32 the result differs from a
+direct convolution by a few times its rounding error (the transforms' constants are up to 8;
+tests bound it).
 
 It pays where the GEMMs dominate: many output pixels per weight element. Where they do not
 (the UNet's 8x8 levels, 3- or 4-channel layers) oneDNN's direct convolution is faster;
-`winograd_reason` is that rule, from measurements (docs/benchmarks.md, "CPU runtimes"), and the prepacked
-layers of pyext.nn.packed follow it per input shape.
+`winograd_reason` is that rule, from measurements (docs/benchmarks.md, "CPU runtimes"), and the
+prepacked layers of pyext.nn.packed follow it per input shape.
 """
 from __future__ import annotations
 
@@ -38,8 +39,8 @@ DTYPES = (torch.float32,)
 MIN_PIXELS, MIN_CHANNELS, PIXELS_PER_CHANNEL = 512, 32, 0.25
 # The transformed weight (36 floats per input/output channel pair) and the tile chunks live in a
 # workspace (csrc/winograd/winograd_ops.cpp: kChunkBytes, kMinChunkTiles), which the rule keeps
-# within KEPT_WORKSPACE_BYTES: enough for 1280x1280 channels, the largest of the SD UNets. Without a kept workspace each call maps fresh pages, whose faults cost about what the
-# transforms do.
+# within KEPT_WORKSPACE_BYTES: enough for 1280x1280 channels, the largest of the SD UNets. Without
+# a kept workspace each call maps fresh pages, whose faults cost about what the transforms do.
 KEPT_WORKSPACE_BYTES, CHUNK_BYTES, MIN_CHUNK_TILES = 256 << 20, 2 << 20, 64
 PANEL = 32  # csrc/winograd/winograd_cpu.h: kPanel
 
