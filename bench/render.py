@@ -25,13 +25,16 @@ PAGE = os.path.join(ROOT, "docs", "benchmarks.md")
 END = "<!-- end of rendered table -->"
 
 
-def _renderers() -> dict[str, Callable[[list[dict]], str]]:
+def _renderers() -> dict[str, Callable[[dict], str]]:
     from bench.dispatch import render_overhead
     from bench.fp8_accuracy import render as render_fp8_accuracy
+    from bench.planner_peaks import render_result as render_planner_peaks
     from bench.vae import render_runs
 
-    return {"dispatch_overhead_cpu": render_overhead, "fp8_accuracy_cpu": render_fp8_accuracy,
-            "vae_memory_settings_cpu": render_runs}
+    return {"dispatch_overhead_cpu": lambda r: render_overhead(r["rows"]),
+            "fp8_accuracy_cpu": lambda r: render_fp8_accuracy(r["rows"]),
+            "vae_memory_settings_cpu": lambda r: render_runs(r["rows"]),
+            "planner_peaks_cpu": render_planner_peaks}
 
 
 def _provenance(result: dict) -> str:
@@ -44,7 +47,7 @@ def _provenance(result: dict) -> str:
 def block(name: str) -> str:
     with open(os.path.join(ROOT, "bench", "results", f"{name}.json")) as f:
         result = json.load(f)
-    table = _renderers()[name](result["rows"])
+    table = _renderers()[name](result)
     return f"<!-- rendered from bench/results/{name}.json -->\n{_provenance(result)}\n\n{table}\n{END}"
 
 

@@ -156,6 +156,47 @@ def vae_compression(pipe) -> tuple[int, int]:
     return int(spatial), int(temporal)
 
 
+@dataclass(frozen=True)
+class VaeFamily:
+    """What the planner needs of a VAE's decode that cannot be read off the model, measured by
+    `python -m bench.planner_peaks` (docs/benchmarks.md).
+
+    maps: feature maps of the decoder's full-resolution width (the input width of its last
+        convolution) alive at the decode's peak, per output frame held.
+    frames: output frames the decoder holds at once; None: every frame (one batch).
+    """
+
+    name: str
+    classes: tuple[str, ...] = ()
+    maps: float = 40.0
+    frames: int | None = None
+
+
+# Unknown VAEs take the default descriptor: as many maps as the most memory-hungry measured.
+VAE_FAMILIES = (
+    VaeFamily("kl", ("AutoencoderKL",), maps=6.0),
+    VaeFamily("deep-compression", ("AutoencoderDC",), maps=5.0),
+    # causal 3-D VAEs that decode one latent frame (four output frames) at a time with a cache
+    VaeFamily("wan", ("AutoencoderKLWan", "AutoencoderKLQwenImage"), maps=36.0, frames=4),
+    VaeFamily("cogvideox", ("AutoencoderKLCogVideoX",), maps=37.0),
+    VaeFamily("hunyuanvideo", ("AutoencoderKLHunyuanVideo",), maps=33.0),
+    VaeFamily("ltx-video", ("AutoencoderKLLTXVideo",), maps=32.0),
+)
+_VAE_BY_CLASS = MappingProxyType({cls: fam for fam in VAE_FAMILIES for cls in fam.classes})
+
+
+def vae_family_of(vae: nn.Module) -> VaeFamily:
+    return _VAE_BY_CLASS.get(type(vae).__name__) or VaeFamily(type(vae).__name__)
+
+
+def full_resolution_width(vae: nn.Module) -> int:
+    """Channels the decoder computes at full resolution: the input width of its last convolution."""
+    decoder = getattr(vae, "decoder", None) or vae
+    convs = [m for m in decoder.modules() if isinstance(getattr(m, "in_channels", None), int)
+             and hasattr(m, "kernel_size")]
+    return convs[-1].in_channels if convs else 128
+
+
 def vae_kind(vae: nn.Module) -> str:
     """'kl2d' (AutoencoderKL: pyext's tiling), 'video' (3-D, frames), 'dc' (deep compression) or 'other'."""
     from diffusers import AutoencoderKL

@@ -13,7 +13,7 @@ from dataclasses import dataclass, field
 
 import torch.nn as nn
 
-from pyext.families import Components, family_of, vae_kind
+from pyext.families import Components, family_of, full_resolution_width, vae_family_of, vae_kind
 from pyext.nn.fp8 import DEFAULT_SKIP, layer_rules, skip_patterns
 from pyext.options import GB
 
@@ -123,14 +123,26 @@ def _patch(config: dict) -> tuple[int, int]:
     return config.get("patch_size_t") or 1, p
 
 
-def activation_bytes(module: nn.Module, role: str, geo: Geometry, elem: int) -> int:
-    """Rule-of-thumb peak activation bytes of one forward, with memory-efficient attention.
+# Peak activations per rule, in units a model's config gives (measured: bench.planner_peaks).
+UNET_MAPS = 45  # latent feature maps of the first block's width alive at a UNet's peak
+TOKEN_TENSORS = 12  # tokens x width tensors alive at a transformer's peak
+TEXT_TENSORS = 12  # tokens x width tensors, plus SCORE_TENSORS of the eager attention's scores
+SCORE_TENSORS = 3
 
-    UNet-like denoisers and controlnets: ~120 live feature maps of the first block's width at
-    latent resolution (SD1.5 fp16 at 512x512, batch 2: ~0.6 GB), per latent frame.
-    Transformer denoisers: ~12 tensors of tokens x width, tokens = latent frames / temporal
-    patch x latent pixels / patch^2 + text tokens. VAE decode: ~8 maps of 128 channels at
-    full image resolution, every frame. Conditioning encoders: ~12 tensors of text tokens x width.
+
+def _heads(config: dict, width: int) -> int:
+    return config.get("num_attention_heads") or config.get("num_heads") or max(1, width // 64)
+
+
+def activation_bytes(module: nn.Module, role: str, geo: Geometry, elem: int) -> int:
+    """Peak activation bytes of one forward, with memory-efficient attention.
+
+    UNet-like denoisers and controlnets: UNET_MAPS feature maps of the first block's width at
+    latent resolution, per latent frame. Transformer denoisers: TOKEN_TENSORS tensors of tokens x
+    width, tokens = latent frames / temporal patch x latent pixels / patch^2 + text tokens. VAE
+    decode: its VaeFamily's maps of its full-resolution width at image resolution, per frame it
+    holds. Conditioning encoders: TEXT_TENSORS tensors of text tokens x width, plus the scores of
+    their eager attention.
     """
     config = getattr(module, "config", None) or {}
     config = config if isinstance(config, dict) else config.to_dict()  # diffusers or transformers
@@ -139,14 +151,17 @@ def activation_bytes(module: nn.Module, role: str, geo: Geometry, elem: int) -> 
         rule = family_of(module).activation if role == "denoiser" else \
             "unet" if "block_out_channels" in config else "tokens"
         if rule == "unet":
-            return 120 * geo.batch * geo.latent_frames * config["block_out_channels"][0] * h * w * elem
+            return UNET_MAPS * geo.batch * geo.latent_frames * config["block_out_channels"][0] * h * w * elem
         pt, p = _patch(config)
         tokens = -(-geo.latent_frames // pt) * (h // p) * (w // p) + geo.text_tokens
-        return 12 * geo.batch * tokens * model_width(module) * elem
+        return TOKEN_TENSORS * geo.batch * tokens * model_width(module) * elem
     if role == "vae":
-        return 8 * 128 * geo.height * geo.width * geo.frames * elem
+        family = vae_family_of(module)
+        frames = geo.frames if family.frames is None else min(family.frames, geo.frames)
+        return int(family.maps * full_resolution_width(module) * geo.height * geo.width * frames * elem)
     if role == "text_encoder":
-        return max(16 << 20, 12 * geo.text_tokens * model_width(module) * elem)
+        width, tokens = model_width(module), geo.text_tokens
+        return (TEXT_TENSORS * tokens * width + SCORE_TENSORS * _heads(config, width) * tokens**2) * elem
     return 0
 
 
@@ -176,7 +191,7 @@ def component_sizes(components: Components, geo: Geometry, elem: int = 2,
 
 FP8_ROLES = {"off": (), "denoiser": ("denoiser",), "all": ("denoiser", "controlnet", "text_encoder")}
 TILE_PX = 512
-EXACT_ON_HOST = 0.85
+EXACT_ON_HOST = 0.4  # measured: bench.planner_peaks
 
 
 def peak_bytes(sizes: list[ComponentSize], geo: Geometry, fp8: str, offload: str, vae_tiling: bool) -> int:

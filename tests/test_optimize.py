@@ -391,7 +391,8 @@ def test_planner_knows_frames_compression_and_every_denoiser():
     small = {c.name: c for c in planner.component_sizes(comps, one)}
     tokens = lambda g: g.latent_frames * (64 // spatial // 2) ** 2 + g.text_tokens  # noqa: E731 (patch 2)
     assert sizes["transformer"].activation_bytes * tokens(one) == small["transformer"].activation_bytes * tokens(many)
-    assert sizes["vae"].activation_bytes == 81 * small["vae"].activation_bytes
+    held = planner.vae_family_of(wan.vae).frames  # a causal video VAE holds a few frames at a time
+    assert held is not None and sizes["vae"].activation_bytes == held * small["vae"].activation_bytes
     resident = planner.peak_bytes(list(sizes.values()), many, "off", "off", False)
     assert resident >= sizes["transformer"].weight_bytes + sizes["transformer_2"].weight_bytes
     sana = build_pipeline("sana", "tiny")  # DC-AE: 32x in the real SANA, 2**(levels-1) as the pipeline says
@@ -417,8 +418,8 @@ def test_vae_tiling_auto_only_when_the_budget_needs_it(arch, kind):
     on_gpu = next(c for c in planner.component_sizes(d.components, d.geometry, 4) if c.role == "vae")
     one_tile = on_gpu.activation_bytes * planner.TILE_PX**2 // (1024 * 1024)
     assert on_gpu.tiled_activation_bytes == one_tile  # on a GPU the exact method holds one tile
-    if arch == "sd15":  # on a CPU it keeps each stage's whole-image activation in RAM
-        assert vae_size.tiled_activation_bytes > 0.8 * vae_size.activation_bytes
+    if arch == "sd15":  # on a CPU it keeps each stage's whole-image state in RAM: more than one tile
+        assert one_tile < vae_size.tiled_activation_bytes < vae_size.activation_bytes
     pyext.optimize(pipe, dtype="keep", attention="off", fp8="off", height=1024, width=1024,
                    memory_budget=(tiled + untiled) // 2)
     entry = next(e for e in pyext.report(pipe).entries if e.technique == "vae_tiling")

@@ -239,22 +239,24 @@ def test_a_failed_background_close_is_kept_until_wait_closed_raises_it(state_dir
 
 @torch.no_grad()
 @pytest.mark.parametrize("kind", ["decode", "encode"])
-def test_the_exact_run_reuses_its_blocks_and_gives_the_same_bits(state_dir, kind, monkeypatch):
-    """On a CPU the run keeps freed tensors for the next tiles (pyext._memory.reused_blocks): tiles,
-    pieces read back and chunks written (freed by the I/O threads). Reused memory holds stale
-    values, so a kernel that read a tensor it had not written would show here."""
-    from pyext import _ext
+def test_the_exact_run_reuses_its_blocks_and_gives_the_same_bits(state_dir, kind):
+    """With pyext.memory's vae_block_pool, a run on a CPU keeps freed tensors for the next tiles
+    (pyext._memory.reused_blocks): tiles, pieces read back and chunks written (freed by the I/O
+    threads). Reused memory holds stale values, so a kernel that read a tensor it had not written
+    would show here."""
+    from pyext import _ext, memory
     if _ext.EXT is None:
         pytest.skip("needs the compiled extension")
     vae = _vae("3 blocks, 8 groups")
     tile = vae.tile_latent_min_size if kind == "decode" else vae.tile_sample_min_size
     x = _smooth((1, vae.config.latent_channels if kind == "decode" else 3, 3 * tile + 5, 2 * tile + 3), 2)
     config = TilingConfig(state_dir=state_dir)
-    pooled = tiled_run(vae, x, kind, config)
-    assert _ext.EXT.pool_stats()["hits"] > 0 and not _ext.EXT.pool_stats()["open"]
-    import contextlib
-    monkeypatch.setattr(exact, "reused_blocks", lambda *bound: contextlib.nullcontext(False))
-    assert torch.equal(pooled, tiled_run(vae, x, kind, config))
+    with memory.using(vae_block_pool=True):
+        pooled = tiled_run(vae, x, kind, config)
+    stats = _ext.EXT.pool_stats()  # the last pool's
+    assert stats["hits"] > 0 and not stats["open"]
+    assert torch.equal(pooled, tiled_run(vae, x, kind, config))  # the default: no pool
+    assert _ext.EXT.pool_stats() == stats
 
 
 @torch.no_grad()
