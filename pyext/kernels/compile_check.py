@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import contextlib
 import glob
+import itertools
 import io
 import os
 import re
@@ -51,9 +52,11 @@ WIDEST = (64, 96, 128, 160, 256)  # per config class of attention.configs, the h
 
 def triton_specs(everything: bool = False) -> list[Spec]:
     """Candidate configs of the Triton kernels. everything=True: every config of every head dim
-    and dtype the op takes. Otherwise (the CI test, under half the compiles): fp16 and fp32
-    defaults at every head dim (spills depend on the head dim's parts), and every fp16 config at
-    the widest head dim of its class; bf16 compiles to the same registers as fp16. GroupNorm:
+    and dtype the op takes, for attention with and without each of bias, lse and grouped k/v heads.
+    Otherwise (the CI test, under half the compiles): attention's fp16 and fp32 defaults at every
+    head dim (spills depend on the head dim's parts), plain and with all three (the most registers),
+    every fp16 config plain and the fp16 default with each of the three alone at the widest head dim
+    of its class; bf16 compiles to the same registers as fp16. GroupNorm:
     the stats and apply kernels' fp16 and fp32 defaults in both layouts and every fp16
     channels-last config (the more index math), the merge once (it reads float32 moments only)."""
     from pyext.kernels import attention, fp8_linear, group_norm
@@ -66,11 +69,19 @@ def triton_specs(everything: bool = False) -> list[Spec]:
         if dtype == torch.bfloat16 and not everything:
             continue
         for d in HEAD_DIMS:
-            candidates = attention.configs(d, dtype)
-            every = everything or (d in WIDEST and dtype == torch.float16)
-            for i, cfg in enumerate(candidates if every else candidates[:1]):
-                specs.append(spec(attention, "_attention_fwd", f"{short} d{d}", cfg, i == 0,
-                                  attention.signature(dtype, d, cfg)))
+            widest = d in WIDEST and dtype == torch.float16
+            for bias, lse, gqa in itertools.product((False, True), repeat=3):
+                candidates = attention.configs(d, dtype, bias)
+                if everything or (widest and not (bias or lse or gqa)):
+                    chosen = candidates
+                elif bias == lse == gqa or (widest and bias + lse + gqa == 1):  # the default only
+                    chosen = candidates[:1]
+                else:
+                    continue
+                variant = f"{short} d{d}" + " bias" * bias + " lse" * lse + " gqa" * gqa
+                for i, cfg in enumerate(chosen):
+                    specs.append(spec(attention, "_attention_fwd", variant, cfg, i == 0,
+                                      attention.signature(dtype, d, cfg, bias, lse, gqa)))
         if dtype == torch.float32:
             continue  # the fp8 kernel takes 16-bit activations only
         for rows, m in (("small_m", 64), ("large_m", 65)):

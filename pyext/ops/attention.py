@@ -88,7 +88,7 @@ def _cpp(q, k, v, scale):
 def _triton(q, k, v, scale):
     from pyext.kernels.attention import attention_triton
 
-    return attention_triton(q, k, v, _scale(q, scale))
+    return attention_triton(q, k, v, _scale(q, scale))[0]
 
 
 # ----------------------------------------------------------------------------- PyTorch backends
