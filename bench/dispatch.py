@@ -49,7 +49,7 @@ def _child(device: str) -> list[dict]:
 
         first = call()
         rows.append({"shape": [b, h, sq, skv, d], "first_s": first, "steady_s": min(call() for _ in range(3)),
-                     "backend": dispatch.select("attention", (q, k, v, None)).name})
+                     "backend": dispatch.select("attention", (q, k, v, None, None, False)).name})
     return rows
 
 

@@ -26,7 +26,7 @@ Why this way:
   call SDPA (e.g. `AttnProcessor`, which `set_default_attn_processor` installs, or the flash /
   sage / flex dispatcher backends) cannot be routed: `status()` lists those layers as skipped, and
   their calls are counted as fallbacks.
-- An SDPA call pyext's op cannot take (attention mask, dropout, causal, autograd, autocast, a
+- An SDPA call pyext's op cannot take (dropout, causal, autograd, autocast, a
   tensor subclass, or an input the op or a forced backend refuses) runs torch's SDPA unchanged
   and is counted with its reason.
 
@@ -59,19 +59,19 @@ _SDPA_DISPATCH_BACKENDS = {"native", "_native_cudnn", "_native_efficient", "_nat
 
 
 def _sdpa_args(query, key, value, attn_mask=None, dropout_p=0.0, is_causal=False, scale=None, enable_gqa=False):
-    return query, key, value, attn_mask, dropout_p, is_causal, scale
+    return query, key, value, attn_mask, dropout_p, is_causal, scale, enable_gqa
 
 
-def _needs_torch(q, k, v, attn_mask, dropout_p, is_causal) -> str | None:
+def _needs_torch(q, k, v, attn_mask, dropout_p, is_causal, enable_gqa) -> str | None:
     """Why this SDPA call must stay with torch, or None when pyext's op can take it."""
-    if attn_mask is not None:
-        return "attention mask"
     if dropout_p:
         return "dropout"
     if is_causal:
         return "causal"
-    if any(type(t) is not torch.Tensor for t in (q, k, v)):
+    if any(type(t) is not torch.Tensor for t in (q, k, v, attn_mask) if t is not None):
         return "tensor subclass"
+    if q.dim() == 4 and k.dim() == 4 and q.shape[1] != k.shape[1] and not enable_gqa:
+        return "k/v heads differ from q's without enable_gqa"  # torch's own error
     if torch.is_grad_enabled() and (q.requires_grad or k.requires_grad or v.requires_grad):
         return "autograd (pyext.ops.attention has no backward)"
     if torch.is_autocast_enabled(q.device.type):
@@ -153,11 +153,11 @@ class _Layer:
                 self.fallbacks[fallback] += 1
 
     def attention(self, args, kwargs):
-        q, k, v, attn_mask, dropout_p, is_causal, scale = _sdpa_args(*args, **kwargs)
-        reason = _needs_torch(q, k, v, attn_mask, dropout_p, is_causal)
+        q, k, v, attn_mask, dropout_p, is_causal, scale, enable_gqa = _sdpa_args(*args, **kwargs)
+        reason = _needs_torch(q, k, v, attn_mask, dropout_p, is_causal, enable_gqa)
         if reason is None:
             try:  # PyextError comes from validation/backend selection, before any work is done
-                out = _pyext_attention(q, k, v, scale=scale, backend=self.backend)
+                out = _pyext_attention(q, k, v, scale=scale, backend=self.backend, attn_mask=attn_mask)
             except PyextError as e:
                 reason = str(e).splitlines()[0]
             else:

@@ -192,8 +192,7 @@ def vae_family_of(vae: nn.Module) -> VaeFamily:
 def full_resolution_width(vae: nn.Module) -> int:
     """Channels the decoder computes at full resolution: the input width of its last convolution."""
     decoder = getattr(vae, "decoder", None) or vae
-    convs = [m for m in decoder.modules() if isinstance(getattr(m, "in_channels", None), int)
-             and hasattr(m, "kernel_size")]
+    convs = [m for m in decoder.modules() if isinstance(m, (nn.Conv2d, nn.Conv3d))]
     return convs[-1].in_channels if convs else 128
 
 

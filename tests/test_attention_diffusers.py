@@ -52,9 +52,9 @@ def spy(monkeypatch):
     calls = []
     real = pa._pyext_attention
 
-    def recording(q, k, v, scale=None, backend=None):
+    def recording(q, k, v, scale=None, backend=None, attn_mask=None):
         calls.append((backend, tuple(q.shape), threading.get_ident()))
-        return real(q, k, v, scale=scale, backend=backend)
+        return real(q, k, v, scale=scale, backend=backend, attn_mask=attn_mask)
 
     monkeypatch.setattr(pa, "_pyext_attention", recording)
     return calls
@@ -129,33 +129,36 @@ def _attention_layer(dtype=torch.float32):
     return Attention(query_dim=32, cross_attention_dim=16, heads=2, dim_head=16).to(dtype).eval()
 
 
-def test_mask_falls_back_to_sdpa_and_is_counted(spy):
+@pytest.mark.parametrize("backend", [None, "reference"])
+def test_masked_calls_run_pyext_as_plain_sdpa_does(spy, backend):
     attn = _attention_layer()
     x, ctx = torch.randn(2, 5, 32), torch.randn(2, 7, 16)
     mask = torch.ones(2, 7, dtype=torch.bool)
     mask[0, 3:] = False
     with torch.no_grad():
         expected_masked, expected = attn(x, ctx, attention_mask=mask), attn(x, ctx)
-        pa.apply(attn, backend="reference")
-        masked = attn(x, ctx, attention_mask=mask)
-        assert torch.equal(masked, expected_masked)  # torch's SDPA ran, with the mask
-        assert spy == [] and pa.status(attn)["components"]["Attention"]["fallbacks"] == {"attention mask": 1}
+        pa.apply(attn, backend=backend)
+        torch.testing.assert_close(attn(x, ctx, attention_mask=mask), expected_masked, atol=1e-6, rtol=0)
         torch.testing.assert_close(attn(x, ctx), expected, atol=1e-6, rtol=0)
-    assert len(spy) == 1 and spy[0][1] == (2, 2, 5, 16)
+    comp = pa.status(attn)["components"]["Attention"]
+    assert comp["fallbacks"] == {} and comp["pyext_calls"] == 2
+    assert [c[:2] for c in spy] == [(backend, (2, 2, 5, 16))] * 2
 
 
-def test_unet_encoder_attention_mask_falls_back_for_cross_attention_only():
+def test_unet_encoder_attention_mask_runs_pyext_in_every_layer():
     pipe = offline.build_pipeline("sd15", "tiny")
     unet = pipe.unet
-    pa.apply(unet, backend="reference")
     sample = torch.randn(1, 4, 8, 8)
     ctx = torch.randn(1, 77, unet.config.cross_attention_dim)
+    keep = torch.ones(1, 77)
+    keep[:, 40:] = 0  # diffusers' encoder_attention_mask: 1 keeps a token, 0 drops it
     with torch.no_grad():
-        unet(sample, 10, encoder_hidden_states=ctx, encoder_attention_mask=torch.ones(1, 77))
+        expected = unet(sample, 10, encoder_hidden_states=ctx, encoder_attention_mask=keep).sample
+        pa.apply(unet, backend="reference")
+        out = unet(sample, 10, encoder_hidden_states=ctx, encoder_attention_mask=keep).sample
+    torch.testing.assert_close(out, expected, atol=1e-5, rtol=0)
     comp = pa.status(unet)["components"]["UNet2DConditionModel"]
-    n_cross = sum(name.endswith("attn2") for name in _layers(unet))
-    assert n_cross > 0 and comp["fallbacks"] == {"attention mask": n_cross}
-    assert comp["pyext_calls"] == len(_layers(unet)) - n_cross
+    assert comp["fallbacks"] == {} and comp["pyext_calls"] == len(_layers(unet))
 
 
 def test_autograd_falls_back_and_trains():

@@ -220,7 +220,7 @@ def test_non_contiguous_and_explicit_scale(backend):
 def test_auto_dispatch_on_cpu_prefers_cpp_where_it_wins():
     q, k, v = make_qkv(2, 8, 64, 64, 40, torch.bfloat16)
     expect = "cpp" if cpu_paths()[0].startswith("avx512") else "sdpa"
-    assert select("attention", (q, k, v, None)).name == expect
+    assert select("attention", (q, k, v, None, None, False)).name == expect
 
 
 def test_forced_backend_errors():
@@ -240,7 +240,7 @@ def test_forced_backend_errors():
     (lambda q, k, v: (q, k.double(), v), "k has dtype torch.float64"),
     (lambda q, k, v: (q, k.half(), v), "share one dtype"),
     (lambda q, k, v: (q, k, v[:, :, :3]), "same shape"),
-    (lambda q, k, v: (q[..., :4], k, v), "must agree in batch, heads and head_dim"),
+    (lambda q, k, v: (q[..., :4], k, v), "must agree in batch and head_dim"),
     (lambda q, k, v: (q, k[:, :, :0], v[:, :, :0]), "zero length"),
 ])
 def test_bad_inputs_name_the_op(bad, match):
@@ -306,7 +306,7 @@ def test_auto_dispatch_declines_cpp_without_avx512():
         from pyext.ops import attention
         q = torch.randn(1, 2, 8, 40, dtype=torch.bfloat16)
         out = attention(q, q, q, backend="cpp")
-        print(json.dumps(dict(auto=select("attention", (q, q, q, None)).name, forced_ok=out.shape == q.shape)))
+        print(json.dumps(dict(auto=select("attention", (q, q, q, None, None, False)).name, forced_ok=out.shape == q.shape)))
     """)
     proc = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=300,
                           env=dict(os.environ, PYEXT_CPU_SIMD="avx2"))

@@ -36,7 +36,7 @@ SCRIPT = textwrap.dedent("""
                                   err=(out.double() - exact).abs().max().item(),
                                   torch_err=(plain.double() - exact).abs().max().item()))
     q = torch.randn(1, 1, 4, 8, dtype=torch.float16)
-    picked = select("attention", (q, q, q, None)).name  # the interpreter is never chosen automatically
+    picked = select("attention", (q, q, q, None, None, False)).name  # the interpreter is never chosen automatically
     try:
         attention(q.bfloat16(), q.bfloat16(), q.bfloat16(), backend="triton")
         bf16 = "accepted"
