@@ -481,7 +481,20 @@ def draw_attention(r: random.Random) -> dict:
             "d": r.choice([1, 2, 3, 8, 17, 40, 64, 80, 128]), "dtype": r.choice(list(DTYPES)),
             "layout": r.choice(["contiguous", "bshd", "bshd", "expanded"]),
             "scale": r.choice([None, None, None, 0.05, 1.0, -0.7, 1e-30, 30.0]),
-            "special": r.choice(["none", "none", "none", "nan_q", "nan_k", "nan_v", "neg_first_block"])}
+            "special": r.choice(["none", "none", "none", "nan_q", "nan_k", "nan_v", "neg_first_block"]),
+            "mask": r.choice([None, None, "keys", "bias"])}
+
+
+def attention_mask(p: dict, g: torch.Generator):
+    """Key padding per sample (the last sample may keep no key), or a float32 bias per head and
+    position with masked (-inf) entries."""
+    b, h, sq, skv = p["b"], p["h"], p["sq"], p["skv"]
+    if p.get("mask") == "keys":
+        return (torch.arange(skv) < torch.randint(0, skv + 1, (b, 1), generator=g))[:, None, None, :]
+    if p.get("mask") == "bias":
+        bias = torch.randn(1, h, sq, skv, generator=g) * 3
+        return bias.masked_fill(torch.rand(1, h, sq, skv, generator=g) < 0.3, -math.inf)
+    return None
 
 
 def attention_inputs(p: dict):
@@ -507,15 +520,22 @@ def attention_inputs(p: dict):
     return q, k, v, dtype
 
 
-def attention_oracle(q, k, v, scale):
-    """softmax(q k^T * scale) v in float64, with fp32's overflow of the scores to +-inf
-    (far from the threshold in these cases); and the tolerance per output row."""
+def attention_oracle(q, k, v, scale, mask=None):
+    """softmax(q k^T * scale + mask) v in float64, with fp32's overflow of the scores to +-inf
+    (far from the threshold in these cases), 0 for rows whose keys are all masked; and the
+    tolerance per output row."""
     scale = q.shape[-1] ** -0.5 if scale is None else scale
     q64, k64, v64 = q.double(), k.double(), v.double()
     qk = q64 @ k64.transpose(-1, -2)
     s = qk * scale
     s = torch.where((qk.abs() > FP32_MAX / 2) | (s.abs() > FP32_MAX / 2), torch.sign(s) * math.inf, s)
+    if mask is not None:
+        bias = torch.zeros(mask.shape, dtype=torch.float64).masked_fill(~mask, -math.inf) \
+            if mask.dtype == torch.bool else mask.double()
+        s = s + bias
     exact = torch.softmax(s, -1) @ v64
+    if mask is not None:
+        exact = exact.masked_fill((s == -math.inf).all(-1, keepdim=True), 0.0)
     # fp32 scores are off by ~2^-22 of |q||k| |scale|; that moves the output by about that
     # many e-folds of every key that can carry weight.
     delta = 2.0 ** -21 * abs(scale) * (q64.abs() @ k64.abs().transpose(-1, -2))
@@ -529,14 +549,15 @@ def attention_oracle(q, k, v, scale):
 
 def run_attention(p: dict) -> None:
     q, k, v, dtype = attention_inputs(p)
-    exact, tol = attention_oracle(q, k, v, p["scale"])
+    mask = attention_mask(p, gen(p))
+    exact, tol = attention_oracle(q, k, v, p["scale"], mask)
 
     def check(name, out):
         if out.stride() != torch.empty_like(q).stride():
             raise Mismatch(f"attention {name}: strides {out.stride()}, the op promises empty_like(q)'s")
         check_close(f"attention {name}", out, exact, tol)
 
-    run_variants("attention", lambda backend: attention(q, k, v, p["scale"], backend=backend), check,
+    run_variants("attention", lambda backend: attention(q, k, v, p["scale"], backend=backend, attn_mask=mask), check,
                  extra=("sdpa", "reference"))
 
 
