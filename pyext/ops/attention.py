@@ -80,7 +80,7 @@ def _cpp_slower(q, k, v, scale):
 
 
 def _cpp(q, k, v, scale):
-    return torch.ops.pyext_C.attention(q, k, v, _scale(q, scale), "")
+    return torch.ops.pyext_C.attention(q, k, v, _scale(q, scale), "")[0]
 
 
 # ----------------------------------------------------------------------------- triton (CUDA)
