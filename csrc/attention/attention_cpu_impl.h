@@ -123,15 +123,15 @@ struct Fp32Attention {
       for (int64_t c = 0; c < dv; ++c) vp[j * dv + c] = c < d ? load_elem(v, j * d + c, t) : 0.0f;
   }
 
-  // acc[r][n] (+)= sum_j p[r][j] * v[j][c + n*W] for n < N, then stores to o.
+  // o[r][c + n*W] = o * alpha[r] + sum_j p[r][j] * v[j][c + n*W] for n < N. The block's sum
+  // starts from zero and o joins it at the end, so fp32 rounding grows with a block's length,
+  // not with the whole row's.
   template <int N>
   static inline void pv_tile(const float* s, int64_t nc, const float* vp, int64_t dv, int64_t c, float* o,
                              const float* alpha) {
     reg acc[R][N];
-    for (int r = 0; r < R; ++r) {
-      const reg a = V::set1(alpha[r]);
-      for (int n = 0; n < N; ++n) acc[r][n] = V::mul(V::load(o + r * dv + c + n * W), a);
-    }
+    for (int r = 0; r < R; ++r)
+      for (int n = 0; n < N; ++n) acc[r][n] = V::zero();
     for (int64_t j = 0; j < nc; ++j) {
       reg vv[N];
       for (int n = 0; n < N; ++n) vv[n] = V::load(vp + j * dv + c + n * W);
@@ -140,8 +140,13 @@ struct Fp32Attention {
         for (int n = 0; n < N; ++n) acc[r][n] = V::fma(p, vv[n], acc[r][n]);
       }
     }
-    for (int r = 0; r < R; ++r)
-      for (int n = 0; n < N; ++n) V::store(o + r * dv + c + n * W, acc[r][n]);
+    for (int r = 0; r < R; ++r) {
+      const reg a = V::set1(alpha[r]);
+      for (int n = 0; n < N; ++n) {
+        float* on = o + r * dv + c + n * W;
+        V::store(on, V::fma(V::load(on), a, acc[r][n]));
+      }
+    }
   }
 
   // Without a bias the scores are kept in base 2 (scaled by log2e), so p = exp2(s - max) needs
