@@ -2,7 +2,8 @@
 // exact-size heap buffers; built with -fsanitize=address,undefined by
 // tests/test_attention_op.py::test_kernels_clean_under_sanitizers. v = 1 makes every fp32
 // output exactly 1, so a wrong softmax normalisation is caught too; each shape runs once over
-// all keys and once in two chunks of keys (AttnCarry).
+// all keys and once in two chunks of keys (AttnCarry), each without and with an exact-size
+// bias (row 0 fully masked: output 0, lse -inf; key 0 masked in the others) and lse buffer.
 #include <cstdio>
 #include <cstdlib>
 #include <cstring>
@@ -33,8 +34,10 @@ int main() {
         for (int64_t i = 0; i < sq * d * (int64_t)es; ++i) q[i] = (i % 2) ? 0x3f : 0x00;  // small positive values
         for (int64_t i = 0; i < skv * d * (int64_t)es; ++i) { k[i] = (i % 2) ? 0x3e : 0x11; v[i] = (i % 2) ? 0x3f : 0x22; }
         if (t == PYEXT_F32) { for (int64_t i=0;i<sq*d;++i) ((float*)q)[i]=0.01f*(i%7); for (int64_t i=0;i<skv*d;++i) {((float*)k)[i]=0.02f*(i%5); ((float*)v)[i]=1.0f;} }
+        float* bias = (float*)malloc(sq * skv * sizeof(float)); float* lse = (float*)malloc(sq * sizeof(float));
+        for (int64_t i = 0; i < sq * skv; ++i) bias[i] = (sq > 1 && i < skv) || (skv > 1 && i % skv == 0) ? -INFINITY : 0.5f * (i % 3);
         // all keys in one call, then (skv > 1) in two chunks with exact-size carry buffers
-        for (int64_t split : {skv, skv / 2}) {
+        for (bool biased : {false, true}) for (int64_t split : {skv, skv / 2}) {
           if (split == 0) continue;
           float* co = (float*)malloc(sq * d * sizeof(float)); float* cm = (float*)malloc(sq * sizeof(float));
           float* cl = (float*)malloc(sq * sizeof(float));
@@ -43,13 +46,16 @@ int main() {
             void* p = malloc(ks[ki].packed_bytes(n, d));
             ks[ki].pack(k + j0 * d * es, v + j0 * d * es, n, d, t, p);
             AttnCarry carry{co, cm, cl, j0 == 0, j0 + n == skv};
-            ks[ki].forward(q, sq, p, n, d, 0.1f, t, o, split == skv ? nullptr : &carry);
+            ks[ki].forward(q, sq, p, n, d, 0.1f, biased ? bias + j0 : nullptr, skv, t, o, biased ? lse : nullptr,
+                           split == skv ? nullptr : &carry);
             free(p);
           }
           free(co); free(cm); free(cl);
-          if (t == PYEXT_F32) for (int64_t i=0;i<sq*d;++i) if (std::fabs(((float*)o)[i]-1.0f) > 1e-5f) { if (fails++ < 5) printf("bad %s d=%ld sq=%ld skv=%ld split=%ld %f\n", names[ki], d, sq, skv, split, ((float*)o)[i]); break; }
+          const bool masked0 = biased && sq > 1;  // row 0 attends to nothing
+          if (t == PYEXT_F32) for (int64_t i=0;i<sq*d;++i) if (std::fabs(((float*)o)[i]-(masked0 && i < d ? 0.0f : 1.0f)) > 1e-5f) { if (fails++ < 5) printf("bad %s d=%ld sq=%ld skv=%ld split=%ld biased=%d %f\n", names[ki], d, sq, skv, split, biased, ((float*)o)[i]); break; }
+          if (biased) for (int64_t r = 0; r < sq; ++r) if ((r == 0 && masked0) != (lse[r] == -INFINITY) || std::isnan(lse[r])) { if (fails++ < 5) printf("bad lse %s d=%ld sq=%ld skv=%ld split=%ld row %ld: %f\n", names[ki], d, sq, skv, split, r, lse[r]); break; }
         }
-        free(q); free(k); free(v); free(o);
+        free(q); free(k); free(v); free(o); free(bias); free(lse);
       }
     }
   }

@@ -73,7 +73,7 @@ def test_cpp_every_path(sq, skv, d, dtype):
     for path in cpu_paths():
         if path == "avx512_bf16" and dtype != torch.bfloat16:
             continue
-        out = torch.ops.pyext_C.attention(q, k, v, d ** -0.5, path)
+        out = torch.ops.pyext_C.attention(q, k, v, d ** -0.5, path)[0]
         assert_close_to_oracle(out, q, k, v)
 
 
@@ -86,7 +86,7 @@ def test_cpp_long_sequences(d, dtype):
     for path in cpu_paths():
         if path in ("scalar",) and d > 64 or path == "avx512_bf16" and dtype != torch.bfloat16:
             continue  # the scalar path is covered at every size above; keep the suite fast
-        assert_close_to_oracle(torch.ops.pyext_C.attention(q, k, v, d ** -0.5, path), q, k, v)
+        assert_close_to_oracle(torch.ops.pyext_C.attention(q, k, v, d ** -0.5, path)[0], q, k, v)
 
 
 @needs_kernel
@@ -101,7 +101,7 @@ def test_cpp_keys_in_chunks(b, h, sq, skv, d, dtype):
     for path in cpu_paths():
         if path == "avx512_bf16" and dtype != torch.bfloat16:
             continue
-        assert_close_to_oracle(torch.ops.pyext_C.attention(q, k, v, d ** -0.5, path), q, k, v)
+        assert_close_to_oracle(torch.ops.pyext_C.attention(q, k, v, d ** -0.5, path)[0], q, k, v)
 
 
 @needs_kernel
@@ -112,7 +112,7 @@ def test_cpp_large_scores_stay_stable(dtype):
     for path in cpu_paths():
         if path == "avx512_bf16" and dtype != torch.bfloat16:
             continue
-        out = torch.ops.pyext_C.attention(q, k, v, 64 ** -0.5, path)
+        out = torch.ops.pyext_C.attention(q, k, v, 64 ** -0.5, path)[0]
         assert torch.isfinite(out).all()
         assert_close_to_oracle(out, q, k, v)
 
@@ -139,7 +139,7 @@ def test_simd_cap_env(level, expect):
         torch.manual_seed(0)
         q, k, v = (torch.randn(1, 2, 33, 40, dtype=torch.bfloat16) for _ in range(3))
         out = attention(q, k, v, backend="cpp")
-        ref = torch.ops.pyext_C.attention(q, k, v, 40 ** -0.5, "scalar" if "{level}" == "scalar" else "avx2")
+        ref = torch.ops.pyext_C.attention(q, k, v, 40 ** -0.5, "scalar" if "{level}" == "scalar" else "avx2")[0]
         print(json.dumps(dict(paths=list(torch.ops.pyext_C.attention_paths()), same=bool(torch.equal(out, ref)))))
     """).replace("{level}", level)
     env = dict(os.environ, PYEXT_CPU_SIMD=level)
@@ -164,7 +164,7 @@ def _extra_mib(sq: int, skv: int, d: int, dtype: str) -> dict:
         torch.ops.pyext_C.attention(q[:, :, :64], k[:, :, :64], v[:, :, :64], 0.125, "")  # load code, threads
         open("/proc/self/clear_refs", "w").write("5")
         before = kib("VmRSS")
-        out = torch.ops.pyext_C.attention(q, k, v, 0.125, "")
+        out = torch.ops.pyext_C.attention(q, k, v, 0.125, "")[0]
         print(json.dumps(dict(extra_mib=(kib("VmHWM") - before) / 1024, finite=bool(torch.isfinite(out).all()))))
     """)
     proc = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=600)

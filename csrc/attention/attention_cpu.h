@@ -1,8 +1,8 @@
-// CPU flash-attention forward: softmax(q k^T * scale) v for one (batch, head) at a
-// time, on raw pointers so the SIMD units include no torch headers.
+// CPU flash-attention forward: softmax(q k^T * scale + bias) v for one (batch, head)
+// at a time, on raw pointers so the SIMD units include no torch headers.
 //
 // The glue (attention_ops.cpp) makes q/k/v contiguous (B, H, S, D), packs each
-// (batch, head)'s k and v into a SIMD-friendly layout (long k/v a chunk at a time,
+// (batch, kv head)'s k and v into a SIMD-friendly layout (long k/v a chunk at a time,
 // AttnCarry, so the packed copy stays small), then runs `forward` over blocks of
 // query rows in parallel. Scores exist only for 4-8 query rows x 256 keys at a
 // time; the full (Sq, Skv) matrix never does.
@@ -18,7 +18,9 @@ namespace pyext::cpu {
 // Where keys come in chunks (the glue packs long k/v a chunk at a time, so the packed copy
 // stays small), each query row's running output, max and sum go from one chunk's call to the
 // next: o is rows x d fp32, m and l rows each. first: nothing carried in yet. last: the final
-// chunk, whose call normalises into `out` instead of carrying out.
+// chunk, whose call normalises into `out` instead of carrying out. m is in the units of the
+// call's scores, which differ with and without a bias: every chunk of one row passes a bias or
+// none does.
 struct AttnCarry {
   float* o;
   float* m;
@@ -33,8 +35,14 @@ struct AttnKernel {
   void (*pack)(const void* k, const void* v, int64_t skv, int64_t d, PyextDtype t, void* packed);
   // out[rows x d] = attention of q[rows x d] (contiguous, type t) over one packed k/v; with a
   // carry (else null), over one chunk of the keys: out is written by the last chunk only.
+  // bias (else null): fp32, added to the scaled score of row r and key j (counted from this
+  // chunk's first key) as bias[r * bias_stride + j]; stride 0 gives every row the same bias.
+  // lse (else null): each row's natural-log log-sum-exp of its scores, written with out.
+  // A row whose scores are all -inf gets lse -inf and output 0 with a bias (a fully masked
+  // row, as torch's SDPA gives), NaN without (fp32 overflow: softmax's NaN).
   void (*forward)(const void* q, int64_t rows, const void* packed, int64_t skv, int64_t d, float scale,
-                  PyextDtype t, void* out, const AttnCarry* carry);
+                  const float* bias, int64_t bias_stride, PyextDtype t, void* out, float* lse,
+                  const AttnCarry* carry);
 };
 
 // fp32 accumulation everywhere; the *_bf16dot kernel (bf16 inputs only, needs

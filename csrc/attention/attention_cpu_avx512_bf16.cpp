@@ -41,6 +41,15 @@ inline __m512 exp2_bf16(__m512 x) {
   return _mm512_scalef_ps(_mm512_fmadd_ps(p, f, _mm512_set1_ps(1.0f)), n);
 }
 
+// The scores of a stripe of keys from key j: a * c2 (+ bias_row[j...]), -inf past the valid
+// keys. The bias row may end inside the stripe, so it is read under the valid-key mask.
+template <bool kBias>
+inline __m512 score(__m512 a, __m512 c2, __mmask16 ok, const float* bias_row, int64_t j) {
+  const __m512 ninf = _mm512_set1_ps(-INFINITY);
+  if constexpr (!kBias) return _mm512_mask_mul_ps(ninf, ok, a, c2);
+  return _mm512_mask_mov_ps(ninf, ok, _mm512_fmadd_ps(a, c2, _mm512_maskz_loadu_ps(ok, bias_row + j)));
+}
+
 size_t packed_bytes(int64_t skv, int64_t d) {
   return static_cast<size_t>(round_up(skv, 16) * round_up(d, 2) + round_up(skv, 2) * round_up(d, 16)) * 2;
 }
@@ -83,13 +92,16 @@ inline void pv_tile(const uint32_t* pb, int64_t npairs, const uint16_t* vp, int6
     for (int n = 0; n < N; ++n) _mm512_storeu_ps(o + r * dv + c + n * 16, acc[r][n]);
 }
 
-void forward(const void* q, int64_t rows, const void* packed, int64_t skv, int64_t d, float scale, PyextDtype t,
-             void* out, const AttnCarry* carry) {
+// Scores in base 2 without a bias, natural with one: as in Fp32Attention::forward_impl.
+template <bool kBias>
+void forward_impl(const void* q, int64_t rows, const void* packed, int64_t skv, int64_t d, float scale,
+                  const float* bias, int64_t bias_stride, PyextDtype t, void* out, float* lse,
+                  const AttnCarry* carry) {
   const int64_t d2 = round_up(d, 2), dv = round_up(d, 16);
   const uint16_t* kp = static_cast<const uint16_t*>(packed);
   const uint16_t* vp = kp + round_up(skv, 16) * d2;
   const uint16_t* qs = static_cast<const uint16_t*>(q);
-  const float c2 = scale * kLog2e;
+  const float c2 = kBias ? scale : scale * kLog2e;
   // Scratch: o (fp32, kPass x dv), s (fp32, R x block), q pairs (kPass) and p pairs (R), bf16 as uint32 lanes.
   thread_local Scratch buf;
   float* o = buf.get(static_cast<size_t>(kPass * dv + R * kBlockKv + kPass * d2 / 2 + R * kBlockKv / 2));
@@ -116,11 +128,15 @@ void forward(const void* q, int64_t rows, const void* packed, int64_t skv, int64
       float* m = m_all + g * R;
       float* l = l_all + g * R;
       float* alpha = alpha_all + g * R;
-      // s = q k^T * scale * log2e, two stripes of 16 keys per pass: 16 accumulators.
+      // s = q k^T * c2 (+ bias), two stripes of 16 keys per pass: 16 accumulators.
       // Keys past skv get -inf, and the row max is taken on the way out of the registers.
       const __m512 vc2 = _mm512_set1_ps(c2), ninf = _mm512_set1_ps(-INFINITY);
       __m512 vmax[R];
-      for (int r = 0; r < R; ++r) vmax[r] = ninf;
+      const float* brow[R] = {};  // rows past the end take the last row's bias and are never stored
+      for (int r = 0; r < R; ++r) {
+        vmax[r] = ninf;
+        if constexpr (kBias) brow[r] = bias + (r0 + std::min<int64_t>(g * R + r, nr - 1)) * bias_stride + j0;
+      }
       for (int64_t js = 0; js < ncp; js += 32) {
         const bool two = js + 16 < ncp;
         const __mmask16 ok0 = valid_lanes(nc - js), ok1 = valid_lanes(nc - js - 16);
@@ -137,11 +153,11 @@ void forward(const void* q, int64_t rows, const void* packed, int64_t skv, int64
           }
         }
         for (int r = 0; r < R; ++r) {
-          const __m512 x0 = _mm512_mask_mul_ps(ninf, ok0, a0[r], vc2);
+          const __m512 x0 = score<kBias>(a0[r], vc2, ok0, brow[r], js);
           _mm512_storeu_ps(s + r * kBlockKv + js, x0);
           vmax[r] = _mm512_max_ps(vmax[r], x0);
           if (two) {
-            const __m512 x1 = _mm512_mask_mul_ps(ninf, ok1, a1[r], vc2);
+            const __m512 x1 = score<kBias>(a1[r], vc2, ok1, brow[r], js + 16);
             _mm512_storeu_ps(s + r * kBlockKv + js + 16, x1);
             vmax[r] = _mm512_max_ps(vmax[r], x1);
           }
@@ -151,13 +167,16 @@ void forward(const void* q, int64_t rows, const void* packed, int64_t skv, int64
       for (int r = 0; r < R; ++r) {
         float* sr = s + r * kBlockKv;
         const float m_new = std::max(m[r], _mm512_reduce_max_ps(vmax[r])), shift = softmax_shift(m_new);
-        alpha[r] = std::exp2(m[r] - shift);
+        const float dm = m[r] - shift;
+        alpha[r] = std::exp2(kBias ? dm * kLog2e : dm);
         m[r] = m_new;
         const __m512 vmn = _mm512_set1_ps(shift);
         __m512 sum = _mm512_setzero_ps();
         uint16_t* pr = reinterpret_cast<uint16_t*>(pb + r * (kBlockKv / 2));
         for (int64_t j = 0; j < ncp; j += 16) {
-          const __m512 p = exp2_bf16(_mm512_sub_ps(_mm512_loadu_ps(sr + j), vmn));
+          __m512 x = _mm512_sub_ps(_mm512_loadu_ps(sr + j), vmn);
+          if constexpr (kBias) x = _mm512_mul_ps(x, _mm512_set1_ps(kLog2e));
+          const __m512 p = exp2_bf16(x);
           sum = _mm512_add_ps(sum, p);
           _mm256_storeu_si256(reinterpret_cast<__m256i*>(pr + j), (__m256i)_mm512_cvtneps_pbh(p));
         }
@@ -172,8 +191,14 @@ void forward(const void* q, int64_t rows, const void* packed, int64_t skv, int64
       for (; c < dv; c += 16) pv_tile<1>(pb, npairs, vblk, dv, c, og, alpha);
       }
     }
-    carry_out(carry, r0, nr, d, dv, o, m_all, l_all, t, out);
+    carry_out(carry, r0, nr, d, dv, o, m_all, l_all, t, out, lse, kBias);
   }
+}
+
+void forward(const void* q, int64_t rows, const void* packed, int64_t skv, int64_t d, float scale, const float* bias,
+             int64_t bias_stride, PyextDtype t, void* out, float* lse, const AttnCarry* carry) {
+  (bias != nullptr ? forward_impl<true> : forward_impl<false>)(q, rows, packed, skv, d, scale, bias, bias_stride, t,
+                                                               out, lse, carry);
 }
 
 }  // namespace

@@ -23,6 +23,7 @@ namespace {
 constexpr int64_t kBlockKv = 256;  // keys per online-softmax step: scores for R rows stay in L1
 constexpr int64_t kPass = 64;      // query rows that share one pass over k/v (kQueryBlock in the glue)
 constexpr float kLog2e = 1.4426950408889634f;
+constexpr float kLn2 = 0.6931471805599453f;
 
 inline int64_t round_up(int64_t x, int64_t m) { return (x + m - 1) / m * m; }
 
@@ -60,9 +61,11 @@ inline void carry_in(const AttnCarry* carry, int64_t r0, int64_t nr, int64_t til
   }
 }
 
-// The end of a pass: carry o, m, l on to the next chunk, or normalise into out (type t).
+// The end of a pass: carry o, m, l on to the next chunk, or normalise into out (type t) and
+// write each row's log-sum-exp to lse (if not null). biased: the scores had a bias added and
+// are in natural units (else base 2).
 inline void carry_out(const AttnCarry* carry, int64_t r0, int64_t nr, int64_t d, int64_t dv, const float* o,
-                      const float* m, const float* l, PyextDtype t, void* out) {
+                      const float* m, const float* l, PyextDtype t, void* out, float* lse, bool biased) {
   if (carry != nullptr && !carry->last) {
     for (int64_t r = 0; r < nr; ++r) {
       std::copy(o + r * dv, o + r * dv + d, carry->o + (r0 + r) * d);
@@ -71,9 +74,21 @@ inline void carry_out(const AttnCarry* carry, int64_t r0, int64_t nr, int64_t d,
     return;
   }
   for (int64_t r = 0; r < nr; ++r) {
-    const float inv = 1.0f / l[r];
+    // l = 0 only where every score is -inf (the row's max key adds exp2(0) = 1 otherwise). With
+    // a bias that is a fully masked row: it attends to nothing and gives 0, as torch's SDPA
+    // does. Without one it is fp32 overflow, and 0 * (1 / 0) keeps softmax's NaN.
+    const float inv = biased && l[r] == 0.0f ? 0.0f : 1.0f / l[r];
     for (int64_t c = 0; c < d; ++c) store_elem(out, (r0 + r) * d + c, o[r * dv + c] * inv, t);
+    if (lse != nullptr) lse[r0 + r] = (biased ? m[r] : m[r] * kLn2) + std::log(l[r]);  // -inf where l = 0
   }
+}
+
+// The scores of one query row and nc keys += that row's bias (natural units).
+template <class V>
+inline void add_bias(float* s, const float* bias, int64_t nc) {
+  int64_t j = 0;
+  for (; j + V::kW <= nc; j += V::kW) V::store(s + j, V::add(V::load(s + j), V::load(bias + j)));
+  for (; j < nc; ++j) s[j] += bias[j];  // the bias row may end here: no whole-vector load past it
 }
 
 // Per-thread scratch that grows and is reused across calls (no allocation per block).
@@ -108,15 +123,15 @@ struct Fp32Attention {
       for (int64_t c = 0; c < dv; ++c) vp[j * dv + c] = c < d ? load_elem(v, j * d + c, t) : 0.0f;
   }
 
-  // acc[r][n] (+)= sum_j p[r][j] * v[j][c + n*W] for n < N, then stores to o.
+  // o[r][c + n*W] = o * alpha[r] + sum_j p[r][j] * v[j][c + n*W] for n < N. The block's sum
+  // starts from zero and o joins it at the end, so fp32 rounding grows with a block's length,
+  // not with the whole row's.
   template <int N>
   static inline void pv_tile(const float* s, int64_t nc, const float* vp, int64_t dv, int64_t c, float* o,
                              const float* alpha) {
     reg acc[R][N];
-    for (int r = 0; r < R; ++r) {
-      const reg a = V::set1(alpha[r]);
-      for (int n = 0; n < N; ++n) acc[r][n] = V::mul(V::load(o + r * dv + c + n * W), a);
-    }
+    for (int r = 0; r < R; ++r)
+      for (int n = 0; n < N; ++n) acc[r][n] = V::zero();
     for (int64_t j = 0; j < nc; ++j) {
       reg vv[N];
       for (int n = 0; n < N; ++n) vv[n] = V::load(vp + j * dv + c + n * W);
@@ -125,16 +140,28 @@ struct Fp32Attention {
         for (int n = 0; n < N; ++n) acc[r][n] = V::fma(p, vv[n], acc[r][n]);
       }
     }
-    for (int r = 0; r < R; ++r)
-      for (int n = 0; n < N; ++n) V::store(o + r * dv + c + n * W, acc[r][n]);
+    for (int r = 0; r < R; ++r) {
+      const reg a = V::set1(alpha[r]);
+      for (int n = 0; n < N; ++n) {
+        float* on = o + r * dv + c + n * W;
+        V::store(on, V::fma(V::load(on), a, acc[r][n]));
+      }
+    }
   }
 
-  static void forward(const void* q, int64_t rows, const void* packed, int64_t skv, int64_t d, float scale,
-                      PyextDtype t, void* out, const AttnCarry* carry) {
+  // Without a bias the scores are kept in base 2 (scaled by log2e), so p = exp2(s - max) needs
+  // no multiply. With one they stay natural and the exponent is scaled instead: log2e times a
+  // mask of float's lowest value would overflow to -inf, and a row masked that way would
+  // attend to nothing instead of (as softmax does) to every key alike. kBias is a template
+  // argument so that the unbiased loops carry no bias code.
+  template <bool kBias>
+  static void forward_impl(const void* q, int64_t rows, const void* packed, int64_t skv, int64_t d, float scale,
+                           const float* bias, int64_t bias_stride, PyextDtype t, void* out, float* lse,
+                           const AttnCarry* carry) {
     const float* kp = static_cast<const float*>(packed);
     const float* vp = kp + round_up(skv, W) * d;
     const int64_t dv = round_up(d, W);
-    const float c2 = scale * kLog2e;  // softmax in base 2: exp(x * scale) = exp2(x * scale * log2e)
+    const float c2 = kBias ? scale : scale * kLog2e;  // exp(x * scale) = exp2(x * scale * log2e)
     thread_local Scratch buf;
     float* qall = buf.get(static_cast<size_t>(kPass * d + kPass * dv + R * kBlockKv));
     float* o = qall + kPass * d;
@@ -145,7 +172,7 @@ struct Fp32Attention {
     // so k/v that outgrow L2 (fp32 packs, long sequences) are streamed kPass / R times less.
     for (int64_t r0 = 0; r0 < rows; r0 += kPass) {
       const int64_t nr = std::min(kPass, rows - r0), ng = (nr + R - 1) / R;
-      // Rows past the end compute on zeros and are never stored.
+      // Rows past the end compute on zeros (and the last row's bias) and are never stored.
       for (int64_t r = 0; r < ng * R; ++r)
         for (int64_t c = 0; c < d; ++c) qall[r * d + c] = r < nr ? load_elem(q, (r0 + r) * d + c, t) : 0.0f;
       carry_in(carry, r0, nr, ng * R, d, dv, o, m_all, l_all);
@@ -158,7 +185,7 @@ struct Fp32Attention {
           float* m = m_all + g * R;
           float* l = l_all + g * R;
           float* alpha = alpha_all + g * R;
-          // s = (q k^T) * scale * log2e, one stripe of W keys at a time.
+          // s = (q k^T) * c2, one stripe of W keys at a time.
           for (int64_t js = 0; js < ncp; js += W) {
             const float* ks = kp + (j0 + js) * d;
             reg acc[R];
@@ -173,16 +200,23 @@ struct Fp32Attention {
           // Online softmax: new running max, rescale factor for what was accumulated, p = exp2(s - max).
           for (int r = 0; r < R; ++r) {
             float* sr = s + r * kBlockKv;
+            if constexpr (kBias) {
+              const int64_t row = r0 + std::min<int64_t>(g * R + r, nr - 1);
+              add_bias<V>(sr, bias + row * bias_stride + j0, nc);
+            }
             for (int64_t j = nc; j < ncp; ++j) sr[j] = -INFINITY;
             reg vm = V::set1(-INFINITY);
             for (int64_t j = 0; j < ncp; j += W) vm = V::max(vm, V::load(sr + j));
             const float m_new = std::max(m[r], V::reduce_max(vm)), shift = softmax_shift(m_new);
-            alpha[r] = std::exp2(m[r] - shift);  // exp2(-inf) = 0 on the first block
+            const float dm = m[r] - shift;
+            alpha[r] = std::exp2(kBias ? dm * kLog2e : dm);  // exp2(-inf) = 0 on the first block
             m[r] = m_new;
             const reg vmn = V::set1(shift);
             reg sum = V::zero();
             for (int64_t j = 0; j < ncp; j += W) {
-              const reg p = V::exp2(V::sub(V::load(sr + j), vmn));
+              reg x = V::sub(V::load(sr + j), vmn);
+              if constexpr (kBias) x = V::mul(x, V::set1(kLog2e));
+              const reg p = V::exp2(x);
               V::store(sr + j, p);
               sum = V::add(sum, p);
             }
@@ -194,8 +228,15 @@ struct Fp32Attention {
           for (; c < dv; c += W) pv_tile<1>(s, nc, vp + j0 * dv, dv, c, og, alpha);
         }
       }
-      carry_out(carry, r0, nr, d, dv, o, m_all, l_all, t, out);
+      carry_out(carry, r0, nr, d, dv, o, m_all, l_all, t, out, lse, kBias);
     }
+  }
+
+  static void forward(const void* q, int64_t rows, const void* packed, int64_t skv, int64_t d, float scale,
+                      const float* bias, int64_t bias_stride, PyextDtype t, void* out, float* lse,
+                      const AttnCarry* carry) {
+    (bias != nullptr ? forward_impl<true> : forward_impl<false>)(q, rows, packed, skv, d, scale, bias, bias_stride,
+                                                                 t, out, lse, carry);
   }
 
   static AttnKernel kernel() { return AttnKernel{packed_bytes, pack, forward}; }

@@ -6,7 +6,9 @@
 #include <torch/library.h>
 
 #include <algorithm>
+#include <optional>
 #include <string>
+#include <tuple>
 #include <vector>
 
 #include "attention/attention_cpu.h"
@@ -70,27 +72,64 @@ AttnKernel pick_kernel(const std::string& path, at::ScalarType dtype) {
   return attention_kernel_scalar();
 }
 
-at::Tensor attention_cpu(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, double scale,
-                         c10::string_view path) {
+// The bias as the kernels read it: fp32, unit stride along keys, and stride 0 along every dim
+// it broadcasts over, so a (B, 1, 1, Skv) key-padding mask is never expanded in memory.
+struct BiasView {
+  at::Tensor t;              // keeps what `p` points into alive
+  const float* p = nullptr;  // null: no bias
+  int64_t stride[3] = {0, 0, 0};  // batch, head, query row
+};
+
+BiasView bias_view(const std::optional<at::Tensor>& bias, at::IntArrayRef full) {
+  BiasView view;
+  if (!bias.has_value()) return view;
+  at::Tensor b = *bias;
+  TORCH_CHECK(b.scalar_type() == at::kFloat, "pyext attention: bias must be float32, got ", b.scalar_type());
+  TORCH_CHECK(b.device().is_cpu(), "pyext attention: bias must be on the CPU, got ", b.device());
+  TORCH_CHECK(b.dim() == 4, "pyext attention: bias must be 4-D, got shape ", b.sizes());
+  for (int64_t i = 0; i < 4; ++i)
+    TORCH_CHECK(b.size(i) == full[i] || b.size(i) == 1, "pyext attention: bias of shape ", b.sizes(),
+                " does not broadcast to (batch, heads, q length, kv length) ", full);
+  // An expanded view's stride-0 dims shrink to size 1, so that making the key dim unit-stride
+  // (below) copies only the bias's own values.
+  for (int64_t i = 0; i < 3; ++i)
+    if (b.stride(i) == 0 && b.size(i) > 1) b = b.narrow(i, 0, 1);
+  if (b.size(3) != full[3]) b = b.expand({-1, -1, -1, full[3]});
+  if (b.size(3) > 1 && b.stride(3) != 1) b = b.contiguous();
+  view.t = b;
+  view.p = b.data_ptr<float>();
+  for (int64_t i = 0; i < 3; ++i) view.stride[i] = b.size(i) == 1 ? 0 : b.stride(i);
+  return view;
+}
+
+std::tuple<at::Tensor, at::Tensor> attention_cpu(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v,
+                                                 double scale, c10::string_view path,
+                                                 const std::optional<at::Tensor>& bias, bool return_lse) {
   TORCH_CHECK(q.dim() == 4 && k.dim() == 4 && v.dim() == 4, "pyext attention: q, k, v must be 4-D");
   TORCH_CHECK(q.scalar_type() == k.scalar_type() && q.scalar_type() == v.scalar_type(),
               "pyext attention: q, k, v must share one dtype");
   TORCH_CHECK(k.sizes() == v.sizes(), "pyext attention: k and v must have the same shape");
-  TORCH_CHECK(q.size(0) == k.size(0) && q.size(1) == k.size(1) && q.size(3) == k.size(3),
-              "pyext attention: q and k must agree in batch, heads and head_dim");
+  TORCH_CHECK(q.size(0) == k.size(0) && q.size(3) == k.size(3),
+              "pyext attention: q and k must agree in batch and head_dim");
   const PyextDtype type = dtype_code(q.scalar_type(), "pyext attention");
-  const int64_t B = q.size(0), H = q.size(1), Sq = q.size(2), Skv = k.size(2), D = q.size(3);
+  const int64_t B = q.size(0), H = q.size(1), Hkv = k.size(1), Sq = q.size(2), Skv = k.size(2), D = q.size(3);
+  TORCH_CHECK(Hkv > 0 ? H % Hkv == 0 : H == 0, "pyext attention: q's heads (", H,
+              ") must be a multiple of k and v's heads (", Hkv, ")");
+  const BiasView bv = bias_view(bias, {B, H, Sq, Skv});
   at::Tensor out = at::empty({B, H, Sq, D}, q.options());
-  if (out.numel() == 0) return out;
+  at::Tensor lse = return_lse ? at::empty({B, H, Sq}, q.options().dtype(at::kFloat))
+                              : at::empty({0}, q.options().dtype(at::kFloat));
+  if (B * H * Sq == 0) return {out, lse};
+  TORCH_CHECK(D > 0, "pyext attention: head_dim is 0");
   TORCH_CHECK(Skv > 0, "pyext attention: k/v have zero length");
   const AttnKernel kernel = pick_kernel(std::string(path), q.scalar_type());
   const at::Tensor qc = q.contiguous(), kc = k.contiguous(), vc = v.contiguous();
-  const int64_t esize = q.element_size(), BH = B * H;
+  const int64_t esize = q.element_size(), BH = B * H, BHkv = B * Hkv, group = H / Hkv;
   // keys per chunk: as many whole blocks as fit kChunkBytes packed (at least one block)
   const int64_t chunk = std::min(Skv, kChunkAlign * std::max<int64_t>(
       1, static_cast<int64_t>(kChunkBytes / kernel.packed_bytes(kChunkAlign, D))));
   const size_t per_head = kernel.packed_bytes(chunk, D);
-  at::Tensor packed = at::empty({static_cast<int64_t>(per_head) * BH}, q.options().dtype(at::kByte));
+  at::Tensor packed = at::empty({static_cast<int64_t>(per_head) * BHkv}, q.options().dtype(at::kByte));
   at::Tensor carry_o, carry_ml;  // each query row's running output, max and sum between chunks
   if (chunk < Skv) {
     carry_o = at::empty({BH * Sq * D}, q.options().dtype(at::kFloat));
@@ -101,11 +140,12 @@ at::Tensor attention_cpu(const at::Tensor& q, const at::Tensor& k, const at::Ten
   const char* vp = static_cast<const char*>(vc.data_ptr());
   char* pp = static_cast<char*>(packed.data_ptr());
   char* op = static_cast<char*>(out.data_ptr());
+  float* lp = return_lse ? lse.data_ptr<float>() : nullptr;
   const int64_t nqb = (Sq + kQueryBlock - 1) / kQueryBlock;
   const float fscale = static_cast<float>(scale);
   for (int64_t j0 = 0; j0 < Skv; j0 += chunk) {
     const int64_t n = std::min(chunk, Skv - j0);
-    at::parallel_for(0, BH, grain(n * D), [&](int64_t b, int64_t e) {
+    at::parallel_for(0, BHkv, grain(n * D), [&](int64_t b, int64_t e) {
       for (int64_t i = b; i < e; ++i) {
         const int64_t off = (i * Skv + j0) * D * esize;
         kernel.pack(kp + off, vp + off, n, D, type, pp + i * per_head);
@@ -115,18 +155,22 @@ at::Tensor attention_cpu(const at::Tensor& q, const at::Tensor& k, const at::Ten
       for (int64_t t = b; t < e; ++t) {
         const int64_t i = t / nqb, q0 = (t % nqb) * kQueryBlock, rows = std::min(kQueryBlock, Sq - q0);
         const int64_t row = i * Sq + q0, off = row * D * esize;
+        // query head h of sample s reads kv head h / group of that sample
+        const int64_t s = i / H, h = i % H, ikv = s * Hkv + h / group;
+        const float* bp = bv.p == nullptr ? nullptr
+            : bv.p + s * bv.stride[0] + h * bv.stride[1] + q0 * bv.stride[2] + j0;
         AttnCarry carry{nullptr, nullptr, nullptr, j0 == 0, j0 + n == Skv};
         if (carry_o.defined()) {
           carry.o = carry_o.data_ptr<float>() + row * D;
           carry.m = carry_ml.data_ptr<float>() + row;
           carry.l = carry_ml.data_ptr<float>() + BH * Sq + row;
         }
-        kernel.forward(qp + off, rows, pp + i * per_head, n, D, fscale, type, op + off,
-                       carry_o.defined() ? &carry : nullptr);
+        kernel.forward(qp + off, rows, pp + ikv * per_head, n, D, fscale, bp, bv.stride[2], type, op + off,
+                       lp == nullptr ? nullptr : lp + row, carry_o.defined() ? &carry : nullptr);
       }
     });
   }
-  return out;
+  return {out, lse};
 }
 
 std::vector<std::string> attention_paths() { return available_paths(); }
@@ -134,7 +178,11 @@ std::vector<std::string> attention_paths() { return available_paths(); }
 }  // namespace
 
 TORCH_LIBRARY_FRAGMENT(pyext_C, m) {
-  m.def("attention(Tensor q, Tensor k, Tensor v, float scale, str path='') -> Tensor");
+  // q (B, H, Sq, D); k, v (B, Hkv, Skv, D), H a multiple of Hkv; bias fp32, broadcastable to
+  // (B, H, Sq, Skv), added to the scaled scores. Returns the output (B, H, Sq, D) and, with
+  // return_lse, each row's fp32 log-sum-exp (B, H, Sq) (else an empty tensor).
+  m.def("attention(Tensor q, Tensor k, Tensor v, float scale, str path='', Tensor? bias=None, "
+        "bool return_lse=False) -> (Tensor, Tensor)");
   m.def("attention_paths() -> str[]", attention_paths);  // no tensor args: one kernel for every device
 }
 
