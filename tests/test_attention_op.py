@@ -380,7 +380,7 @@ def test_sdpa_declines_inputs_whose_softmax_is_nan(special):
     expected = attention(q, k, v, backend="reference")
     assert expected.isnan().any()
     assert torch.equal(attention(q, k, v).isnan(), expected.isnan())
-    with pytest.raises(PyextError, match="backend 'sdpa' cannot run this input: q or k holds NaN/inf"):
+    with pytest.raises(PyextError, match="backend 'sdpa' cannot run this input: q, k or the mask holds NaN/inf"):
         attention(q, k, v, backend="sdpa")
 
 

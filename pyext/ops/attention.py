@@ -2,8 +2,8 @@
 
 Self- and cross-attention (k/v length may differ from q length), fp16 / bf16 / fp32, with
 an optional mask (boolean: True takes part, as SDPA's; or an additive float bias), grouped
-query heads (k/v with fewer heads, as SDPA's enable_gqa) and each row's log-sum-exp. A row
-whose keys are all masked gives 0 (as SDPA does) and log-sum-exp -inf. The reference
+query heads (k/v with fewer heads, as SDPA's enable_gqa) and each row's log-sum-exp. With a
+mask, a row whose scores are all -inf gives 0 (as SDPA does) and log-sum-exp -inf. The reference
 computes in fp32 and is the test oracle; the fast backends never materialise the
 (seq_q, seq_kv) score matrix.
 """
@@ -104,7 +104,9 @@ def attention_reference(q, k, v, scale: Optional[float] = None, attn_mask=None, 
     if attn_mask is not None:
         s = s + mask_as_bias(attn_mask)
     lse = torch.logsumexp(s, dim=-1)
-    p = torch.exp(s - lse[..., None]).masked_fill_(torch.isneginf(lse)[..., None], 0.0)  # all masked: 0
+    p = torch.exp(s - lse[..., None])
+    if attn_mask is not None:  # every key masked: 0 (without a mask, all -inf is fp32 overflow: NaN)
+        p.masked_fill_(torch.isneginf(lse)[..., None], 0.0)
     out = torch.matmul(p, _grouped(v, q.shape[1]).float()).to(q.dtype)
     return (out, lse) if return_lse else out
 
