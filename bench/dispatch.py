@@ -74,7 +74,7 @@ def _tiny_calls(device: str) -> dict:
     P = torch.ops.pyext
     return {
         "attention": (lambda: P.attention(q, q, q, None, None), lambda: F.scaled_dot_product_attention(q, q, q),
-                      (q, q, q, None)),
+                      (q, q, q, None, None, False)),
         "fp8_linear": (lambda: P.fp8_linear(x, codes, s, None, None), lambda: F.linear(x, dense),
                        (x, codes, s, None)),
         "group_norm": (lambda: P.group_norm(h, 4, gamma, beta, None, 1e-5, True, None),
