@@ -239,3 +239,15 @@ def test_rendering_replaces_a_block_with_its_file(tmp_path):
     assert "old table" not in new and "| sd15 |" in new and "| `attention` |" in new and "| small | 2048 |" in new
     assert new.count("at commit") == len(render._renderers())
     assert render.rendered(new) == new
+
+
+def test_dispatch_overhead_times_every_op_through_its_chosen_backend():
+    from bench.dispatch import _tiny_calls, overhead
+    from pyext import dispatch
+
+    rows = overhead("cpu", rounds=2, calls=3)
+    assert [r["op"] for r in rows] == list(_tiny_calls("cpu"))
+    for r, (raw, torch_call, args) in zip(rows, _tiny_calls("cpu").values()):
+        assert r["backend"] == dispatch.select(r["op"], args).name
+        assert min(r["raw_us"], r["torch_us"], r["bare_us"]) > 0 and r["raw_vs_torch_range"][0] <= r["raw_vs_torch"]
+        torch.testing.assert_close(raw(), torch_call(), atol=1e-3, rtol=1e-3)  # the same work on both sides
