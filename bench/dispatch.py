@@ -147,17 +147,13 @@ def main(argv=None) -> dict:
     if args.overhead:
         import torch
 
-        from bench.latency import machine_info, versions
+        from bench.latency import save_results
 
         torch.set_num_threads(1)  # a tiny input: one thread, as the op's own cost is what is measured
         rows = overhead(args.device, args.rounds, args.calls)
         print(render_overhead(rows))
-        result = {"bench": "dispatch --overhead", "machine": machine_info(args.device), "versions": versions(),
-                  "commit": _commit(), "rounds": args.rounds, "calls": args.calls, "rows": rows}
-        if args.out:
-            with open(args.out, "w") as f:
-                json.dump(result, f, indent=1)
-        return result
+        return save_results("dispatch --overhead", args.device, args.out, rounds=args.rounds, calls=args.calls,
+                            rows=rows)
     if args.child:
         print(json.dumps(_child(args.device)))
         return {}
@@ -174,14 +170,6 @@ def main(argv=None) -> dict:
             r = rows[i]
             print(f"| {tuple(shape)} | {mode} | {r['backend']} | {r['first_s']:.3f} s | {r['steady_s']:.3f} s |")
     return results
-
-
-def _commit() -> str:
-    try:
-        return subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True,
-                              cwd=os.path.dirname(os.path.abspath(__file__))).stdout.strip() or "unknown"
-    except OSError:
-        return "unknown"
 
 
 if __name__ == "__main__":

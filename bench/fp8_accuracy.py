@@ -15,7 +15,6 @@ The results, with the machine, the commit and the versions, go to FILE (JSON) wh
 from __future__ import annotations
 
 import argparse
-import json
 import statistics
 
 import torch
@@ -104,17 +103,11 @@ def main(argv=None) -> dict:
     p.add_argument("--archs", default=",".join(ARCHS))
     p.add_argument("--out", help="write the results (JSON, with machine, commit and versions) here")
     args = p.parse_args(argv)
-    from bench.dispatch import _commit
-    from bench.latency import machine_info, versions
+    from bench.latency import save_results
 
     rows = [measure(arch) for arch in args.archs.split(",")]
     print(render(rows))
-    result = {"bench": "fp8_accuracy", "machine": machine_info("cpu"), "versions": versions(), "commit": _commit(),
-              "rows": rows}
-    if args.out:
-        with open(args.out, "w") as f:
-            json.dump(result, f, indent=1)
-    return result
+    return save_results("fp8_accuracy", "cpu", args.out, rows=rows)
 
 
 if __name__ == "__main__":

@@ -19,6 +19,7 @@ import platform
 import multiprocessing
 import shutil
 import signal
+import subprocess
 import sys
 import tempfile
 import time
@@ -432,6 +433,24 @@ def versions() -> dict:
     import pyext
     return {"torch": torch.__version__, "diffusers": diffusers.__version__, "transformers": transformers.__version__,
             "pyext": pyext.__version__, "pyext_extension": "loaded" if pyext._ext.EXT is not None else "missing"}
+
+
+def commit() -> str:
+    try:
+        return subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True,
+                              cwd=os.path.dirname(os.path.abspath(__file__))).stdout.strip() or "unknown"
+    except OSError:
+        return "unknown"
+
+
+def save_results(bench: str, device: str, out: str | None, **fields) -> dict:
+    """A results file's content (the bench, the machine, the versions and the commit, then
+    `fields`), written to `out` as JSON when given."""
+    result = {"bench": bench, "machine": machine_info(device), "versions": versions(), "commit": commit(), **fields}
+    if out:
+        with open(out, "w") as f:
+            json.dump(result, f, indent=1)
+    return result
 
 
 def prepare_model(model: str | None, preset: Preset, workdir: str) -> tuple[str, str]:

@@ -13,7 +13,6 @@ pyext.families.VAE_FAMILIES) are set from these figures.
 from __future__ import annotations
 
 import argparse
-import json
 import warnings
 
 import torch
@@ -153,19 +152,15 @@ def main(argv=None):
     p.add_argument("--out", help="write the results (JSON, with machine, commit and versions) here")
     args = p.parse_args(argv)
     warnings.filterwarnings("ignore")
-    from bench.dispatch import _commit
-    from bench.latency import machine_info, versions
+    from bench.latency import save_results
 
     rows = []
     for arch in args.archs.split(","):
         rows.append(measure(arch, args.scale))
         print(render(rows[-1:]).splitlines()[-1], flush=True)
-    result = {"bench": "planner_peaks", "machine": machine_info("cpu"), "versions": versions(), "commit": _commit(),
-              "scale": args.scale, "rows": rows, "tiled_vae": measure_tiled_vae()}
+    result = save_results("planner_peaks", "cpu", args.out, scale=args.scale, rows=rows,
+                          tiled_vae=measure_tiled_vae())
     print(render_result(result))
-    if args.out:
-        with open(args.out, "w") as f:
-            json.dump(result, f, indent=1)
     return result
 
 

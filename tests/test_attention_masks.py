@@ -171,3 +171,12 @@ def test_opcheck_with_masks_and_lse(backend):
             torch.library.opcheck(torch.ops.pyext.attention.default, (qt, k, v, None, backend, mask))
             if backend != "sdpa":
                 torch.library.opcheck(torch.ops.pyext.attention_lse.default, (q, k, v, 0.2, backend, mask))
+
+
+def test_an_expanded_mask_is_converted_without_its_broadcast():
+    from pyext.ops.attention import mask_as_bias
+
+    keep = torch.rand(2, 1, 1, 300) > 0.5
+    bias = mask_as_bias(keep.expand(2, 8, 1024, 300))
+    assert bias.shape == (2, 1, 1, 300) and bias.dtype == torch.float32
+    assert torch.equal(bias, torch.zeros(2, 1, 1, 300).masked_fill(~keep, -math.inf))

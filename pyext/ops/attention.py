@@ -27,7 +27,7 @@ from pyext.ops._triton import TRITON_NOTES, triton_dtypes
 DTYPES = (torch.bfloat16, torch.float16, torch.float32)
 # (batch, heads, q length, kv length, head_dim[, k/v heads, mask, log-sum-exp]) the op tests run
 # backends on: self- and cross-attention, a single query or key, head dims of SD (40, 80, 160)
-# and odd ones; then masks (MASKS), grouped heads and the log-sum-exp.
+# and odd ones; then masks (`_example_mask`), grouped heads and the log-sum-exp.
 TEST_SHAPES = ((1, 2, 9, 77, 40), (2, 1, 37, 45, 64), (1, 2, 16, 1, 33), (1, 1, 1, 33, 160), (1, 1, 5, 7, 1))
 MASKED_SHAPES = ((2, 2, 9, 77, 40, 2, "keys", False), (1, 4, 37, 45, 64, 2, "bias", False),
                  (1, 2, 16, 5, 33, 1, "rows", False))
@@ -82,8 +82,12 @@ def _check_mask(q, k, mask) -> None:
 
 
 def mask_as_bias(mask: torch.Tensor) -> torch.Tensor:
-    """A mask as the additive float32 bias the kernels take, 4-D, in its own (broadcast) shape:
-    a boolean mask's False is -inf."""
+    """A mask as the additive float32 bias the kernels take, 4-D, still broadcastable: a boolean
+    mask's False is -inf. Dims an expanded mask broadcasts over (stride 0) shrink to size 1 first,
+    so only the mask's own values are converted."""
+    for dim in range(mask.dim()):
+        if mask.stride(dim) == 0 and mask.shape[dim] > 1:
+            mask = mask.narrow(dim, 0, 1)
     if mask.dtype == torch.bool:
         bias = torch.zeros(mask.shape, dtype=torch.float32, device=mask.device).masked_fill_(~mask, -math.inf)
     else:
