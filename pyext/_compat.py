@@ -3,7 +3,9 @@
 Upstream may rename or move any of these in a minor release. Each is reached through this
 module only, imported lazily (importing pyext must not import diffusers), and
 `tests/test_compat.py` resolves all of them, so a moved name fails CI loudly instead of
-silently turning a technique off. `CHECKED` says which releases they were read from.
+silently turning a technique off. The same tests run the AutoencoderKL forwards that
+`pyext.vae.stages` re-implements as steps against diffusers' own. `CHECKED` says which releases
+they were read from.
 """
 from __future__ import annotations
 

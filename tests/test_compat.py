@@ -53,3 +53,41 @@ def test_model_metadata():
     t5 = T5EncoderModel(T5Config(d_model=16, d_ff=32, num_layers=1, num_heads=2, d_kv=8, vocab_size=64))
     assert _compat.keep_in_fp32_modules(t5, torch.float16) == ["wo"]
     assert _compat.keep_in_fp32_modules(t5, torch.bfloat16) == []  # transformers keeps them for fp16 only
+
+
+@torch.no_grad()
+def test_vae_steps_are_the_diffusers_forwards():
+    """pyext.vae.stages re-implements AutoencoderKL's Decoder/Encoder forwards as steps: run in
+    order (the resnets also as their two halves back to back), they must give diffusers' own decode
+    and encode."""
+    from diffusers import AutoencoderKL
+
+    from pyext.vae import stages
+
+    torch.manual_seed(0)
+    vae = AutoencoderKL(block_out_channels=(16, 32), down_block_types=("DownEncoderBlock2D",) * 2,
+                        up_block_types=("UpDecoderBlock2D",) * 2, latent_channels=4, norm_num_groups=8,
+                        layers_per_block=2).eval()
+    z, x = torch.randn(1, 4, 9, 11), torch.randn(1, 3, 18, 22)
+    for kind, inp, want in (("decode", z, vae.decode(z).sample), ("encode", x, vae.encode(x).latent_dist.parameters)):
+        steps = stages.steps_of(vae, kind)
+        for variant in (steps, [stages.whole_resnet(s) for s in steps]):
+            torch.testing.assert_close(stages.run(variant, inp), want, rtol=1e-5, atol=1e-5)
+
+
+def test_diffusers_hook_registry_still_ties_a_deepcopy_to_the_original():
+    """Why attention routing and VAE tiling keep torch's own hooks (docs/decisions.md): a model
+    hooked through diffusers' HookRegistry deep-copies into a model that computes with the
+    original's weights. When this fails, upstream changed, and that choice can be revisited."""
+    import copy
+
+    from diffusers.hooks import HookRegistry, ModelHook
+
+    linear = torch.nn.Linear(3, 3)
+    HookRegistry.check_if_exists_or_initialize(linear).register_hook(ModelHook(), "probe")
+    twin = copy.deepcopy(linear)
+    with torch.no_grad():
+        twin.weight.zero_()
+        twin.bias.zero_()
+    x = torch.randn(2, 3)
+    assert torch.equal(twin(x), linear(x)) and linear(x).abs().sum() > 0
