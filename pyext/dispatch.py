@@ -335,9 +335,10 @@ class _DeviceCache:
 
 _CACHES: dict[str, _DeviceCache] = {}
 _LOCK = threading.RLock()
-# Call signature -> the backend chosen for it (wrapped by _guarded). Read without the lock: a
-# dict lookup is atomic, and an entry, once written, is never changed (only dropped).
-_CHOSEN: dict[tuple, Backend] = {}
+# Call signature -> (the backend chosen for it (wrapped by _guarded), whether its guard runs on
+# every call). Read without the lock: a dict lookup is atomic, and an entry, once written, is
+# never changed (only dropped).
+_CHOSEN: dict[tuple, tuple[Backend, bool]] = {}
 
 
 def _cache(device: torch.device) -> _DeviceCache:
@@ -603,7 +604,7 @@ def _fall_back(op: Op, backend: Backend, args: tuple, err: Exception, exclude: f
         nxt, _ = _automatic(op, args, exclude)
         chosen = _guarded(op, nxt, exclude)
         if can_measure(_device(args)):
-            _keep(_signature(op, None, args), chosen)
+            _keep(_signature(op, None, args), chosen, args)
     return chosen.run(*args)
 
 
@@ -654,11 +655,11 @@ def _signature(op: Op, forced, args: tuple) -> tuple:
 CHOSEN_MAX = 4096  # signatures kept; a server meeting many shapes drops the oldest
 
 
-def _keep(key: tuple, chosen: Backend) -> None:
-    """Under the lock."""
+def _keep(key: tuple, chosen: Backend, args: tuple) -> None:
+    """Under the lock. Kept with whether its guard reads these inputs' values (CPU inputs only)."""
     if len(_CHOSEN) >= CHOSEN_MAX:
         _CHOSEN.pop(next(iter(_CHOSEN)))
-    _CHOSEN[key] = chosen
+    _CHOSEN[key] = chosen, chosen.guard is not None and _device(args).type == "cpu"
 
 
 def select(op_name: str, args: tuple, forced: str | None = None) -> Backend:
@@ -670,11 +671,11 @@ def select(op_name: str, args: tuple, forced: str | None = None) -> Backend:
         op.check(*args)  # an op's own signature may leave out what its validation reads
     try:
         key = _signature(op, forced, args)
-        chosen = _CHOSEN.get(key)
+        chosen, guarded = _CHOSEN.get(key, (None, False))
     except TypeError:  # an argument that cannot be a key: the validation says what is wrong with it
-        key, chosen = None, None
+        key, chosen, guarded = None, None, False
     if chosen is not None:  # (a kept signature passed the validation)
-        if chosen.guard is None or not _guard_reasons(chosen, args):
+        if not guarded or not chosen.guard(*args):
             return chosen
     elif op.signature is None and op.check is not None:
         op.check(*args)
@@ -685,7 +686,7 @@ def select(op_name: str, args: tuple, forced: str | None = None) -> Backend:
             backend, keep = _automatic(op, args)
             chosen = _guarded(op, backend)
         if keep and key is not None:
-            _keep(key, chosen)
+            _keep(key, chosen, args)
         return chosen
 
 

@@ -384,6 +384,34 @@ def test_sdpa_declines_inputs_whose_softmax_is_nan(special):
         attention(q, k, v, backend="sdpa")
 
 
+@pytest.mark.skipif(not has_kernel("attention_value_bounds"), reason="pyext._C has no attention_value_bounds")
+def test_value_bounds_in_cpp_are_the_torch_ones(monkeypatch):
+    """The SDPA guard's (max |q|, max |k|, max bias) from the C++ op equal those torch's ops give,
+    NaN and inf included, on the layouts diffusers passes, large and small."""
+    import importlib
+    import math
+
+    mod = importlib.import_module("pyext.ops.attention")
+    cases = []
+    for dtype in (torch.float32, torch.bfloat16, torch.float16):
+        cases += [(q, k, None) for _, q, k, _ in diffusers_layouts(dtype)]
+        for width in (8, 64):  # permuted dense tensors, read by a plain loop, and past its size
+            big = torch.randn(2, 300, 4, width).transpose(1, 2).to(dtype)
+            cases.append((big, big * 3, torch.randn(1, 4, 300, 300)))
+    special = torch.randn(1, 2, 5, 8)
+    special[0, 1, 2, 3] = float("nan")
+    cases += [(special, -special.nan_to_num(), torch.full((1, 1, 5, 5), -math.inf)),
+              (torch.full((1, 1, 2, 4), -math.inf), torch.ones(1, 1, 3, 4), torch.tensor([[math.inf, 0.0, 1.0]])),
+              (torch.ones(1, 1, 2, 4), torch.ones(1, 1, 3, 4), torch.empty(0, 3))]
+    for q, k, bias in cases:
+        fast = mod.value_bounds(q, k, bias)
+        monkeypatch.setattr(mod, "_VALUE_BOUNDS", None)
+        slow = mod.value_bounds(q, k, bias)
+        monkeypatch.undo()
+        assert len(fast) == 3 and all(a == b or (math.isnan(a) and math.isnan(b)) for a, b in zip(fast, slow)), \
+            (fast, slow, q.shape, q.dtype)
+
+
 def test_no_silent_gradients():
     """The ops have no backward: outputs of inputs that require grad raise on backward, a PyextError
     naming the op, rather than leaving the inputs without gradients."""

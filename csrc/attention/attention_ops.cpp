@@ -1,11 +1,12 @@
 // Torch glue for the CPU flash-attention kernels: torch.ops.pyext_C.attention and
-// attention_paths. User-facing validation lives in pyext/ops/attention.py; the
+// attention_paths; and attention_value_bounds, the value check before torch's CPU SDPA. User-facing validation lives in pyext/ops/attention.py; the
 // TORCH_CHECKs here guard the raw-pointer kernels against any caller.
 #include <ATen/ATen.h>
 #include <ATen/Parallel.h>
 #include <torch/library.h>
 
 #include <algorithm>
+#include <cmath>
 #include <optional>
 #include <string>
 #include <tuple>
@@ -175,6 +176,52 @@ std::tuple<at::Tensor, at::Tensor> attention_cpu(const at::Tensor& q, const at::
 
 std::vector<std::string> attention_paths() { return available_paths(); }
 
+// max |x| of a dense tensor's elements in memory order, NaN when one is NaN: a plain loop, which
+// on a small tensor costs less than a reduction's set-up.
+template <typename T>
+double max_abs_dense(const T* p, int64_t n) {
+  float m = 0.f;
+  bool nan = false;
+  for (int64_t i = 0; i < n; ++i) {
+    const float v = std::fabs(static_cast<float>(p[i]));
+    nan |= v != v;
+    m = v > m ? v : m;
+  }
+  return nan ? std::nan("") : m;
+}
+
+// max |x| (NaN when x holds one). The order does not matter, so a permuted dense tensor (the
+// (B, S, H, D) layout diffusers transposes to (B, H, S, D)) is read in memory order, several
+// times faster than through its strides.
+double max_abs(at::Tensor x) {
+  if (!x.is_contiguous()) {
+    std::vector<int64_t> order(x.dim());
+    for (int64_t d = 0; d < x.dim(); ++d) order[d] = d;
+    std::stable_sort(order.begin(), order.end(), [&](int64_t a, int64_t b) { return x.stride(a) > x.stride(b); });
+    at::Tensor dense = x.permute(order);
+    if (dense.is_contiguous()) x = dense;
+  }
+  constexpr int64_t kLoopElems = int64_t{1} << 16;  // beyond this torch's threaded, vectorised reduction
+  if (x.is_contiguous() && x.numel() <= kLoopElems) {
+    switch (x.scalar_type()) {
+      case at::kFloat: return max_abs_dense(x.const_data_ptr<float>(), x.numel());
+      case at::kBFloat16: return max_abs_dense(x.const_data_ptr<at::BFloat16>(), x.numel());
+      case at::kHalf: return max_abs_dense(x.const_data_ptr<at::Half>(), x.numel());
+      default: break;
+    }
+  }
+  const auto [low, high] = at::aminmax(x);
+  const double lo = low.item<double>(), hi = high.item<double>();
+  return std::isnan(lo) || std::isnan(hi) ? std::nan("") : std::max(-lo, hi);
+}
+
+// [max |q|, max |k|, max of the bias (-inf without one)] in one call: what bounds every score.
+std::vector<double> attention_value_bounds(const at::Tensor& q, const at::Tensor& k,
+                                           const std::optional<at::Tensor>& bias) {
+  const bool has_bias = bias && bias->numel() > 0;
+  return {max_abs(q), max_abs(k), has_bias ? bias->max().item<double>() : -INFINITY};
+}
+
 }  // namespace
 
 TORCH_LIBRARY_FRAGMENT(pyext_C, m) {
@@ -184,8 +231,12 @@ TORCH_LIBRARY_FRAGMENT(pyext_C, m) {
   m.def("attention(Tensor q, Tensor k, Tensor v, float scale, str path='', Tensor? bias=None, "
         "bool return_lse=False) -> (Tensor, Tensor)");
   m.def("attention_paths() -> str[]", attention_paths);  // no tensor args: one kernel for every device
+  m.def("attention_value_bounds(Tensor q, Tensor k, Tensor? bias=None) -> float[]");
 }
 
-TORCH_LIBRARY_IMPL(pyext_C, CPU, m) { m.impl("attention", attention_cpu); }
+TORCH_LIBRARY_IMPL(pyext_C, CPU, m) {
+  m.impl("attention", attention_cpu);
+  m.impl("attention_value_bounds", attention_value_bounds);
+}
 
 }  // namespace pyext::cpu

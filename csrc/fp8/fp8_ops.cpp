@@ -96,18 +96,20 @@ at::Tensor fp8_linear_cpu(const at::Tensor& x, const at::Tensor& w, const at::Te
   TORCH_CHECK(w.dim() == 2 && x.size(-1) == w.size(1), "pyext fp8_linear: shape mismatch");
   const int64_t K = w.size(1), N = w.size(0);
   const int64_t M = K ? x.numel() / K : c10::multiply_integers(x.sizes().begin(), x.sizes().end() - 1);
-  const at::Tensor x2 = x.reshape({M, K}).contiguous();
+  const at::Tensor x2 = (x.dim() == 2 ? x : x.reshape({M, K})).contiguous();
   const at::Tensor wc = w.contiguous(), sc = scale.contiguous();
   std::vector<int64_t> out_shape(x.sizes().begin(), x.sizes().end());
   out_shape.back() = N;
-  at::Tensor y = at::empty({M, N}, x.options());
-  if (M == 0 || N == 0) return y.view(out_shape);
-  if (K == 0) return (bias ? y.copy_(bias->expand({M, N})) : y.zero_()).view(out_shape);
+  if (M == 0 || N == 0 || K == 0) {
+    at::Tensor y = at::empty({M, N}, x.options());
+    return (K == 0 && M * N > 0 ? (bias ? y.copy_(bias->expand({M, N})) : y.zero_()) : y).view(out_shape);
+  }
 
   // bf16 on AVX512_BF16: the GEMM decodes the fp8 weight in its own packing step.
   if (tile_rows == 0 && x.scalar_type() == at::kBFloat16 && fused_gemm_available() && scales_fuse_exactly(sc)) {
     const at::Tensor bc = bias ? bias->contiguous() : at::Tensor();
     TORCH_CHECK(!bias || (bc.scalar_type() == at::kBFloat16 && bc.numel() == N), "pyext fp8_linear: bias must be bf16[N]");
+    at::Tensor y = at::empty({M, N}, x.options());
     const Fp8GemmArgs args{reinterpret_cast<const uint16_t*>(x2.data_ptr()),
                            static_cast<const uint8_t*>(wc.data_ptr()), sc.data_ptr<float>(), sc.numel() == 1,
                            bias ? reinterpret_cast<const uint16_t*>(bc.data_ptr()) : nullptr,
@@ -133,6 +135,13 @@ at::Tensor fp8_linear_cpu(const at::Tensor& x, const at::Tensor& w, const at::Te
   if (!buffer.defined() || buffer.numel() < tile * K || buffer.scalar_type() != x.scalar_type())
     buffer = at::empty({tile * K}, x.options());
   const uint8_t* src = static_cast<const uint8_t*>(wc.data_ptr());
+  if (ntiles == 1) {  // the whole weight in one tile: torch's own linear call (a small one costs less than mm_out)
+    upcast_rows(src, sc.data_ptr<float>(), sc.numel() != 1, 0, N, K, buffer.data_ptr(), x.scalar_type());
+    const at::Tensor wt = buffer.as_strided({K, N}, {1, K});  // the upcast weight, transposed
+    const at::Tensor y = bias ? at::addmm(*bias, x2, wt) : at::mm(x2, wt);
+    return x.dim() == 2 ? y : y.view(out_shape);
+  }
+  at::Tensor y = at::empty({M, N}, x.options());
   for (int64_t n0 = 0; n0 < N; n0 += tile) {
     const int64_t nb = std::min(tile, N - n0);
     at::Tensor wt = buffer.narrow(0, 0, nb * K).view({nb, K});
