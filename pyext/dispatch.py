@@ -221,10 +221,14 @@ def input_reasons(op: Op, backend: Backend, args: tuple, values: bool = True) ->
     return reasons or (_guard_reasons(backend, args) if values else [])
 
 
+def asks_guard(backend: Backend, args: tuple) -> bool:
+    """Whether dispatch asks the backend's guard about these inputs' values: for CPU inputs only
+    (on a GPU reading values would sync the device)."""
+    return backend.guard is not None and _device(args).type == "cpu"
+
+
 def _guard_reasons(backend: Backend, args: tuple) -> list[str]:
-    if backend.guard is None or _device(args).type != "cpu":
-        return []
-    return backend.guard(*args)
+    return backend.guard(*args) if asks_guard(backend, args) else []
 
 
 def why_not(op: Op, backend: Backend, args: tuple, values: bool = True) -> list[str]:
@@ -659,7 +663,7 @@ def _keep(key: tuple, chosen: Backend, args: tuple) -> None:
     """Under the lock. Kept with whether its guard reads these inputs' values (CPU inputs only)."""
     if len(_CHOSEN) >= CHOSEN_MAX:
         _CHOSEN.pop(next(iter(_CHOSEN)))
-    _CHOSEN[key] = chosen, chosen.guard is not None and _device(args).type == "cpu"
+    _CHOSEN[key] = chosen, asks_guard(chosen, args)
 
 
 def select(op_name: str, args: tuple, forced: str | None = None) -> Backend:

@@ -48,12 +48,21 @@ def cuda_backends():
                 yield pytest.param(name, b.name, id=f"{name}-{b.name}")
 
 
+@pytest.fixture
+def no_value_guards(monkeypatch):
+    """Dispatch as on a GPU, where it asks no guard about values; its choices made so are
+    forgotten before and after, so no CPU call elsewhere keeps a choice without its guard."""
+    monkeypatch.setattr(dispatch, "asks_guard", lambda backend, args: False)
+    dispatch.reset()
+    yield
+    dispatch.reset()
+
+
 @pytest.mark.parametrize("op_name,backend", list(cuda_backends()))
-def test_backends_that_run_on_cuda_read_no_values(op_name, backend, monkeypatch):
+def test_backends_that_run_on_cuda_read_no_values(op_name, backend, no_value_guards):
     """The PyTorch backends that also serve CUDA (reference, sdpa), through the op's validation
     and dispatch, on each of their declared cases; value guards left out, as dispatch asks them
     for CPU inputs only."""
-    monkeypatch.setattr(dispatch, "_guard_reasons", lambda backend, args: [])
     op = dispatch.ops()[op_name]
     chosen = next(b for b in op.backends if b.name == backend)
     for spec in chosen.test_shapes:
@@ -99,16 +108,14 @@ def test_trap_catches_a_read():
 
 
 @pytest.mark.parametrize("arch,gemm", [("sd15", "weight_only"), ("flux", "weight_only"), ("flux", "dynamic")])
-def test_an_optimized_denoiser_step_reads_no_values(arch, gemm, monkeypatch, tmp_path):
+def test_an_optimized_denoiser_step_reads_no_values(arch, gemm, monkeypatch, tmp_path, no_value_guards):
     """The routing hooks, the fp8 layers (in bf16 for the dynamic GEMM) and dispatch's cached path
     in one denoiser forward (the attention backend forced, and value guards left out: the CPU
     backends' guards are CPU-only by design)."""
     import pyext.nn.fp8 as fp8_module
 
     monkeypatch.setattr(fp8_module, "MIN_NUMEL", 0)
-    monkeypatch.setattr(dispatch, "_guard_reasons", lambda backend, args: [])
     monkeypatch.setenv("PYEXT_CACHE_DIR", str(tmp_path))
-    dispatch.reset()
     pipe = pyext.optimize(build_pipeline(arch, "tiny"), dtype=torch.bfloat16 if gemm == "dynamic" else "keep",
                           fp8="denoiser", fp8_gemm=gemm, attention="reference", prepack="off", fuse_norms="off")
     fp8_layers = [m for m in pipe.components[("unet" if arch == "sd15" else "transformer")].modules()
@@ -124,4 +131,3 @@ def test_an_optimized_denoiser_step_reads_no_values(arch, gemm, monkeypatch, tmp
         denoiser(*args, **kwargs)  # warm: every signature chosen once
         with host_reads_trapped():
             denoiser(*args, **kwargs)
-    dispatch.reset()
