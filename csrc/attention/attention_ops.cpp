@@ -1,6 +1,7 @@
 // Torch glue for the CPU flash-attention kernels: torch.ops.pyext_C.attention and
-// attention_paths; and attention_value_bounds, the value check before torch's CPU SDPA. User-facing validation lives in pyext/ops/attention.py; the
-// TORCH_CHECKs here guard the raw-pointer kernels against any caller.
+// attention_paths; and attention_value_bounds, what the value check before torch's CPU SDPA
+// reads. User-facing validation lives in pyext/ops/attention.py; the TORCH_CHECKs here guard
+// the raw-pointer kernels against any caller.
 #include <ATen/ATen.h>
 #include <ATen/Parallel.h>
 #include <torch/library.h>
