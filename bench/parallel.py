@@ -26,13 +26,12 @@ import torch.distributed as dist
 def _generate(pipe, arch: str, size: str, steps: int) -> tuple[torch.Tensor, float]:
     from pyext.offline import run_example
 
+    sync = torch.cuda.synchronize if torch.cuda.is_available() else (lambda: None)
     run_example(pipe, arch, size, steps=steps)  # warm-up: dispatch choices, allocator
-    if torch.cuda.is_available():
-        torch.cuda.synchronize()
+    sync()
     start = time.perf_counter()
     image = run_example(pipe, arch, size, steps=steps)
-    if torch.cuda.is_available():
-        torch.cuda.synchronize()
+    sync()
     return image, time.perf_counter() - start
 
 
