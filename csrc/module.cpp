@@ -1,35 +1,75 @@
-// The Python module pyext._C: build facts for `python -m pyext info`. The kernels
-// themselves are registered as torch.ops.pyext_C.* by each family's file.
-#include <torch/extension.h>
+// The Python module pyext._C: build facts for `python -m pyext info` and the block pool's scope.
+// The kernels are registered as torch.ops.pyext_C.* by each family's file
+// (TORCH_LIBRARY_FRAGMENT), so this file needs Python's C API only, not torch's headers.
+#define PY_SSIZE_T_CLEAN
+#include <Python.h>
+
+#include <initializer_list>
 
 #include "common/block_pool.h"
 #include "common/cpu_features.h"
 #include "fp8/fp8_gemm_cpu.h"
 
-TORCH_LIBRARY(pyext_C, m) {}  // each kernel family adds its ops with TORCH_LIBRARY_FRAGMENT
+namespace {
 
-PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
-  using pyext::cpu::SimdLevel;
-  m.def("cpu_capabilities", [] {
-    std::vector<std::string> levels;
-    for (SimdLevel l : {SimdLevel::kScalar, SimdLevel::kAvx2, SimdLevel::kAvx512})
-      if (static_cast<int>(l) <= static_cast<int>(pyext::cpu::simd_level())) levels.push_back(pyext::cpu::simd_name(l));
-    // bf16 dot products: the fused fp8 GEMM and the bf16 attention kernel use them.
-    if (pyext::cpu::simd_level() == SimdLevel::kAvx512 && pyext::cpu::fp8_gemm_supported()) levels.push_back("avx512_bf16");
-    return levels;
-  }, "SIMD levels the CPU kernels use on this machine (PYEXT_CPU_SIMD caps them).");
-  m.def("pool_open", &pyext::pool::open, "Opens a block pool scope (pyext._memory.reused_blocks).");
-  m.def("pool_close", &pyext::pool::close);
-  m.def("pool_stats", [] {
-    pyext::pool::Stats s = pyext::pool::stats();
-    return py::dict(py::arg("open") = s.open, py::arg("cached_bytes") = s.cached_bytes, py::arg("hits") = s.hits,
-                    py::arg("misses") = s.misses);
-  });
-  m.def("built_with_cuda", [] {
-#ifdef PYEXT_WITH_CUDA
-    return true;
-#else
-    return false;
-#endif
-  });
+bool append_name(PyObject* list, const char* name) {
+  PyObject* s = PyUnicode_FromString(name);
+  bool ok = s != nullptr && PyList_Append(list, s) == 0;
+  Py_XDECREF(s);
+  return ok;
 }
+
+PyObject* cpu_capabilities(PyObject*, PyObject*) {
+  using pyext::cpu::SimdLevel;
+  PyObject* levels = PyList_New(0);
+  if (levels == nullptr) return nullptr;
+  const int have = static_cast<int>(pyext::cpu::simd_level());
+  for (SimdLevel l : {SimdLevel::kScalar, SimdLevel::kAvx2, SimdLevel::kAvx512})
+    if (static_cast<int>(l) <= have && !append_name(levels, pyext::cpu::simd_name(l))) return Py_DECREF(levels), nullptr;
+  // bf16 dot products: the fused fp8 GEMM and the bf16 attention kernel use them.
+  if (pyext::cpu::simd_level() == SimdLevel::kAvx512 && pyext::cpu::fp8_gemm_supported() &&
+      !append_name(levels, "avx512_bf16"))
+    return Py_DECREF(levels), nullptr;
+  return levels;
+}
+
+PyObject* pool_open(PyObject*, PyObject* arg) {
+  unsigned long long cache_bytes = PyLong_AsUnsignedLongLong(arg);
+  if (PyErr_Occurred()) return nullptr;
+  return PyBool_FromLong(pyext::pool::open(static_cast<size_t>(cache_bytes)));
+}
+
+PyObject* pool_close(PyObject*, PyObject*) {
+  pyext::pool::close();
+  Py_RETURN_NONE;
+}
+
+PyObject* pool_stats(PyObject*, PyObject*) {
+  pyext::pool::Stats s = pyext::pool::stats();
+  return Py_BuildValue("{s:O,s:K,s:K,s:K}", "open", s.open ? Py_True : Py_False, "cached_bytes",
+                       static_cast<unsigned long long>(s.cached_bytes), "hits", static_cast<unsigned long long>(s.hits),
+                       "misses", static_cast<unsigned long long>(s.misses));
+}
+
+PyObject* built_with_cuda(PyObject*, PyObject*) {
+#ifdef PYEXT_WITH_CUDA
+  Py_RETURN_TRUE;
+#else
+  Py_RETURN_FALSE;
+#endif
+}
+
+PyMethodDef methods[] = {
+    {"cpu_capabilities", cpu_capabilities, METH_NOARGS,
+     "SIMD levels the CPU kernels use on this machine (PYEXT_CPU_SIMD caps them)."},
+    {"pool_open", pool_open, METH_O, "Opens a block pool scope (pyext._memory.reused_blocks)."},
+    {"pool_close", pool_close, METH_NOARGS, "Closes a block pool scope."},
+    {"pool_stats", pool_stats, METH_NOARGS, "The block pool's state: open, cached_bytes, hits, misses."},
+    {"built_with_cuda", built_with_cuda, METH_NOARGS, "Whether the CUDA kernels were built."},
+    {nullptr, nullptr, 0, nullptr}};
+
+PyModuleDef module = {PyModuleDef_HEAD_INIT, "_C", "pyext's compiled kernels (torch.ops.pyext_C).", -1, methods};
+
+}  // namespace
+
+PyMODINIT_FUNC PyInit__C() { return PyModule_Create(&module); }
