@@ -28,6 +28,8 @@ COMPILED_CALL = "_compiled_call_impl"  # what nn.Module.compile() sets
 COMPILED_ORIGINAL = "_orig_mod"  # the module a torch.compile OptimizedModule wraps
 CONV_PADDING = "_reversed_padding_repeated_twice"  # nn.Conv2d's cached padding
 VAE_TILED_ENCODE = "_tiled_encode"  # AutoencoderKL's tiled encoder, called by _encode
+PROCESSOR_PARALLEL_CONFIG = "_parallel_config"  # what enable_parallelism sets on attention processors
+RING_MESH = "_ring_mesh"  # ContextParallelConfig's device mesh of the ring
 
 # Private functions and constants, as "module:name".
 _NAMES = {
@@ -115,6 +117,23 @@ def active_attention_backend(processor) -> str:
 
     backend = getattr(processor, "_attention_backend", None) or _resolve("attention_backend_registry").get_active_backend()[0]
     return AttentionBackendName(backend).value
+
+
+def ring_group(processor):
+    """The process group of the ring when the processor's context parallelism is a ring alone
+    (ring degree above 1, Ulysses degree 1, chunks of equal length), else None."""
+    cp = getattr(getattr(processor, PROCESSOR_PARALLEL_CONFIG, None), "context_parallel_config", None)
+    if cp is None or (cp.ring_degree or 1) <= 1 or (cp.ulysses_degree or 1) > 1 or cp.ring_anything:
+        return None
+    return getattr(cp, RING_MESH).get_group()
+
+
+def take_parallel_config(processor):
+    """Clear the processor's parallel config so that diffusers calls plain SDPA on the local
+    chunks; returns what puts it back."""
+    config = getattr(processor, PROCESSOR_PARALLEL_CONFIG)
+    setattr(processor, PROCESSOR_PARALLEL_CONFIG, None)
+    return lambda: setattr(processor, PROCESSOR_PARALLEL_CONFIG, config)
 
 
 # ----------------------------------------------------------------------------- compile

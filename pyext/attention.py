@@ -29,6 +29,10 @@ Why this way:
 - An SDPA call pyext's op cannot take (dropout, causal, autograd, autocast, a
   tensor subclass, or an input the op or a forced backend refuses) runs torch's SDPA unchanged
   and is counted with its reason.
+- diffusers' ring attention (context parallelism) asks its backend for a log-sum-exp that SDPA
+  cannot give. For the forward of a layer whose processor holds a ring config, the pre-hook lifts
+  the config off the processor (diffusers then calls SDPA on the local chunks) and pyext computes
+  that call as the ring (`pyext.ring`); the exit hook puts the config back.
 
 Cost: in eager mode every torch call inside a patched layer passes through the mode's Python
 handler (~20 calls per AttnProcessor2_0 layer; see docs/optimize.md for the measured overhead).
@@ -47,7 +51,7 @@ from dataclasses import asdict, dataclass, field
 import torch
 from torch.overrides import TorchFunctionMode
 
-from pyext import _compat, _state, dispatch, ops
+from pyext import _compat, _state, dispatch, ops, ring
 from pyext.dispatch import PyextError
 
 _SDPA = _compat.SDPA  # what F.scaled_dot_product_attention is
@@ -86,13 +90,15 @@ class _RouteSDPA(TorchFunctionMode):
         super().__init__()
         self.layer = layer
         self.sdpa_calls = 0
+        self.ring_group = None  # the process group when this forward's attention is a ring
+        self.restore = None  # puts back the processor's parallel config the ring took
 
     def __torch_function__(self, func, types, args=(), kwargs=None):
         kwargs = kwargs or {}
         if func is not _SDPA:
             return func(*args, **kwargs)
         self.sdpa_calls += 1
-        return self.layer.attention(args, kwargs)
+        return self.layer.attention(args, kwargs, self.ring_group)
 
 
 class _Layer:
@@ -131,6 +137,13 @@ class _Layer:
 
     def _enter(self, module, args):
         mode = _RouteSDPA(self)
+        processor = getattr(module, "processor", None)
+        group = _compat.ring_group(processor)
+        if group is not None and route_problem(module) is None:
+            # diffusers' ring needs a forward that returns the log-sum-exp, which its SDPA
+            # backends lack: for this forward the processor runs without its parallel config
+            # (plain SDPA on the local chunks), and pyext computes that call as the ring.
+            mode.ring_group, mode.restore = group, _compat.take_parallel_config(processor)
         mode.__enter__()
         self._modes().append(mode)
 
@@ -140,6 +153,8 @@ class _Layer:
             return
         mode = modes.pop()
         mode.__exit__(None, None, None)
+        if mode.restore is not None:
+            mode.restore()
         no_sdpa = None if mode.sdpa_calls else f"no SDPA call ({route_problem(module) or 'processor skipped it'})"
         self.count(no_sdpa, calls=1)
 
@@ -152,9 +167,14 @@ class _Layer:
             if fallback:
                 self.fallbacks[fallback] += 1
 
-    def attention(self, args, kwargs):
+    def attention(self, args, kwargs, ring_group=None):
         q, k, v, attn_mask, dropout_p, is_causal, scale, enable_gqa = _sdpa_args(*args, **kwargs)
         reason = _needs_torch(q, k, v, attn_mask, dropout_p, is_causal, enable_gqa)
+        if ring_group is not None:
+            if reason is not None:
+                raise PyextError(f"pyext ring attention: {reason} is not supported; supported: inference without "
+                                 "dropout, causal masks or autocast")
+            return self._ring(q, k, v, scale, attn_mask, ring_group)
         if reason is None:
             try:  # PyextError comes from validation/backend selection, before any work is done
                 out = _pyext_attention(q, k, v, scale=scale, backend=self.backend, attn_mask=attn_mask)
@@ -165,6 +185,21 @@ class _Layer:
                 return out
         self.count(reason)
         return _SDPA(*args, **kwargs)
+
+    def _ring(self, q, k, v, scale, attn_mask, group):
+        def attend(q, k, v, mask):
+            return _pyext_attention(q, k, v, scale=scale, backend=self.backend, attn_mask=mask, return_lse=True)
+
+        def reference(q, k, v, mask):
+            return ops.attention_reference(q, k, v, scale=scale, attn_mask=mask, return_lse=True)
+
+        try:
+            out = ring.ring_attention(q, k, v, group, attend, attn_mask)
+        except PyextError as e:  # the op refused these inputs: every rank does, so the ring restarts
+            self.count(str(e).splitlines()[0])
+            return ring.ring_attention(q, k, v, group, reference, attn_mask)
+        self.count(pyext=1)
+        return out
 
     def remove(self):
         for handle in self.handles:
