@@ -73,29 +73,33 @@ def print_text(info: dict) -> None:
               "`python -m pyext info --clear-marks` forgets them now)")
 
 
-def plans(archs, budgets, device: str, capability) -> list[dict]:
+def plans(archs, budgets, device: str, capability, devices: int = 1) -> list[dict]:
     """Plans for the full architectures (built on the meta device: shapes only, nothing allocated),
-    with the dtype dtype="auto" picks on `device` (a GPU of `capability` for cuda: a dry run)."""
+    with the dtype dtype="auto" picks on `device` (a GPU of `capability` for cuda: a dry run),
+    per device when the denoiser's sequence is split over `devices`."""
     import torch
 
     from pyext import offline, planner
     from pyext.decision import auto_dtype
-    from pyext.families import find_components
+    from pyext.families import call_default, find_components
     from pyext.options import parse_bytes
 
     dtype = auto_dtype(torch.device(device), capability)
     elem = torch.tensor([], dtype=dtype).element_size()
     rows = []
     for arch in archs:
-        components = find_components(offline.build_pipeline(arch, "full", dtype=dtype, device="meta"))
+        pipe = offline.build_pipeline(arch, "full", dtype=dtype, device="meta")
+        components = find_components(pipe)
         res = 512 if arch == "sd15" else 1024
-        geo = planner.Geometry(res, res)
+        geo = planner.Geometry(res, res, text_tokens=call_default(pipe, "max_sequence_length") or 77)
         weights = sum(c.weight_bytes for c in planner.component_sizes(components, geo, elem))
+        split = planner.sequence_split(next(iter(components.denoisers.values())), geo, devices)
         row = {"arch": arch, "device": device, "capability": capability, "dtype": str(dtype).removeprefix("torch."),
-               "resolution": f"{res}x{res}", "weight_bytes": weights, "plans": {}}
+               "resolution": f"{res}x{res}", "weight_bytes": weights, "devices": devices, "split": split.split,
+               "split_reason": split.reason, "plans": {}}
         for budget in budgets:
             p = planner.plan(components, geo, parse_bytes(budget), elem, allow_offload=device != "cpu",
-                             host=device == "cpu")
+                             host=device == "cpu", split_ways=split.ways)
             row["plans"][budget] = {"plan": p.name, "peak_bytes": p.peak_bytes, "fits": p.fits}
         rows.append(row)
     return rows
@@ -104,13 +108,19 @@ def plans(archs, budgets, device: str, capability) -> list[dict]:
 def print_plans(rows, budgets) -> None:
     from pyext.planner import GB
 
-    print("| arch | dtype | resolution | weights | " + " | ".join(budgets) + " |")
-    print("|---|---|---|---|" + "---|" * len(budgets))
+    several = any(row["devices"] > 1 for row in rows)
+    split_head, split_rule = ("split | ", "---|") if several else ("", "")
+    print(f"| arch | dtype | resolution | weights | {split_head}" + " | ".join(budgets) + " |")
+    print(f"|---|---|---|---|{split_rule}" + "---|" * len(budgets))
     for row in rows:
         cells = [f"{p['plan']} ({p['peak_bytes'] / GB:.1f} GB{'' if p['fits'] else ', over'})"
                  for p in row["plans"].values()]
-        print(f"| {row['arch']} | {row['dtype']} | {row['resolution']} | {row['weight_bytes'] / GB:.1f} GB | "
+        split = f"{row['split']} ({row['split_reason']}) | " if several else ""
+        print(f"| {row['arch']} | {row['dtype']} | {row['resolution']} | {row['weight_bytes'] / GB:.1f} GB | {split}"
               + " | ".join(cells) + " |")
+    if several:
+        print("\n(Estimated peak per device: every device holds all the weights and its share of the denoiser's "
+              "tokens.)")
 
 
 def print_kernels(entries: list[dict]) -> None:
@@ -171,6 +181,8 @@ def main(argv=None) -> int:
     plan.add_argument("--budgets", nargs="+", default=["4GB", "8GB", "16GB", "24GB"])
     plan.add_argument("--device", default="cuda", choices=["cuda", "cpu"])
     plan.add_argument("--capability", default="9.0", help="the GPU's compute capability (cuda only), e.g. 8.0")
+    plan.add_argument("--devices", type=int, default=1,
+                      help="devices the denoiser's sequence is split over (diffusers' context parallelism)")
     plan.add_argument("--json", action="store_true")
     kernels = sub.add_parser("kernels", help="compile every GPU kernel config for sm_80/sm_90 (no GPU needed)")
     kernels.add_argument("--json", action="store_true")
@@ -187,7 +199,7 @@ def main(argv=None) -> int:
         return 0
     if args.command == "plan":
         capability = tuple(int(x) for x in args.capability.split(".")) if args.device == "cuda" else None
-        rows = plans(args.arch, args.budgets, args.device, capability)
+        rows = plans(args.arch, args.budgets, args.device, capability, args.devices)
         json.dump(rows, sys.stdout, indent=1) if args.json else print_plans(rows, args.budgets)
         return 0
     if args.command == "kernels":

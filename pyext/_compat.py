@@ -28,8 +28,9 @@ COMPILED_CALL = "_compiled_call_impl"  # what nn.Module.compile() sets
 COMPILED_ORIGINAL = "_orig_mod"  # the module a torch.compile OptimizedModule wraps
 CONV_PADDING = "_reversed_padding_repeated_twice"  # nn.Conv2d's cached padding
 VAE_TILED_ENCODE = "_tiled_encode"  # AutoencoderKL's tiled encoder, called by _encode
-PROCESSOR_PARALLEL_CONFIG = "_parallel_config"  # what enable_parallelism sets on attention processors
+PARALLEL_CONFIG = "_parallel_config"  # what enable_parallelism sets on a model and its attention processors
 RING_MESH = "_ring_mesh"  # ContextParallelConfig's device mesh of the ring
+CP_PLAN = "_cp_plan"  # the inputs a diffusers model class splits along the sequence for context parallelism
 
 # Private functions and constants, as "module:name".
 _NAMES = {
@@ -122,18 +123,28 @@ def active_attention_backend(processor) -> str:
 def ring_group(processor):
     """The process group of the ring when the processor's context parallelism is a ring alone
     (ring degree above 1, Ulysses degree 1, chunks of equal length), else None."""
-    cp = getattr(getattr(processor, PROCESSOR_PARALLEL_CONFIG, None), "context_parallel_config", None)
+    cp = getattr(getattr(processor, PARALLEL_CONFIG, None), "context_parallel_config", None)
     if cp is None or (cp.ring_degree or 1) <= 1 or (cp.ulysses_degree or 1) > 1 or cp.ring_anything:
         return None
     return getattr(cp, RING_MESH).get_group()
 
 
+def context_parallel_degrees(model) -> tuple[int, int] | None:
+    """(ring degree, Ulysses degree) of the context parallelism enabled on a model, or None."""
+    cp = getattr(getattr(model, PARALLEL_CONFIG, None), "context_parallel_config", None)
+    return None if cp is None else (cp.ring_degree or 1, cp.ulysses_degree or 1)
+
+
+def context_parallel_plan(model) -> dict | None:
+    return getattr(type(model), CP_PLAN, None)
+
+
 def take_parallel_config(processor):
     """Clear the processor's parallel config so that diffusers calls plain SDPA on the local
     chunks; returns what puts it back."""
-    config = getattr(processor, PROCESSOR_PARALLEL_CONFIG)
-    setattr(processor, PROCESSOR_PARALLEL_CONFIG, None)
-    return lambda: setattr(processor, PROCESSOR_PARALLEL_CONFIG, config)
+    config = getattr(processor, PARALLEL_CONFIG)
+    setattr(processor, PARALLEL_CONFIG, None)
+    return lambda: setattr(processor, PARALLEL_CONFIG, config)
 
 
 # ----------------------------------------------------------------------------- compile

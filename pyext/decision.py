@@ -17,7 +17,7 @@ from pyext import _compat, offload, planner
 from pyext.dispatch import PyextError
 from pyext.families import Components, call_default, family_of, find_components, vae_compression
 from pyext.options import OptimizeOptions
-from pyext.planner import Geometry, Plan
+from pyext.planner import Geometry, Plan, SequenceSplit
 
 
 @dataclass(frozen=True)
@@ -28,6 +28,7 @@ class Decision:
     device: torch.device
     dtype: torch.dtype | None  # None: keep each component's dtype
     geometry: Geometry
+    sequence: SequenceSplit  # the denoiser's sequence over devices; the plan counts one device
     plan: Plan
     fp8: Literal["off", "denoiser", "all"]
     fp8_gemm: Literal["weight_only", "dynamic", "measured"]  # the fp8 linears' mode
@@ -44,7 +45,8 @@ class Decision:
         fams = ", ".join(f"{n}={f.name}" for n, f in self.families.items())
         dtype = str(self.dtype).removeprefix("torch.") if self.dtype else "kept"
         gemm = f"; fp8 GEMM {self.fp8_gemm}" if self.fp8 != "off" else ""
-        return f"{dtype} on {self.device}, {g.width}x{g.height}{frames}, batch {g.batch}{gemm}; denoisers: {fams}"
+        split = f"; {self.sequence.describe()}" if self.sequence.devices > 1 else ""
+        return f"{dtype} on {self.device}, {g.width}x{g.height}{frames}, batch {g.batch}{gemm}; denoisers: {fams}{split}"
 
 
 def check_pipeline(pipe, what: str = "pyext.optimize") -> None:
@@ -133,13 +135,14 @@ def decide(pipe, opts: OptimizeOptions, default_device: torch.device | None = No
     else:
         dtype = opts.dtype
     geo = _geometry(pipe, opts, first)
+    sequence = planner.sequence_split(first, geo, _devices(opts, first))
     budget = opts.budget_bytes
     if budget is None and device.type == "cuda":
         budget = torch.cuda.get_device_properties(device).total_memory
     elem = min(torch.tensor([], dtype=dtype or first.dtype).element_size(), 4)
     can_offload = device.type != "cpu" and not multi_device
     plan = planner.plan(comps, geo, budget, elem, allow_offload=can_offload, fp8_skip=opts.fp8_skip,
-                        host=device.type == "cpu")
+                        host=device.type == "cpu", split_ways=sequence.ways)
 
     if opts.offload != "auto":
         offload_mode, offload_reason = opts.offload, f"offload={opts.offload!r}"
@@ -164,10 +167,22 @@ def decide(pipe, opts: OptimizeOptions, default_device: torch.device | None = No
                                        f"of {budget / planner.GB:.1f} GB): untiled, exact"
     fp8 = plan.fp8 if opts.fp8 == "auto" else opts.fp8
     if (fp8, offload_mode, tiling) != (plan.fp8, plan.offload, plan.vae_tiling):  # the plan in force is the options'
-        plan = planner.as_asked(comps, geo, budget, fp8, offload_mode, tiling, elem, opts.fp8_skip, device.type == "cpu")
+        plan = planner.as_asked(comps, geo, budget, fp8, offload_mode, tiling, elem, opts.fp8_skip, device.type == "cpu",
+                                sequence.ways)
     fp8_gemm, fp8_gemm_reason = _fp8_gemm(opts, device)
-    return Decision(opts, comps, families, device, dtype, geo, plan, fp8, fp8_gemm, fp8_gemm_reason, offload_mode,
-                    offload_reason, tiling, tiling_reason, multi_device)
+    return Decision(opts, comps, families, device, dtype, geo, sequence, plan, fp8, fp8_gemm, fp8_gemm_reason,
+                    offload_mode, offload_reason, tiling, tiling_reason, multi_device)
+
+
+def _devices(opts: OptimizeOptions, denoiser: nn.Module) -> int:
+    """The devices the denoiser's sequence is split over: the option, else the context
+    parallelism enabled on the denoiser, else 1. The two must agree."""
+    degrees = _compat.context_parallel_degrees(denoiser)
+    enabled = degrees[0] * degrees[1] if degrees else None
+    if opts.devices is not None and enabled is not None and opts.devices != enabled:
+        raise PyextError(f"pyext.optimize: option devices={opts.devices} disagrees with the context parallelism "
+                         f"enabled on the denoiser, which spans {enabled} devices; use devices={enabled} or None")
+    return opts.devices or enabled or 1
 
 
 def _fp8_gemm(opts: OptimizeOptions, device: torch.device) -> tuple[str, str]:

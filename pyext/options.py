@@ -78,6 +78,10 @@ class OptimizeOptions:
     offload: "auto" (the planner's) | "off" | "model" | "group" | "sequential".
     device: where the pipeline runs; None = where it is. Components on several devices never move.
     memory_budget: "8GB", bytes, or None (the CUDA device's memory; no limit on a CPU).
+    devices: the devices the denoiser's sequence is split over by diffusers' context parallelism
+        (`enable_parallelism`); None = the degree enabled on the denoiser, else 1. The plan then
+        says how the family splits and counts the memory of one device; the split itself is
+        diffusers' `enable_parallelism`, before or after optimize.
     height, width, frames, batch: what the plan is made for (None: the pipeline's defaults;
         batch counts classifier-free guidance, so 2 is one prompt with guidance).
     """
@@ -98,6 +102,7 @@ class OptimizeOptions:
     offload: OffloadMode = "auto"
     device: str | torch.device | None = None
     memory_budget: int | str | None = None
+    devices: int | None = None
     height: int | None = None
     width: int | None = None
     frames: int | None = None
@@ -131,7 +136,8 @@ class OptimizeOptions:
             except (RuntimeError, TypeError):
                 _fail("device", self.device, "None, a torch.device or a device string such as 'cuda:0'")
         parse_bytes(self.memory_budget)
-        for name, top in (("height", MAX_PIXELS), ("width", MAX_PIXELS), ("frames", 100_000), ("batch", 4096)):
+        for name, top in (("height", MAX_PIXELS), ("width", MAX_PIXELS), ("frames", 100_000), ("batch", 4096),
+                          ("devices", 4096)):
             value = getattr(self, name)
             if value is None and name != "batch":
                 continue

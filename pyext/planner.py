@@ -10,9 +10,11 @@ from __future__ import annotations
 
 from collections import Counter
 from dataclasses import dataclass, field
+from typing import Literal
 
 import torch.nn as nn
 
+from pyext import _compat
 from pyext.families import Components, family_of, full_resolution_width, vae_family_of, vae_kind
 from pyext.nn.fp8 import DEFAULT_SKIP, layer_rules, skip_patterns
 from pyext.options import GB
@@ -130,6 +132,13 @@ TEXT_TENSORS = 12  # tokens x width tensors, plus SCORE_TENSORS of the eager att
 SCORE_TENSORS = 3
 
 
+def _image_tokens(config: dict, geo: Geometry) -> int:
+    """The tokens a transformer denoiser makes of the latent: frames / temporal patch x pixels / patch^2."""
+    pt, p = _patch(config)
+    h, w = geo.height // geo.spatial, geo.width // geo.spatial
+    return -(-geo.latent_frames // pt) * (h // p) * (w // p)
+
+
 def _heads(config: dict, width: int) -> int:
     return config.get("num_attention_heads") or config.get("num_heads") or max(1, width // 64)
 
@@ -152,9 +161,7 @@ def activation_bytes(module: nn.Module, role: str, geo: Geometry, elem: int) -> 
             "unet" if "block_out_channels" in config else "tokens"
         if rule == "unet":
             return UNET_MAPS * geo.batch * geo.latent_frames * config["block_out_channels"][0] * h * w * elem
-        pt, p = _patch(config)
-        tokens = -(-geo.latent_frames // pt) * (h // p) * (w // p) + geo.text_tokens
-        return TOKEN_TENSORS * geo.batch * tokens * model_width(module) * elem
+        return TOKEN_TENSORS * geo.batch * (_image_tokens(config, geo) + geo.text_tokens) * model_width(module) * elem
     if role == "vae":
         family = vae_family_of(module)
         frames = geo.frames if family.frames is None else min(family.frames, geo.frames)
@@ -177,13 +184,16 @@ def tiled_activation_bytes(module: nn.Module, role: str, geo: Geometry, act: int
 
 
 def component_sizes(components: Components, geo: Geometry, elem: int = 2,
-                    fp8_skip: tuple[str, ...] = DEFAULT_SKIP, host: bool = False) -> list[ComponentSize]:
-    """Each component's sizes; `host`: the pipeline computes on the CPU, in the memory it is planned for."""
+                    fp8_skip: tuple[str, ...] = DEFAULT_SKIP, host: bool = False,
+                    split_ways: int = 1) -> list[ComponentSize]:
+    """Each component's sizes on one device; `host`: the pipeline computes on the CPU, in the
+    memory it is planned for; `split_ways`: the denoisers' sequence is split over that many
+    devices (each holds every weight and its share of the tokens)."""
     out = []
     for name, module in components.modules.items():
         role = components.roles[name]
         total, fp8_total, leaf = _weight_bytes(module, elem, skip_patterns(module, fp8_skip))
-        act = activation_bytes(module, role, geo, elem)
+        act = activation_bytes(module, role, geo, elem) // (split_ways if role == "denoiser" else 1)
         out.append(ComponentSize(name, role, total, fp8_total, act, tiled_activation_bytes(module, role, geo, act, host),
                                  _largest_block(module, elem) or total, leaf))
     return out
@@ -211,16 +221,19 @@ def peak_bytes(sizes: list[ComponentSize], geo: Geometry, fp8: str, offload: str
 
 
 def as_asked(components: Components, geo: Geometry, budget_bytes: int | None, fp8: str, offload: str,
-             vae_tiling: bool, elem: int = 2, fp8_skip: tuple[str, ...] = DEFAULT_SKIP, host: bool = False) -> Plan:
+             vae_tiling: bool, elem: int = 2, fp8_skip: tuple[str, ...] = DEFAULT_SKIP, host: bool = False,
+             split_ways: int = 1) -> Plan:
     """The plan that options fixing fp8, offload and tiling make, with its estimated peak."""
-    peak = peak_bytes(component_sizes(components, geo, elem, fp8_skip, host), geo, fp8, offload, vae_tiling)
+    peak = peak_bytes(component_sizes(components, geo, elem, fp8_skip, host, split_ways), geo, fp8, offload,
+                      vae_tiling)
     return Plan("as asked", fp8, offload, vae_tiling, peak, budget_bytes is None or peak <= budget_bytes,
                 budget_bytes)
 
 
 def plan(components: Components, geo: Geometry, budget_bytes: int | None, elem: int = 2,
-         allow_offload: bool = True, fp8_skip: tuple[str, ...] = DEFAULT_SKIP, host: bool = False) -> Plan:
-    sizes = component_sizes(components, geo, elem, fp8_skip, host)
+         allow_offload: bool = True, fp8_skip: tuple[str, ...] = DEFAULT_SKIP, host: bool = False,
+         split_ways: int = 1) -> Plan:
+    sizes = component_sizes(components, geo, elem, fp8_skip, host, split_ways)
     considered = []
     for name, fp8, offload in CANDIDATES:
         for tiling in (False, True):
@@ -234,3 +247,56 @@ def plan(components: Components, geo: Geometry, budget_bytes: int | None, elem: 
     leanest = min(considered, key=lambda c: c[1])
     return Plan(leanest[0], "all", "sequential" if allow_offload else "off", True, leanest[1], False, budget_bytes,
                 considered)
+
+
+# ----------------------------------------------------------------------------- several devices
+Split = Literal["none", "ulysses", "ring", "ulysses+ring"]
+
+
+@dataclass(frozen=True)
+class SequenceSplit:
+    """How a denoiser's sequence is split over devices by diffusers' context parallelism
+    (`enable_parallelism`): each device holds every weight and 1/devices of the tokens."""
+
+    devices: int
+    split: Split
+    reason: str
+
+    @property
+    def ways(self) -> int:
+        return 1 if self.split == "none" else self.devices
+
+    def describe(self) -> str:
+        if self.devices == 1:
+            return "one device"
+        how = "not split" if self.split == "none" else f"{self.split} over {self.devices} devices"
+        return f"sequence {how} ({self.reason})"
+
+
+def sequence_split(denoiser: nn.Module, geo: Geometry, devices: int) -> SequenceSplit:
+    """The split for `devices` devices: what diffusers' context parallelism can do with this
+    denoiser at this geometry, Ulysses where the heads divide, else pyext's ring."""
+    if devices == 1:
+        return SequenceSplit(1, "none", "one device")
+    enabled = _compat.context_parallel_degrees(denoiser)
+    if enabled is not None:
+        ring, ulysses = enabled
+        split = "ulysses+ring" if ring > 1 and ulysses > 1 else "ring" if ring > 1 else "ulysses"
+        return SequenceSplit(devices, split, "as enable_parallelism set it on the denoiser")
+    cp_plan = _compat.context_parallel_plan(denoiser)
+    if not cp_plan:
+        return SequenceSplit(devices, "none", f"{type(denoiser).__name__} declares no sequence split (diffusers' "
+                                              "_cp_plan): each device would run the whole model")
+    config = getattr(denoiser, "config", None) or {}
+    config = config if isinstance(config, dict) else config.to_dict()
+    tokens, text = _image_tokens(config, geo), geo.text_tokens
+    if tokens % devices or text % devices:
+        return SequenceSplit(devices, "none", f"{tokens} image and {text} text tokens do not both divide by {devices}")
+    inputs = {name for split in cp_plan.values() if isinstance(split, dict) for name in split}
+    if any("mask" in str(name) for name in inputs):
+        return SequenceSplit(devices, "ring", "its text mask: diffusers' Ulysses fails with it, pyext's ring takes "
+                                              f"it; a prompt of tokens not a multiple of {devices} fails diffusers' split")
+    heads = _heads(config, model_width(denoiser))
+    if heads % devices:
+        return SequenceSplit(devices, "ring", f"its {heads} heads do not divide by {devices}")
+    return SequenceSplit(devices, "ulysses", f"its {heads} heads divide by {devices}: two all-to-alls per attention")

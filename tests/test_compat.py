@@ -41,6 +41,23 @@ def test_private_attributes_are_where_pyext_reads_them(tmp_path):
     assert accelerate.__version__
 
 
+def test_context_parallel_attributes_are_where_pyext_reads_them():
+    from diffusers import ContextParallelConfig
+    from diffusers.models.transformers.transformer_flux import FluxAttnProcessor
+
+    from pyext.offline import build_pipeline
+
+    model = build_pipeline("flux", "tiny").transformer
+    assert "hidden_states" in _compat.context_parallel_plan(model)[""]
+    assert hasattr(model, _compat.PARALLEL_CONFIG) and _compat.context_parallel_degrees(model) is None
+    processor = FluxAttnProcessor()
+    assert hasattr(processor, _compat.PARALLEL_CONFIG) and _compat.ring_group(processor) is None
+    assert _compat.RING_MESH in ContextParallelConfig.__dataclass_fields__
+    restore = _compat.take_parallel_config(processor)
+    restore()
+    assert getattr(processor, _compat.PARALLEL_CONFIG) is None
+
+
 def test_model_metadata():
     from diffusers import WanTransformer3DModel
     from transformers import T5Config, T5EncoderModel

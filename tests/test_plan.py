@@ -74,3 +74,51 @@ def test_plan_refuses_what_optimize_refuses_and_sees_an_earlier_optimize():
     with pytest.raises(PyextError, match="dtype"):
         pyext.plan(pipe, dtype=torch.float16)  # the first call's cast cannot be undone exactly
     assert pyext.plan(pipe, dtype=torch.bfloat16).decision.dtype == torch.bfloat16
+
+
+# Tiny configs: Flux and Wan split their sequence without a mask (Ulysses where their heads
+# divide), LTX's text mask takes the ring, a UNet declares no split.
+@pytest.mark.parametrize("arch,split", [("flux", "ulysses"), ("wan21", "ulysses"), ("ltx", "ring"), ("sd15", "none")])
+def test_a_plan_for_two_devices_says_how_the_sequence_splits_and_counts_one_device(arch, split):
+    from pyext import planner
+
+    pipe = build_pipeline(arch, "tiny")
+    one, two = pyext.plan(pipe).decision, pyext.plan(pipe, devices=2).decision
+    assert one.sequence.devices == 1 and one.sequence.split == "none"
+    assert two.sequence.devices == 2 and two.sequence.split == split and two.sequence.reason, two.sequence
+    assert ("_cp_plan" in two.sequence.reason) == (split == "none")
+    whole, shared = (planner.component_sizes(two.components, two.geometry, split_ways=ways) for ways in (1, 2))
+    for a, b in zip(whole, shared):  # each device holds every weight and half the denoiser's tokens
+        assert a.weight_bytes == b.weight_bytes
+        assert b.activation_bytes == (a.activation_bytes // 2 if a.role == "denoiser" else a.activation_bytes)
+    if split == "none":
+        assert two.plan.peak_bytes == one.plan.peak_bytes
+    else:
+        assert two.plan.peak_bytes <= one.plan.peak_bytes and two.sequence.ways == 2
+        assert f"{split} over 2 devices" in str(pyext.plan(pipe, devices=2))
+
+
+def test_the_split_follows_heads_tokens_and_what_is_enabled():
+    from types import SimpleNamespace
+
+    from pyext import planner
+
+    pipe = build_pipeline("flux", "tiny")
+    model = pipe.transformer
+    heads = model.config.num_attention_heads
+    geo = planner.Geometry(64, 64, text_tokens=heads * 8)  # 64 image tokens for patch 1
+    assert planner.sequence_split(model, geo, heads).split == "ulysses"
+    wider = heads * 2 if 64 % (heads * 2) == 0 else None
+    if wider:
+        assert planner.sequence_split(model, geo, wider).split == "ring"  # heads do not divide
+    odd = planner.sequence_split(model, planner.Geometry(64, 64, text_tokens=7), 2)
+    assert odd.split == "none" and "do not both divide" in odd.reason
+    # context parallelism already enabled on the denoiser: its degree and kind, and the option must agree
+    model._parallel_config = SimpleNamespace(context_parallel_config=SimpleNamespace(ring_degree=2, ulysses_degree=1))
+    try:
+        decision = pyext.plan(pipe).decision
+        assert (decision.sequence.devices, decision.sequence.split) == (2, "ring")
+        with pytest.raises(PyextError, match="devices=4"):
+            pyext.plan(pipe, devices=4)
+    finally:
+        model._parallel_config = None
