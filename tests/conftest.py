@@ -10,6 +10,20 @@ from pyext._ext import EXT
 # (~/.cache/pyext): tests register made-up broken backends on purpose. Subprocesses inherit it.
 os.environ.setdefault("PYEXT_CACHE_DIR", tempfile.mkdtemp(prefix="pyext_test_dispatch_"))
 
+# Under pytest-xdist (`make test` runs one worker per core), each worker computes on one thread:
+# workers with torch's default of a thread per core would oversubscribe the cores, and OpenMP's
+# waiting threads spin. Tests of threaded code set the thread counts they need themselves.
+if os.environ.get("PYTEST_XDIST_WORKER"):
+    torch.set_num_threads(1)
+    os.environ["OMP_NUM_THREADS"] = "1"  # the tests' subprocesses
+
+
+def pytest_collection_modifyitems(items):
+    """Tests marked slow first: with several workers the long ones then overlap the many short
+    ones instead of running alone at the end."""
+    items.sort(key=lambda item: item.get_closest_marker("slow") is None)
+
+
 SIMD_LEVELS = ["scalar", "avx2", "avx512"]
 
 

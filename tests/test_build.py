@@ -86,6 +86,7 @@ def test_import_does_not_initialise_cuda():
     assert proc.returncode == 0 and proc.stdout.strip() == "False", proc.stderr
 
 
+@pytest.mark.slow
 def test_info_lists_every_backend_with_reason():
     proc = subprocess.run([sys.executable, "-m", "pyext", "info", "--json"], capture_output=True, text=True, cwd=ROOT)
     assert proc.returncode == 0, proc.stderr

@@ -74,6 +74,7 @@ RING_CASES = {"fp32": (torch.float32, None), "fp32 key padding": (torch.float32,
               "fp16 key padding": (torch.float16, "keys"), "bf16 bias": (torch.bfloat16, "bias")}
 
 
+@pytest.mark.slow
 def test_ring_attention_equals_one_call_over_all_keys(tmp_path):
     torch.multiprocessing.spawn(_ring_worker, args=(2, str(tmp_path / "store"), str(tmp_path)), nprocs=2)
     for rank in range(2):
@@ -91,6 +92,7 @@ def test_ring_attention_equals_one_call_over_all_keys(tmp_path):
 # runs with Ulysses-2 here (LTX's text mask and Qwen-Image's odd text length fail there too).
 # Ring: plain diffusers fails every family (its SDPA backends give no log-sum-exp); with pyext
 # it runs, LTX's text mask included.
+@pytest.mark.slow
 @pytest.mark.parametrize("arch,splits", [("flux", "ulysses,ring"), ("wan21", "ulysses,ring"), ("ltx", "ring")])
 def test_context_parallel_with_optimize_before_or_after_equals_one_process(arch, splits, tmp_path):
     out = tmp_path / "parallel.json"

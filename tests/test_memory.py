@@ -187,6 +187,7 @@ def test_the_defaults_leave_allocator_heap_and_mappings_alone(monkeypatch):
     assert not [t for t in threading.enumerate() if t.name.startswith("pyext-vae-spill")]
 
 
+@pytest.mark.slow
 def test_each_setting_turns_its_action_on(monkeypatch):
     import pyext
     from pyext.offline import build_pipeline
