@@ -16,6 +16,7 @@ os.environ.setdefault("PYEXT_CACHE_DIR", tempfile.mkdtemp(prefix="pyext_test_dis
 if os.environ.get("PYTEST_XDIST_WORKER"):
     torch.set_num_threads(1)
     os.environ["OMP_NUM_THREADS"] = "1"  # the tests' subprocesses
+    os.environ["BENCH_THREADS"] = "1"  # the VAE bench's children, which set their own count
 
 
 def pytest_collection_modifyitems(items):
