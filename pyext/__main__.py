@@ -73,6 +73,12 @@ def print_text(info: dict) -> None:
               "`python -m pyext info --clear-marks` forgets them now)")
 
 
+def _positive_int(text: str) -> int:
+    if not text.isdigit() or int(text) < 1:
+        raise argparse.ArgumentTypeError(f"expected an int of at least 1, got {text!r}")
+    return int(text)
+
+
 def plans(archs, budgets, device: str, capability, devices: int = 1) -> list[dict]:
     """Plans for the full architectures (built on the meta device: shapes only, nothing allocated),
     with the dtype dtype="auto" picks on `device` (a GPU of `capability` for cuda: a dry run),
@@ -93,7 +99,8 @@ def plans(archs, budgets, device: str, capability, devices: int = 1) -> list[dic
         res = 512 if arch == "sd15" else 1024
         geo = planner.Geometry(res, res, text_tokens=call_default(pipe, "max_sequence_length") or 77)
         weights = sum(c.weight_bytes for c in planner.component_sizes(components, geo, elem))
-        split = planner.sequence_split(next(iter(components.denoisers.values())), geo, devices)
+        split = planner.sequence_split(next(iter(components.denoisers.values())), geo, devices,
+                                       planner.latent_channels(components))
         row = {"arch": arch, "device": device, "capability": capability, "dtype": str(dtype).removeprefix("torch."),
                "resolution": f"{res}x{res}", "weight_bytes": weights, "devices": devices, "split": split.split,
                "split_reason": split.reason, "plans": {}}
@@ -181,7 +188,7 @@ def main(argv=None) -> int:
     plan.add_argument("--budgets", nargs="+", default=["4GB", "8GB", "16GB", "24GB"])
     plan.add_argument("--device", default="cuda", choices=["cuda", "cpu"])
     plan.add_argument("--capability", default="9.0", help="the GPU's compute capability (cuda only), e.g. 8.0")
-    plan.add_argument("--devices", type=int, default=1,
+    plan.add_argument("--devices", type=_positive_int, default=1,
                       help="devices the denoiser's sequence is split over (diffusers' context parallelism)")
     plan.add_argument("--json", action="store_true")
     kernels = sub.add_parser("kernels", help="compile every GPU kernel config for sm_80/sm_90 (no GPU needed)")

@@ -9,7 +9,9 @@ they were read from.
 """
 from __future__ import annotations
 
+import functools
 import importlib
+import inspect
 
 import torch
 
@@ -137,6 +139,21 @@ def context_parallel_degrees(model) -> tuple[int, int] | None:
 
 def context_parallel_plan(model) -> dict | None:
     return getattr(type(model), CP_PLAN, None)
+
+
+def splits_self_attention_only(processor) -> bool:
+    """Whether the processor passes its parallel config only when it has no encoder_hidden_states
+    (Wan's processors: cross-attention keys are not split, so that attention stays local)."""
+    return _self_attention_only(type(processor))
+
+
+@functools.lru_cache(maxsize=None)
+def _self_attention_only(cls: type) -> bool:
+    try:
+        source = inspect.getsource(cls.__call__)
+    except (OSError, TypeError):
+        return False
+    return "if encoder_hidden_states is None else None" in source
 
 
 def take_parallel_config(processor):

@@ -21,6 +21,8 @@ Why this way:
 - Nothing global changes: no function of torch or diffusers is replaced, not even for one call.
   Torch keeps the mode stack per thread, so another thread (or another pipeline) calling SDPA
   while a patched layer runs is not affected. The hooks and the state live on the layer modules.
+  (With a ring, the processor's parallel config is lifted during the layer's forward: another
+  thread running the same model at that moment would attend to its local chunks only.)
 - Processors installed later (`fuse_qkv_projections`, `set_attn_processor`, IP-Adapter loading)
   are routed too, since the hook does not care which processor runs. A processor that does not
   call SDPA (e.g. `AttnProcessor`, which `set_default_attn_processor` installs, or the flash /
@@ -29,8 +31,8 @@ Why this way:
 - An SDPA call pyext's op cannot take (dropout, causal, autograd, autocast, a
   tensor subclass, or an input the op or a forced backend refuses) runs torch's SDPA unchanged
   and is counted with its reason.
-- diffusers' ring attention (context parallelism) asks its backend for a log-sum-exp that SDPA
-  cannot give. For the forward of a layer whose processor holds a ring config, the pre-hook lifts
+- diffusers' ring attention (context parallelism) asks its backend for a log-sum-exp that its
+  native SDPA backend cannot give. For the forward of a layer whose processor holds a ring config, the pre-hook lifts
   the config off the processor (diffusers then calls SDPA on the local chunks) and pyext computes
   that call as the ring (`pyext.ring`); the exit hook puts the config back.
 
@@ -64,6 +66,13 @@ _SDPA_DISPATCH_BACKENDS = {"native", "_native_cudnn", "_native_efficient", "_nat
 
 def _sdpa_args(query, key, value, attn_mask=None, dropout_p=0.0, is_causal=False, scale=None, enable_gqa=False):
     return query, key, value, attn_mask, dropout_p, is_causal, scale, enable_gqa
+
+
+def _local_call(processor, args, kwargs) -> bool:
+    """A forward whose attention diffusers keeps local under context parallelism: cross-attention
+    in the processors that split only self-attention (Wan's: the text is not split)."""
+    encoder_states = kwargs.get("encoder_hidden_states", args[1] if len(args) > 1 else None)
+    return encoder_states is not None and _compat.splits_self_attention_only(processor)
 
 
 def _needs_torch(q, k, v, attn_mask, dropout_p, is_causal, enable_gqa) -> str | None:
@@ -113,7 +122,7 @@ class _Layer:
         self.handles = [
             # The mode should cover the layer's forward only: the pre-hook goes after the
             # pre-hooks present now, the exit hook before every forward hook.
-            module.register_forward_pre_hook(self._enter),
+            module.register_forward_pre_hook(self._enter, with_kwargs=True),
             module.register_forward_hook(self._exit, prepend=True, always_call=True),
         ]
 
@@ -135,13 +144,13 @@ class _Layer:
             self.local.modes = []
         return self.local.modes
 
-    def _enter(self, module, args):
+    def _enter(self, module, args, kwargs):
         mode = _RouteSDPA(self)
         processor = getattr(module, "processor", None)
         group = _compat.ring_group(processor)
-        if group is not None and route_problem(module) is None:
-            # diffusers' ring needs a forward that returns the log-sum-exp, which its SDPA
-            # backends lack: for this forward the processor runs without its parallel config
+        if group is not None and route_problem(module) is None and not _local_call(processor, args, kwargs):
+            # diffusers' ring needs a forward that returns the log-sum-exp, which its native SDPA
+            # backend lacks: for this forward the processor runs without its parallel config
             # (plain SDPA on the local chunks), and pyext computes that call as the ring.
             mode.ring_group, mode.restore = group, _compat.take_parallel_config(processor)
         mode.__enter__()
@@ -152,9 +161,11 @@ class _Layer:
         if not modes:  # an earlier pre-hook raised before ours ran
             return
         mode = modes.pop()
-        mode.__exit__(None, None, None)
-        if mode.restore is not None:
-            mode.restore()
+        try:
+            mode.__exit__(None, None, None)
+        finally:
+            if mode.restore is not None:
+                mode.restore()
         no_sdpa = None if mode.sdpa_calls else f"no SDPA call ({route_problem(module) or 'processor skipped it'})"
         self.count(no_sdpa, calls=1)
 
@@ -193,6 +204,7 @@ class _Layer:
         def reference(q, k, v, mask):
             return ops.attention_reference(q, k, v, scale=scale, attn_mask=mask, return_lse=True)
 
+        ring.mask_travels(attn_mask, k.shape[-2])  # a mask the ring cannot take is an error, not a fallback
         try:
             out = ring.ring_attention(q, k, v, group, attend, attn_mask)
         except PyextError as e:  # the op refused these inputs: every rank does, so the ring restarts

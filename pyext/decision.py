@@ -135,7 +135,7 @@ def decide(pipe, opts: OptimizeOptions, default_device: torch.device | None = No
     else:
         dtype = opts.dtype
     geo = _geometry(pipe, opts, first)
-    sequence = planner.sequence_split(first, geo, _devices(opts, first))
+    sequence = planner.sequence_split(first, geo, _devices(opts, first), planner.latent_channels(comps))
     budget = opts.budget_bytes
     if budget is None and device.type == "cuda":
         budget = torch.cuda.get_device_properties(device).total_memory

@@ -256,7 +256,8 @@ Split = Literal["none", "ulysses", "ring", "ulysses+ring"]
 @dataclass(frozen=True)
 class SequenceSplit:
     """How a denoiser's sequence is split over devices by diffusers' context parallelism
-    (`enable_parallelism`): each device holds every weight and 1/devices of the tokens."""
+    (`enable_parallelism`): when it splits, each device holds every weight and 1/devices of the
+    tokens; "none" runs the whole model on every device."""
 
     devices: int
     split: Split
@@ -267,32 +268,53 @@ class SequenceSplit:
         return 1 if self.split == "none" else self.devices
 
     def describe(self) -> str:
-        if self.devices == 1:
-            return "one device"
         how = "not split" if self.split == "none" else f"{self.split} over {self.devices} devices"
         return f"sequence {how} ({self.reason})"
 
 
-def sequence_split(denoiser: nn.Module, geo: Geometry, devices: int) -> SequenceSplit:
+def latent_channels(components: Components) -> int | None:
+    """The latent channels of the pipeline's VAE, where its config says."""
+    for name, module in components.modules.items():
+        config = getattr(module, "config", None)
+        if components.roles[name] == "vae" and isinstance(config, dict) and config.get("latent_channels"):
+            return int(config["latent_channels"])
+    return None
+
+
+def _packing(config: dict, latents: int | None) -> int:
+    """Latent pixels per token beyond the patch: 4 where the pipeline packs 2x2 latents into one
+    token (Flux, Qwen-Image: the denoiser takes 4x the VAE's channels), else 1."""
+    channels = config.get("in_channels")
+    if not latents or not channels or channels % latents:
+        return 1
+    return channels // latents
+
+
+def sequence_split(denoiser: nn.Module, geo: Geometry, devices: int, latents: int | None = None) -> SequenceSplit:
     """The split for `devices` devices: what diffusers' context parallelism can do with this
-    denoiser at this geometry, Ulysses where the heads divide, else pyext's ring."""
+    denoiser at this geometry (`latents`: the VAE's latent channels), Ulysses where the heads
+    divide, else pyext's ring."""
     if devices == 1:
         return SequenceSplit(1, "none", "one device")
     enabled = _compat.context_parallel_degrees(denoiser)
     if enabled is not None:
         ring, ulysses = enabled
-        split = "ulysses+ring" if ring > 1 and ulysses > 1 else "ring" if ring > 1 else "ulysses"
-        return SequenceSplit(devices, split, "as enable_parallelism set it on the denoiser")
+        if ring > 1 and ulysses > 1:
+            return SequenceSplit(devices, "ulysses+ring", "as enable_parallelism set it on the denoiser; pyext does "
+                                                          "not compute Ulysses and ring together")
+        return SequenceSplit(devices, "ring" if ring > 1 else "ulysses", "as enable_parallelism set it on the denoiser")
     cp_plan = _compat.context_parallel_plan(denoiser)
     if not cp_plan:
         return SequenceSplit(devices, "none", f"{type(denoiser).__name__} declares no sequence split (diffusers' "
                                               "_cp_plan): each device would run the whole model")
     config = getattr(denoiser, "config", None) or {}
     config = config if isinstance(config, dict) else config.to_dict()
-    tokens, text = _image_tokens(config, geo), geo.text_tokens
-    if tokens % devices or text % devices:
-        return SequenceSplit(devices, "none", f"{tokens} image and {text} text tokens do not both divide by {devices}")
     inputs = {name for split in cp_plan.values() if isinstance(split, dict) for name in split}
+    tokens = _image_tokens(config, geo) // _packing(config, latents)
+    if tokens % devices:
+        return SequenceSplit(devices, "none", f"its {tokens} image tokens do not divide by {devices}")
+    if "encoder_hidden_states" in inputs and geo.text_tokens % devices:
+        return SequenceSplit(devices, "none", f"its {geo.text_tokens} text tokens do not divide by {devices}")
     if any("mask" in str(name) for name in inputs):
         return SequenceSplit(devices, "ring", "its text mask: diffusers' Ulysses fails with it, pyext's ring takes "
                                               f"it; a prompt of tokens not a multiple of {devices} fails diffusers' split")

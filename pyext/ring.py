@@ -22,7 +22,8 @@ from pyext.dispatch import PyextError
 Attend = Callable[[torch.Tensor, torch.Tensor, torch.Tensor, Optional[torch.Tensor]], tuple]
 
 
-def _travelling_mask(attn_mask: torch.Tensor | None, key_len: int) -> bool:
+def mask_travels(attn_mask: torch.Tensor | None, key_len: int) -> bool:
+    """Whether the mask goes around the ring with its keys; PyextError for a mask it cannot take."""
     if attn_mask is None or attn_mask.dim() == 0 or attn_mask.shape[-1] == 1:
         return False
     if attn_mask.shape[-1] != key_len:
@@ -48,13 +49,14 @@ def merge(out: torch.Tensor | None, lse: torch.Tensor | None, part: torch.Tensor
 
 def ring_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, group, attend: Attend,
                    attn_mask: torch.Tensor | None = None) -> torch.Tensor:
-    """softmax(q K^T) V over the keys and values of every rank of `group`, each rank passing its
-    local q (batch, heads, q length, dim), k and v (batch, heads, key length, dim): the output
-    for the local queries, in q's dtype. Every rank's key length must be the same."""
+    """Attention, as `attend` computes it (scale, mask), of this rank's queries over the keys and
+    values of every rank of `group`. Each rank passes its q (batch, heads, q length, dim), k and v
+    (batch, heads, key length, dim), with the same key length on every rank; the output is this
+    rank's, in q's dtype."""
     world, rank = dist.get_world_size(group), dist.get_rank(group)
     send_to = dist.get_global_rank(group, (rank + 1) % world)
     recv_from = dist.get_global_rank(group, (rank - 1) % world)
-    with_mask = _travelling_mask(attn_mask, k.shape[-2])
+    with_mask = mask_travels(attn_mask, k.shape[-2])
     chunk = [k.contiguous(), v.contiguous()] + ([attn_mask.contiguous()] if with_mask else [])
     out = lse = None
     for step in range(world):

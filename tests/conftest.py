@@ -20,9 +20,11 @@ if os.environ.get("PYTEST_XDIST_WORKER"):
 
 
 def pytest_collection_modifyitems(items):
-    """Tests marked slow first: with several workers the long ones then overlap the many short
-    ones instead of running alone at the end."""
-    items.sort(key=lambda item: item.get_closest_marker("slow") is None)
+    """Modules with tests marked slow first, each module's tests kept together and in order: with
+    several workers the long ones then overlap the many short ones instead of running alone at
+    the end, and module fixtures are made once."""
+    slow = {item.module for item in items if item.get_closest_marker("slow") is not None}
+    items.sort(key=lambda item: item.module not in slow)
 
 
 SIMD_LEVELS = ["scalar", "avx2", "avx512"]

@@ -55,7 +55,6 @@ SCRIPT = textwrap.dedent("""
 EPS = {"torch.float16": 1e-4, "torch.float32": 1e-6}
 
 
-@pytest.mark.slow
 def test_triton_attention_in_interpreter():
     result = run_in_triton_interpreter(SCRIPT, timeout=900)
     assert len(result["cases"]) == 9 * 3 * 2

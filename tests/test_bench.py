@@ -39,7 +39,6 @@ def assert_rows_well_formed(rows: dict) -> None:
             assert isinstance(row["reason"], str) and row["reason"], name
 
 
-@pytest.mark.slow
 def test_tiny_preset_reports_every_row(tiny_report):
     out, report = tiny_report
     assert list(report["rows"]) == list(latency.ROWS)
@@ -172,7 +171,6 @@ def test_winograd_bench_pairs_rounds_and_reports_the_rule():
     assert "under 32" in row["rule"]
 
 
-@pytest.mark.slow
 def test_cpu_runtimes_pairs_rounds_and_checks_outputs(tmp_path):
     """bench.cpu_runtimes on the tiny sd15: each runtime in its own process, paired ratios per
     round, every output checked against eager's, and a missing runtime reported with its reason."""
@@ -197,7 +195,6 @@ def test_cpu_runtimes_pairs_rounds_and_checks_outputs(tmp_path):
     assert "| openvino | n/a: openvino not installed |" in cpu_runtimes.markdown(fake)
 
 
-@pytest.mark.slow
 @pytest.mark.parametrize("channels_last, prepack", [(True, True)])  # the default run is this one without both
 def test_vae_bench_rows_compare_each_tiled_run_with_the_untiled_one(tmp_path, channels_last, prepack):
     """bench.vae on the small VAE at 512x256 (2 x 1 tiles): a row per method and per pyext option

@@ -44,6 +44,7 @@ def test_private_attributes_are_where_pyext_reads_them(tmp_path):
 def test_context_parallel_attributes_are_where_pyext_reads_them():
     from diffusers import ContextParallelConfig
     from diffusers.models.transformers.transformer_flux import FluxAttnProcessor
+    from diffusers.models.transformers.transformer_wan import WanAttnProcessor
 
     from pyext.offline import build_pipeline
 
@@ -53,9 +54,14 @@ def test_context_parallel_attributes_are_where_pyext_reads_them():
     processor = FluxAttnProcessor()
     assert hasattr(processor, _compat.PARALLEL_CONFIG) and _compat.ring_group(processor) is None
     assert _compat.RING_MESH in ContextParallelConfig.__dataclass_fields__
+    config = object()
+    setattr(processor, _compat.PARALLEL_CONFIG, config)
     restore = _compat.take_parallel_config(processor)
-    restore()
     assert getattr(processor, _compat.PARALLEL_CONFIG) is None
+    restore()
+    assert getattr(processor, _compat.PARALLEL_CONFIG) is config
+    # Wan keeps cross-attention local (its text is not split); Flux splits its joint attention
+    assert _compat.splits_self_attention_only(WanAttnProcessor()) and not _compat.splits_self_attention_only(processor)
 
 
 def test_model_metadata():

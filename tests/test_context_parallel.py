@@ -7,9 +7,12 @@
   every rank pyext's op must have computed the attention (no call left to torch).
 """
 import json
+import math
 import os
 import subprocess
 import sys
+from datetime import timedelta
+from types import SimpleNamespace
 
 import pytest
 import torch
@@ -28,7 +31,8 @@ def _ring_worker(rank: int, world: int, store_path: str, out_dir: str) -> None:
     from pyext import ops, ring
     from pyext.dispatch import PyextError
 
-    dist.init_process_group("gloo", store=dist.FileStore(store_path, world), rank=rank, world_size=world)
+    dist.init_process_group("gloo", store=dist.FileStore(store_path, world), rank=rank, world_size=world,
+                            timeout=timedelta(seconds=120))  # a hung ring fails the test instead of stalling it
     results = {}
     for name, (dtype, mask_kind) in RING_CASES.items():
         g = torch.Generator().manual_seed(len(name))
@@ -37,26 +41,28 @@ def _ring_worker(rank: int, world: int, store_path: str, out_dir: str) -> None:
         k_all = torch.randn(2, 3, 37 * world, 40, generator=g).to(dtype)
         v_all = torch.randn(2, 3, 37 * world, 40, generator=g).to(dtype)
         mask_all = None
-        if mask_kind == "keys":  # key padding: batch 0 sees no key of rank 0's chunk, batch 1 none at all
+        if mask_kind in ("keys", "key bias"):  # batch 0 sees no key of rank 0's chunk, batch 1 none at all
             mask_all = torch.rand(2, 1, 1, 37 * world, generator=g) > 0.3
             mask_all[0, ..., :37] = False
             mask_all[1] = False
-        elif mask_kind == "bias":  # additive, broadcast over the keys
-            mask_all = torch.randn(2, 3, 7 * world, 1, generator=g).to(dtype)
+            if mask_kind == "key bias":  # additive: -inf masks a key
+                mask_all = torch.zeros(mask_all.shape, dtype=dtype).masked_fill(~mask_all, -math.inf)
+        elif mask_kind == "queries":  # broadcast over the keys: a masked query row is masked in every chunk
+            mask_all = torch.rand(2, 3, 7 * world, 1, generator=g) > 0.2
         q, k, v = (t.chunk(world, dim=2)[rank] for t in (q_all, k_all, v_all))
         mask = mask_all
-        if mask_kind == "keys":
+        if mask_kind in ("keys", "key bias"):
             mask = mask_all.chunk(world, dim=-1)[rank]
-        elif mask_kind == "bias":
+        elif mask_kind == "queries":
             mask = mask_all.chunk(world, dim=2)[rank]
 
         def attend(q, k, v, m):
             return ops.attention(q, k, v, attn_mask=m, return_lse=True)
 
         out = ring.ring_attention(q, k, v, dist.group.WORLD, attend, mask)
-        whole_mask = mask_all if mask_kind == "keys" else mask
+        whole_mask = mask_all if mask_kind in ("keys", "key bias") else mask
         whole = ops.attention(q, k_all, v_all, attn_mask=whole_mask)
-        if mask_kind == "bias":
+        if mask_kind == "key bias":
             whole_mask = whole_mask.double()
         oracle = ops.attention_reference(q.double(), k_all.double(), v_all.double(), attn_mask=whole_mask)
         results[name] = {"ring": (out.double() - oracle).abs().max().item(),
@@ -71,7 +77,7 @@ def _ring_worker(rank: int, world: int, store_path: str, out_dir: str) -> None:
 
 
 RING_CASES = {"fp32": (torch.float32, None), "fp32 key padding": (torch.float32, "keys"),
-              "fp16 key padding": (torch.float16, "keys"), "bf16 bias": (torch.bfloat16, "bias")}
+              "fp16 key bias": (torch.float16, "key bias"), "bf16 query mask": (torch.bfloat16, "queries")}
 
 
 @pytest.mark.slow
@@ -84,8 +90,53 @@ def test_ring_attention_equals_one_call_over_all_keys(tmp_path):
         for name, r in results.items():
             dtype = RING_CASES[name][0]
             assert r["dtype"] == str(dtype) and r["finite"], (rank, name, r)
-            # the ring merges in fp32 and rounds once: no worse than one call, up to a rounding
+            # each chunk's output is rounded to the dtype, then merged in fp32: within 2x one call's error
             assert r["ring"] <= 2 * r["one call"] + (1e-5 if dtype == torch.float32 else 0), (rank, name, r)
+
+
+def _fake_ring(group):
+    """A processor's ring config as diffusers' enable_parallelism leaves it, over `group`."""
+    cp = SimpleNamespace(ring_degree=2, ulysses_degree=1, ring_anything=False, _ring_mesh=SimpleNamespace(
+        get_group=lambda: group))
+    return SimpleNamespace(context_parallel_config=cp)
+
+
+def test_the_routing_lifts_a_ring_config_for_the_forward_and_puts_it_back(tmp_path, monkeypatch):
+    """In one process (a ring of one rank, whose ring is one attention call): a routed layer whose
+    processor holds a ring config computes through the ring, the image is the plain one, and the
+    config is back on the processor after each forward, also after one that raised."""
+    import torch.distributed as dist
+
+    import pyext
+    from pyext import _state, ring
+    from pyext.attention import STATE, attention_layers
+    from pyext.dispatch import PyextError
+    from pyext.offline import build_pipeline, run_example
+
+    pipe = build_pipeline("flux", "tiny")
+    plain = run_example(pipe, "flux", "tiny", steps=1)
+    pyext.attention.apply(pipe)
+    dist.init_process_group("gloo", store=dist.FileStore(str(tmp_path / "store"), 1), rank=0, world_size=1)
+    try:
+        layers = attention_layers(pipe.transformer)
+        configs = {name: _fake_ring(dist.group.WORLD) for name in layers}
+        for name, layer in layers.items():
+            layer.processor._parallel_config = configs[name]
+        ring_calls, real = [], ring.ring_attention
+        monkeypatch.setattr(ring, "ring_attention", lambda *a, **k: ring_calls.append(1) or real(*a, **k))
+        image = run_example(pipe, "flux", "tiny", steps=1)
+        assert torch.allclose(image, plain, atol=1e-5)
+        assert len(ring_calls) == pyext.attention.status(pipe)["components"]["transformer"]["pyext_calls"] > 0
+        assert all(layer.processor._parallel_config is configs[name] for name, layer in layers.items())
+        name, layer = next(iter(layers.items()))
+        with pytest.raises(RuntimeError):
+            layer(torch.randn(1, 4, 7))  # the projection fails inside the forward, after the config was lifted
+        assert layer.processor._parallel_config is configs[name]
+        q = torch.randn(1, 2, 4, 8)
+        with pytest.raises(PyextError, match="ring attention: dropout"):
+            _state.get(layer, STATE).attention((q, q, q), {"dropout_p": 0.1}, dist.group.WORLD)
+    finally:
+        dist.destroy_process_group()
 
 
 # Families that declare their sharding (`_cp_plan`). Ulysses: the tiny pipelines plain diffusers

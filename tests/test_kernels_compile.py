@@ -22,7 +22,6 @@ def entries():
     return ENTRIES
 
 
-@pytest.mark.slow
 def test_every_config_compiles_for_both_archs_without_spilling_defaults(entries):
     assert compile_check.problems(entries) == []
     triton_keys = {(e["kernel"], e["variant"], e["config"]) for e in entries if e["kind"] == "triton"}

@@ -106,13 +106,15 @@ def test_the_split_follows_heads_tokens_and_what_is_enabled():
     pipe = build_pipeline("flux", "tiny")
     model = pipe.transformer
     heads = model.config.num_attention_heads
-    geo = planner.Geometry(64, 64, text_tokens=heads * 8)  # 64 image tokens for patch 1
-    assert planner.sequence_split(model, geo, heads).split == "ulysses"
-    wider = heads * 2 if 64 % (heads * 2) == 0 else None
-    if wider:
-        assert planner.sequence_split(model, geo, wider).split == "ring"  # heads do not divide
-    odd = planner.sequence_split(model, planner.Geometry(64, 64, text_tokens=7), 2)
-    assert odd.split == "none" and "do not both divide" in odd.reason
+    latents = planner.latent_channels(pyext.plan(pipe).decision.components)
+    assert model.config.in_channels == 4 * latents  # Flux packs 2x2 latents into a token
+    geo = planner.Geometry(128, 128, text_tokens=heads * 8)  # 16x16 latents: 64 tokens
+    assert planner.sequence_split(model, geo, heads, latents).split == "ulysses"
+    assert planner.sequence_split(model, geo, 2 * heads, latents).split == "ring"  # the heads do not divide
+    odd = planner.sequence_split(model, planner.Geometry(80, 80, text_tokens=64), 2, latents)  # 25 tokens
+    assert odd.split == "none" and "25 image tokens" in odd.reason
+    text = planner.sequence_split(model, planner.Geometry(128, 128, text_tokens=7), 2, latents)
+    assert text.split == "none" and "7 text tokens" in text.reason
     # context parallelism already enabled on the denoiser: its degree and kind, and the option must agree
     model._parallel_config = SimpleNamespace(context_parallel_config=SimpleNamespace(ring_degree=2, ulysses_degree=1))
     try:

@@ -178,7 +178,6 @@ def test_save_pretrained_reloads_in_plain_diffusers(arch, techniques, tmp_path):
     assert_same(run(opt, arch), run(twin, arch))  # saving changed nothing in the optimized pipeline
 
 
-@pytest.mark.slow
 @pytest.mark.parametrize("arch", ["sd15", "flux", "wan21"])  # sdxl's UNet compiles as sd15's does
 def test_users_torch_compile_after_optimize(arch):
     opt, twin = pair(arch, "fp8")
