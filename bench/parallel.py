@@ -1,11 +1,13 @@
 """pyext with diffusers' context parallelism (Ulysses and ring), launched by torchrun.
 
     torchrun --nproc-per-node N -m bench.parallel [--arch flux] [--size tiny] [--steps 2]
-             [--splits ulysses,ring] [--orders after] [--out FILE]
+             [--splits ulysses,ring] [--orders after] [--compile BACKEND] [--out FILE]
 
 Each rank builds the same pipeline (random weights from the config, one seed), turns on
 `enable_parallelism` with `ContextParallelConfig(ulysses_degree=N)` or `(ring_degree=N)` when
-N > 1, and calls `pyext.optimize` before or after that: one pipeline per split and order. Per
+N > 1, and calls `pyext.optimize` before or after that: one pipeline per split and order. With
+--compile, the denoiser is then compiled with that torch.compile backend (calls inside the
+compiled graph are not counted). Per
 pipeline and rank: the time of one generation after a warm-up, the process's peak resident memory
 so far, and the attention calls pyext computed and left to torch. Rank 0 then runs the plain
 pipeline alone (no parallelism, no pyext) and reports the largest difference of each image from
@@ -35,7 +37,8 @@ def _generate(pipe, arch: str, size: str, steps: int) -> tuple[torch.Tensor, flo
     return image, time.perf_counter() - start
 
 
-def _run(split: str, order: str, arch: str, size: str, steps: int, world: int, device: str) -> tuple[torch.Tensor, dict]:
+def _run(split: str, order: str, arch: str, size: str, steps: int, world: int, device: str,
+         compile_backend: str | None) -> tuple[torch.Tensor, dict]:
     from diffusers import ContextParallelConfig
 
     import pyext
@@ -49,9 +52,11 @@ def _run(split: str, order: str, arch: str, size: str, steps: int, world: int, d
         pipe.transformer.enable_parallelism(config=ContextParallelConfig(**{degree: world}))
     if order == "after":
         pyext.optimize(pipe, dtype="keep")
+    if compile_backend:
+        pipe.transformer.compile(backend=compile_backend)
     image, seconds = _generate(pipe, arch, size, steps)
     status = pyext.attention.status(pipe)
-    row = {"split": split, "order": order, "seconds": seconds,
+    row = {"split": split, "order": order, "compile": compile_backend, "seconds": seconds,
            "peak_rss_mib": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024,
            "pyext_calls": status["pyext_calls"], "torch_calls": status["fallbacks"]}
     return image.cpu(), row
@@ -79,6 +84,7 @@ def main(argv=None) -> dict | None:
     p.add_argument("--steps", type=int, default=2)
     p.add_argument("--splits", default="ulysses", help="how the sequence is split: ulysses, ring or ulysses,ring")
     p.add_argument("--orders", default="after", help="when pyext.optimize runs: before, after or before,after")
+    p.add_argument("--compile", help="a torch.compile backend for the denoiser, after optimize (e.g. aot_eager)")
     p.add_argument("--out", help="rank 0 writes the results (JSON, with machine, commit and versions) here")
     args = p.parse_args(argv)
 
@@ -94,7 +100,8 @@ def main(argv=None) -> dict | None:
     images, rows = {}, []
     for split in splits:
         for order in args.orders.split(","):
-            images[split, order], row = _run(split, order, args.arch, args.size, args.steps, world, device)
+            images[split, order], row = _run(split, order, args.arch, args.size, args.steps, world, device,
+                                             args.compile)
             rows.append(dict(row, rank=rank))
     gathered = [None] * world
     dist.all_gather_object(gathered, rows)
