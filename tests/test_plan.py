@@ -91,6 +91,8 @@ def test_a_plan_for_two_devices_says_how_the_sequence_splits_and_counts_one_devi
     for a, b in zip(whole, shared):  # each device holds every weight and half the denoiser's tokens
         assert a.weight_bytes == b.weight_bytes
         assert b.activation_bytes == (a.activation_bytes // 2 if a.role == "denoiser" else a.activation_bytes)
+    if split == "ring":  # pyext computes the ring: without its attention, diffusers' refuses it
+        assert "attention='off'" in pyext.plan(pipe, devices=2, attention="off").decision.sequence.reason
     if split == "none":
         assert two.plan.peak_bytes == one.plan.peak_bytes
     else:
