@@ -7,9 +7,9 @@ Each rank builds the same pipeline (random weights from the config, one seed), t
 `enable_parallelism` with `ContextParallelConfig(ulysses_degree=N)` or `(ring_degree=N)` when
 N > 1, and calls `pyext.optimize` before or after that: one pipeline per split and order. With
 --compile, the denoiser is then compiled with that torch.compile backend (calls inside the
-compiled graph are not counted). Per
-pipeline and rank: the time of one generation after a warm-up, the process's peak resident memory
-so far, and the attention calls pyext computed and left to torch. Rank 0 then runs the plain
+compiled graph are not counted). Per pipeline and rank: the time of one generation after a
+warm-up, the process's peak resident memory so far, and the attention calls pyext computed and
+left to torch. Rank 0 then runs the plain
 pipeline alone (no parallelism, no pyext) and reports the largest difference of each image from
 it. NCCL on CUDA, gloo on CPU; without an accelerator, diffusers' device choice
 (`rank % torch.accelerator.device_count()`) divides by zero, so the bench counts one device there.

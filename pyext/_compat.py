@@ -122,10 +122,15 @@ def active_attention_backend(processor) -> str:
     return AttentionBackendName(backend).value
 
 
+def _context_parallel_config(obj):
+    """The ContextParallelConfig enable_parallelism left on a model or processor, or None."""
+    return getattr(getattr(obj, PARALLEL_CONFIG, None), "context_parallel_config", None)
+
+
 def ring_group(processor):
     """The process group of the ring when the processor's context parallelism is a ring alone
     (ring degree above 1, Ulysses degree 1, chunks of equal length), else None."""
-    cp = getattr(getattr(processor, PARALLEL_CONFIG, None), "context_parallel_config", None)
+    cp = _context_parallel_config(processor)
     if cp is None or (cp.ring_degree or 1) <= 1 or (cp.ulysses_degree or 1) > 1 or cp.ring_anything:
         return None
     return getattr(cp, RING_MESH).get_group()
@@ -133,7 +138,7 @@ def ring_group(processor):
 
 def context_parallel_degrees(model) -> tuple[int, int] | None:
     """(ring degree, Ulysses degree) of the context parallelism enabled on a model, or None."""
-    cp = getattr(getattr(model, PARALLEL_CONFIG, None), "context_parallel_config", None)
+    cp = _context_parallel_config(model)
     return None if cp is None else (cp.ring_degree or 1, cp.ulysses_degree or 1)
 
 

@@ -7,7 +7,7 @@ request never leaves a half-changed pipeline. The techniques act on the Decision
 """
 from __future__ import annotations
 
-from dataclasses import dataclass, replace
+from dataclasses import dataclass
 from typing import Literal
 
 import torch
@@ -135,10 +135,8 @@ def decide(pipe, opts: OptimizeOptions, default_device: torch.device | None = No
     else:
         dtype = opts.dtype
     geo = _geometry(pipe, opts, first)
-    sequence = planner.sequence_split(first, geo, _devices(opts, first), planner.latent_channels(comps))
-    if "ring" in sequence.split and opts.attention == "off":
-        sequence = replace(sequence, reason=f"{sequence.reason}; with attention='off' pyext does not compute the ring, "
-                                            "and diffusers' native backend refuses it")
+    sequence = planner.sequence_split(first, geo, _devices(opts, first), planner.latent_channels(comps),
+                                      pyext_attention=opts.attention != "off")
     budget = opts.budget_bytes
     if budget is None and device.type == "cuda":
         budget = torch.cuda.get_device_properties(device).total_memory

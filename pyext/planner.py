@@ -9,7 +9,7 @@ Works on pipelines built on the meta device (shapes only).
 from __future__ import annotations
 
 from collections import Counter
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Literal
 
 import torch.nn as nn
@@ -139,6 +139,11 @@ def _image_tokens(config: dict, geo: Geometry) -> int:
     return -(-geo.latent_frames // pt) * (h // p) * (w // p)
 
 
+def _config(module: nn.Module) -> dict:
+    config = getattr(module, "config", None) or {}
+    return config if isinstance(config, dict) else config.to_dict()  # diffusers or transformers
+
+
 def _heads(config: dict, width: int) -> int:
     return config.get("num_attention_heads") or config.get("num_heads") or max(1, width // 64)
 
@@ -153,8 +158,7 @@ def activation_bytes(module: nn.Module, role: str, geo: Geometry, elem: int) -> 
     holds. Conditioning encoders: TEXT_TENSORS tensors of text tokens x width, plus the scores of
     their eager attention.
     """
-    config = getattr(module, "config", None) or {}
-    config = config if isinstance(config, dict) else config.to_dict()  # diffusers or transformers
+    config = _config(module)
     h, w = geo.height // geo.spatial, geo.width // geo.spatial
     if role in ("denoiser", "controlnet"):
         rule = family_of(module).activation if role == "denoiser" else \
@@ -290,10 +294,19 @@ def _packing(config: dict, latents: int | None) -> int:
     return channels // latents
 
 
-def sequence_split(denoiser: nn.Module, geo: Geometry, devices: int, latents: int | None = None) -> SequenceSplit:
+def sequence_split(denoiser: nn.Module, geo: Geometry, devices: int, latents: int | None = None,
+                   pyext_attention: bool = True) -> SequenceSplit:
     """The split for `devices` devices: what diffusers' context parallelism can do with this
     denoiser at this geometry (`latents`: the VAE's latent channels), Ulysses where the heads
-    divide, else pyext's ring."""
+    divide, else pyext's ring (which needs pyext's attention: `pyext_attention`)."""
+    split = _sequence_split(denoiser, geo, devices, latents)
+    if "ring" in split.split and not pyext_attention:
+        return replace(split, reason=f"{split.reason}; with attention='off' pyext does not compute the ring, and "
+                                     "diffusers' native backend refuses it")
+    return split
+
+
+def _sequence_split(denoiser: nn.Module, geo: Geometry, devices: int, latents: int | None) -> SequenceSplit:
     if devices == 1:
         return SequenceSplit(1, "none", "one device")
     enabled = _compat.context_parallel_degrees(denoiser)
@@ -307,8 +320,7 @@ def sequence_split(denoiser: nn.Module, geo: Geometry, devices: int, latents: in
     if not cp_plan:
         return SequenceSplit(devices, "none", f"{type(denoiser).__name__} declares no sequence split (diffusers' "
                                               "_cp_plan): each device would run the whole model")
-    config = getattr(denoiser, "config", None) or {}
-    config = config if isinstance(config, dict) else config.to_dict()
+    config = _config(denoiser)
     inputs = {name for split in cp_plan.values() if isinstance(split, dict) for name in split}
     tokens = _image_tokens(config, geo) // _packing(config, latents)
     if tokens % devices:

@@ -58,11 +58,12 @@ def ring_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, group, att
     recv_from = dist.get_global_rank(group, (rank - 1) % world)
     with_mask = mask_travels(attn_mask, k.shape[-2])
     chunk = [k.contiguous(), v.contiguous()] + ([attn_mask.contiguous()] if with_mask else [])
+    spare = None  # two receive buffers at most, used in turn (the first chunk may be the caller's k)
     out = lse = None
     for step in range(world):
-        pending, incoming = [], []
+        pending, incoming = [], None
         if step + 1 < world:
-            incoming = [torch.empty_like(t) for t in chunk]
+            incoming = spare or [torch.empty_like(t) for t in chunk]
             ops = [dist.P2POp(dist.isend, t, send_to, group) for t in chunk]
             ops += [dist.P2POp(dist.irecv, t, recv_from, group) for t in incoming]
             pending = dist.batch_isend_irecv(ops)
@@ -72,5 +73,7 @@ def ring_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, group, att
             for work in pending:
                 work.wait()
         out, lse = merge(out, lse, part, part_lse)
-        chunk = incoming or chunk
+        if incoming is not None:
+            spare = chunk if step > 0 else None
+            chunk = incoming
     return out.to(q.dtype)
