@@ -5,8 +5,9 @@
 
 --overhead: on a tiny input of each op, the time of one call through the raw op
 (`torch.ops.pyext.*`: validation, the cached choice, the backend) against PyTorch's own call for
-the same work (SDPA; F.linear on the dequantized weight; F.group_norm + SiLU; F.conv2d), and
-against the chosen backend called bare. Rounds interleave the calls (A, B, A, B, ...); each
+the same work (SDPA; F.linear on the dequantized weight; F.group_norm + SiLU; F.conv2d), against
+that call made through `torch.ops.aten.*` (what any op called through `torch.ops` pays, custom
+or not), and against the chosen backend called bare. Rounds interleave the calls (A, B, A, B, ...); each
 ratio is the median of the per-round ratios, with its range. The results, with the machine,
 the commit and the versions, go to FILE (JSON) when given.
 
@@ -54,7 +55,8 @@ def _child(device: str) -> list[dict]:
 
 
 def _tiny_calls(device: str) -> dict:
-    """{op: (raw op call, PyTorch's call for the same work, dispatch args)} on tiny inputs."""
+    """{op: (raw op call, PyTorch's call for the same work, the same through torch.ops.aten, dispatch args)}
+    on tiny inputs."""
     import torch
     import torch.nn.functional as F
 
@@ -71,16 +73,18 @@ def _tiny_calls(device: str) -> dict:
     codes, dense = wq.view(torch.uint8), (wq.float() * s[:, None])
     h, gamma, beta = rand(1, 8, 4, 4), rand(8), rand(8)
     c, wc = rand(1, 8, 6, 6), rand(8, 8, 3, 3)
-    P = torch.ops.pyext
+    P, A = torch.ops.pyext, torch.ops.aten
     return {
         "attention": (lambda: P.attention(q, q, q, None, None), lambda: F.scaled_dot_product_attention(q, q, q),
-                      (q, q, q, None, None, False)),
+                      lambda: A.scaled_dot_product_attention.default(q, q, q), (q, q, q, None, None, False)),
         "fp8_linear": (lambda: P.fp8_linear(x, codes, s, None, None), lambda: F.linear(x, dense),
-                       (x, codes, s, None)),
+                       lambda: A.linear.default(x, dense), (x, codes, s, None)),
         "group_norm": (lambda: P.group_norm(h, 4, gamma, beta, None, 1e-5, True, None),
-                       lambda: F.silu(F.group_norm(h, 4, gamma, beta, 1e-5)), (h, 4, gamma, beta, None, 1e-5, True)),
+                       lambda: F.silu(F.group_norm(h, 4, gamma, beta, 1e-5)),
+                       lambda: A.silu.default(A.group_norm.default(h, 4, gamma, beta, 1e-5)),
+                       (h, 4, gamma, beta, None, 1e-5, True)),
         "winograd_conv3x3": (lambda: P.winograd_conv3x3(c, wc, None, None), lambda: F.conv2d(c, wc, None, padding=1),
-                             (c, wc, None)),
+                             lambda: A.conv2d.default(c, wc, None, [1, 1], [1, 1]), (c, wc, None)),
     }
 
 
@@ -103,9 +107,10 @@ def overhead(device: str, rounds: int, calls: int) -> list[dict]:
 
     rows = []
     with torch.no_grad():
-        for op, (raw, torch_call, args) in _tiny_calls(device).items():
+        for op, (raw, torch_call, torch_op, args) in _tiny_calls(device).items():
             backend = dispatch.select(op, args)
-            calls_of = {"raw": raw, "torch": torch_call, "bare": lambda b=backend, a=args: b.run(*a)}
+            calls_of = {"raw": raw, "torch": torch_call, "torch_op": torch_op,
+                        "bare": lambda b=backend, a=args: b.run(*a)}
             if backend.guard is not None and device == "cpu":  # a value check that runs on CPU inputs only
                 calls_of["guard"] = lambda b=backend, a=args: b.guard(*a)
             for fn in calls_of.values():
@@ -115,23 +120,33 @@ def overhead(device: str, rounds: int, calls: int) -> list[dict]:
                 for name, fn in calls_of.items():
                     times[name].append(_per_call(fn, calls, device))
             vs_torch = sorted(r / t for r, t in zip(times["raw"], times["torch"]))
+            vs_torch_op = sorted(r / t for r, t in zip(times["raw"], times["torch_op"]))
             vs_bare = sorted(r / b for r, b in zip(times["raw"], times["bare"]))
             rows.append({"op": op, "backend": backend.name,
                          **{f"{name}_us": statistics.median(t) * 1e6 for name, t in times.items()},
                          "raw_vs_torch": statistics.median(vs_torch), "raw_vs_torch_range": [vs_torch[0], vs_torch[-1]],
+                         "raw_vs_torch_op": statistics.median(vs_torch_op),
+                         "raw_vs_torch_op_range": [vs_torch_op[0], vs_torch_op[-1]],
                          "raw_vs_bare": statistics.median(vs_bare), "raw_vs_bare_range": [vs_bare[0], vs_bare[-1]]})
     return rows
 
 
+def _ratio(r: dict, name: str) -> str:
+    low, high = r[f"{name}_range"]
+    return f"{r[name]:.2f}x ({low:.2f}-{high:.2f})"
+
+
 def render_overhead(rows: list[dict]) -> str:
-    lines = ["| op | backend | raw op | PyTorch's call | backend bare | its CPU value guard | raw / PyTorch (range) "
-             "| raw / bare (range) |", "|---|---|---:|---:|---:|---:|---:|---:|"]
+    lines = ["| op | backend | raw op | PyTorch's call | the same via torch.ops.aten | backend bare | its CPU value guard "
+             "| raw / PyTorch (range) | raw / torch.ops.aten (range) | raw / bare (range) |",
+             "|---|---|---:|---:|---:|---:|---:|---:|---:|---:|"]
     for r in rows:
         guard = f"{r['guard_us']:.1f} us" if "guard_us" in r else "none"
-        lines.append(f"| `{r['op']}` | {r['backend']} | {r['raw_us']:.1f} us | {r['torch_us']:.1f} us | "
-                     f"{r['bare_us']:.1f} us | {guard} | "
-                     f"{r['raw_vs_torch']:.2f}x ({r['raw_vs_torch_range'][0]:.2f}-{r['raw_vs_torch_range'][1]:.2f}) | "
-                     f"{r['raw_vs_bare']:.2f}x ({r['raw_vs_bare_range'][0]:.2f}-{r['raw_vs_bare_range'][1]:.2f}) |")
+        torch_op = f"{r['torch_op_us']:.1f} us" if "torch_op_us" in r else "-"
+        vs_torch_op = _ratio(r, "raw_vs_torch_op") if "raw_vs_torch_op" in r else "-"
+        lines.append(f"| `{r['op']}` | {r['backend']} | {r['raw_us']:.1f} us | {r['torch_us']:.1f} us | {torch_op} | "
+                     f"{r['bare_us']:.1f} us | {guard} | {_ratio(r, 'raw_vs_torch')} | {vs_torch_op} | "
+                     f"{_ratio(r, 'raw_vs_bare')} |")
     return "\n".join(lines)
 
 

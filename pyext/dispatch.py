@@ -157,7 +157,7 @@ def register(op_name: str, backend: Backend) -> None:
     if any(b.name == backend.name for b in op.backends):
         raise RuntimeError(f"pyext: backend {backend.name!r} registered twice for {op_name}")
     op.backends.append(backend)
-    _CHOSEN.clear()
+    _forget_choices()
 
 
 def define(op_name: str, **fields) -> None:
@@ -167,7 +167,7 @@ def define(op_name: str, **fields) -> None:
         if not hasattr(op, key) or key in ("name", "backends"):
             raise RuntimeError(f"pyext: Op has no settable field {key!r}")
         setattr(op, key, value)
-    _CHOSEN.clear()
+    _forget_choices()
 
 
 def ops() -> dict[str, Op]:
@@ -345,6 +345,28 @@ _LOCK = threading.RLock()
 _CHOSEN: dict[tuple, tuple[Backend, bool]] = {}
 
 
+_ON_FORGET: list[Callable[[], None]] = []
+
+
+def on_forget(fn: Callable[[], None]) -> None:
+    """Call fn whenever the kept choices are dropped: a C++ fast path that holds copies of
+    some of them (see kept) drops its own."""
+    _ON_FORGET.append(fn)
+
+
+def _forget_choices() -> None:
+    _CHOSEN.clear()
+    for fn in _ON_FORGET:
+        fn()
+
+
+def kept(op_name: str, args: tuple) -> Backend | None:
+    """The automatic choice kept for args' signature, if its guard does not run (so that every
+    call of the signature takes it without looking at values); else None."""
+    chosen, guarded = _CHOSEN.get(_signature(_OPS[op_name], None, args), (None, True))
+    return None if guarded else chosen
+
+
 def _cache(device: torch.device) -> _DeviceCache:
     name = device_name(device)
     if name not in _CACHES:
@@ -358,7 +380,7 @@ def reset() -> None:
     """Forget every in-memory choice, decision and mark (the files stay): as a new process would start."""
     with _LOCK:
         _CACHES.clear()
-        _CHOSEN.clear()
+        _forget_choices()
         _GUARDED.clear()
         _WARNED.clear()
 
@@ -394,7 +416,7 @@ def clear_marks() -> int:
                 cache.unusable.clear()
                 cache.confirmed.clear()
                 cache.save()
-        _CHOSEN.clear()
+        _forget_choices()
         return count
 
 

@@ -195,6 +195,56 @@ def test_linear_cpp_matches_reference(simd, x_shape, n, dtype, bias):
 
 
 @needs_ext
+def test_kept_cpp_choice_runs_without_the_python_dispatch(monkeypatch):
+    """Once dispatch keeps the C++ kernel as the automatic choice for a call signature, later
+    calls with that signature run from torch's dispatcher alone, with the same result. Any other
+    call goes through pyext.dispatch: another shape or strides, a forced backend, inputs that need
+    autograd, and every call after the kept choices are dropped."""
+    entered = []
+    select = dispatch.select
+    monkeypatch.setattr(dispatch, "select", lambda *args, **kw: entered.append(args[0]) or select(*args, **kw))
+    dispatch.reset()
+    w, s = fp8_quantize(torch.randn(24, 40))
+    codes, x, b = w.view(torch.uint8), torch.randn(3, 40), torch.randn(24)
+    op = torch.ops.pyext.fp8_linear
+    with torch.no_grad():
+        first = op(x, codes, s, b, None)
+        again = op(x, codes, s, b, None)
+        assert entered == ["fp8_linear"]
+        assert torch.equal(again, first)
+        assert torch.equal(op(x, codes, s, b, "cpp"), first)
+        op(torch.randn(40, 3).t(), codes, s, b, None)  # the same shape, other strides
+        op(x, codes, s, None, None)  # no bias
+        assert len(entered) == 4
+        dispatch.reset()
+        op(x, codes, s, b, None)
+        assert len(entered) == 5
+    y = op(x.clone().requires_grad_(), codes, s, b, None)
+    assert len(entered) == 6
+    with pytest.raises(PyextError, match="has no backward"):
+        y.sum().backward()
+    dispatch.reset()
+
+
+@needs_ext
+@pytest.mark.parametrize("m,k,n", [(4, 32, 32), (3, 33, 165), (4, 32, 129)])
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_linear_cpp_small_layers_either_side_of_the_direct_loop(m, k, n, dtype):
+    """Layers of up to 2^14 multiply-adds are a plain loop, larger ones torch's GEMM: both
+    agree with the reference to the dtype's rounding, odd sizes and NaN codes included."""
+    x = torch.randn(m, k, dtype=dtype)
+    w, s = fp8_quantize(torch.randn(n, k) / k**0.5)
+    w.view(torch.uint8)[1, 3] = 0x7F  # a NaN code: its output column is NaN
+    b = torch.randn(n, dtype=dtype)
+    y = fp8_linear(x, w, s, b, backend="cpp")
+    ref = fp8_linear_reference(x, w, s, b)
+    assert torch.equal(y.isnan(), ref.isnan()) and bool(y[:, 1].isnan().all())
+    tol = {torch.float32: 1e-5, torch.float16: 2e-3, torch.bfloat16: 1.6e-2}[dtype]
+    ok = ~ref.isnan()
+    assert rel_err(y[ok], ref[ok]) <= tol
+
+
+@needs_ext
 def test_linear_cpp_tiles_wide_weights():
     """N and K large enough for several weight tiles, per-tensor scale."""
     x = torch.randn(3, 2048, dtype=torch.bfloat16)

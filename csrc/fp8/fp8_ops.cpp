@@ -5,13 +5,20 @@
 #include <ATen/ATen.h>
 #include <ATen/MemoryOverlap.h>
 #include <ATen/Parallel.h>
+#include <ATen/core/dispatch/Dispatcher.h>
+#include <c10/core/GradMode.h>
 #include <c10/util/accumulate.h>
 #include <torch/library.h>
 
 #include <algorithm>
 #include <cmath>
+#include <mutex>
+#include <shared_mutex>
+#include <unordered_set>
+#include <vector>
 
 #include "common/dtype_codes_torch.h"
+#include "common/half_rounding.h"
 #include "fp8/fp8_convert_cpu.h"
 #include "fp8/fp8_gemm_cpu.h"
 
@@ -87,6 +94,90 @@ void fp8_upcast_out_cpu(const at::Tensor& w, const at::Tensor& scale, at::Tensor
               out.data_ptr(), out.scalar_type());
 }
 
+// A layer this small (in multiply-adds) costs less as a plain loop than as a call of
+// torch's GEMM, whose set-up alone exceeds the work.
+constexpr int64_t kDirectMacs = int64_t{1} << 14;
+
+// dst[i * stride] = float(src[i]) for n elements of a bf16, fp16 or fp32 array.
+void widen(const void* src, int64_t n, float* dst, int64_t stride, at::ScalarType dtype) {
+  if (dtype == at::kFloat) {
+    const float* s = static_cast<const float*>(src);
+    for (int64_t i = 0; i < n; ++i) dst[i * stride] = s[i];
+  } else if (dtype == at::kBFloat16) {
+    const uint16_t* s = static_cast<const uint16_t*>(src);
+    for (int64_t i = 0; i < n; ++i) dst[i * stride] = bf16_to_float(s[i]);
+  } else {
+    const uint16_t* s = static_cast<const uint16_t*>(src);
+    for (int64_t i = 0; i < n; ++i) dst[i * stride] = fp16_to_float(s[i]);
+  }
+}
+
+void narrow(const float* src, int64_t n, void* dst, at::ScalarType dtype) {
+  if (dtype == at::kFloat) {
+    std::copy(src, src + n, static_cast<float*>(dst));
+  } else if (dtype == at::kBFloat16) {
+    for (int64_t i = 0; i < n; ++i) static_cast<uint16_t*>(dst)[i] = float_to_bf16(src[i]);
+  } else {
+    for (int64_t i = 0; i < n; ++i) static_cast<uint16_t*>(dst)[i] = float_to_fp16(src[i]);
+  }
+}
+
+// out[j] = dot(a, b + j * K) for R rows of b, each a sum of four interleaved fp32 partial sums,
+// which the compiler keeps in one vector register per row.
+template <int R>
+void dot_rows(const float* __restrict a, const float* __restrict b, int64_t K, float* out) {
+  float part[R][4] = {};
+  int64_t k = 0;
+  for (; k + 4 <= K; k += 4)
+    for (int j = 0; j < R; ++j)
+      for (int l = 0; l < 4; ++l) part[j][l] += a[k + l] * b[j * K + k + l];
+  for (int j = 0; j < R; ++j) {
+    float sum = (part[j][0] + part[j][1]) + (part[j][2] + part[j][3]);
+    for (int64_t t = k; t < K; ++t) sum += a[t] * b[j * K + t];
+    out[j] = sum;
+  }
+}
+
+// y = x2 @ upcast(w)^T + bias for small layers: the weight is upcast to x's dtype (the op's
+// rounding), then every product is summed in fp32, as torch's CPU GEMMs do for every dtype.
+at::Tensor fp8_linear_direct(const at::Tensor& x2, const uint8_t* w, const float* scale, bool per_row,
+                             const std::optional<at::Tensor>& bias, int64_t M, int64_t N, int64_t K) {
+  const at::ScalarType dtype = x2.scalar_type();
+  const int64_t esize = x2.element_size();
+  struct Scratch { std::vector<float> w, row, acc; std::vector<char> upcast; };
+  thread_local Scratch scratch;
+  Scratch& buf = scratch;
+  buf.w.resize(N * K);
+  buf.row.resize(std::max(K, N));  // a row of x, then the bias
+  buf.acc.resize(N);
+  if (dtype == at::kFloat) {
+    upcast_rows(w, scale, per_row, 0, N, K, buf.w.data(), dtype);
+  } else {
+    buf.upcast.resize(N * K * esize);
+    upcast_rows(w, scale, per_row, 0, N, K, buf.upcast.data(), dtype);
+    widen(buf.upcast.data(), N * K, buf.w.data(), 1, dtype);
+  }
+  const at::Tensor bc = bias ? bias->contiguous() : at::Tensor();
+  at::Tensor y = at::empty({M, N}, x2.options());
+  const char* xs = static_cast<const char*>(x2.data_ptr());
+  char* ys = static_cast<char*>(y.data_ptr());
+  float* acc = buf.acc.data();
+  for (int64_t m = 0; m < M; ++m) {
+    const float* a = buf.row.data();
+    if (dtype == at::kFloat) a = reinterpret_cast<const float*>(xs) + m * K;
+    else widen(xs + m * K * esize, K, buf.row.data(), 1, dtype);
+    int64_t n = 0;
+    for (; n + 4 <= N; n += 4) dot_rows<4>(a, buf.w.data() + n * K, K, acc + n);
+    for (; n < N; ++n) dot_rows<1>(a, buf.w.data() + n * K, K, acc + n);
+    if (bias) {
+      widen(bc.data_ptr(), N, buf.row.data(), 1, dtype);
+      for (int64_t j = 0; j < N; ++j) acc[j] += buf.row[j];
+    }
+    narrow(acc, N, ys + m * N * esize, dtype);
+  }
+  return y;
+}
+
 // y = x @ (w * scale)^T + bias, upcasting the weight tile by tile into a buffer
 // that stays in L2, so the full-precision weight never exists in memory and the
 // upcast costs no memory traffic beyond reading the fp8 bytes once.
@@ -117,6 +208,12 @@ at::Tensor fp8_linear_cpu(const at::Tensor& x, const at::Tensor& w, const at::Te
     at::parallel_for(0, fp8_gemm_units(M, N), fused_gemm_grain(K),
                      [&](int64_t b, int64_t e) { fp8_gemm_bf16_avx512(args, b, e); });
     return y.view(out_shape);
+  }
+
+  if (tile_rows == 0 && M * N * K <= kDirectMacs) {
+    const at::Tensor y = fp8_linear_direct(x2, static_cast<const uint8_t*>(wc.data_ptr()), sc.data_ptr<float>(),
+                                           sc.numel() != 1, bias, M, N, K);
+    return x.dim() == 2 ? y : y.view(out_shape);
   }
 
   // Otherwise upcast the weight tile by tile into a buffer and use torch's GEMM.
@@ -190,9 +287,107 @@ at::Tensor fp8_conv2d_cpu(const at::Tensor& x, const at::Tensor& w, const at::Te
   return y;
 }
 
+// ---- pyext::fp8_linear on CPU without entering Python
+// pyext's dispatch (Python) chooses a backend per call signature: the dtype, device, sizes and
+// strides of every argument. Once it keeps this kernel as the automatic choice for a signature,
+// it arms that signature here (fp8_linear_arm), and later calls with it run the kernel straight
+// from torch's dispatcher. Every other call (a forced backend, a signature not armed, inputs that
+// need autograd) goes to the Python dispatch, registered as pyext_C::fp8_linear_dispatch.
+class ArmedSignatures {
+ public:
+  using Key = std::vector<int64_t>;
+
+  static Key key_of(const at::Tensor& x, const at::Tensor& w, const at::Tensor& scale,
+                    const std::optional<at::Tensor>& bias) {
+    Key key;
+    key.reserve(40);
+    for (const at::Tensor* t : {&x, &w, &scale, bias ? &*bias : nullptr}) {
+      if (t == nullptr) {
+        key.push_back(-1);
+        continue;
+      }
+      key.push_back(static_cast<int64_t>(t->scalar_type()));
+      key.push_back(static_cast<int64_t>(t->device().type()));
+      key.push_back(t->dim());
+      key.insert(key.end(), t->sizes().begin(), t->sizes().end());
+      key.insert(key.end(), t->strides().begin(), t->strides().end());
+    }
+    return key;
+  }
+
+  bool contains(const Key& key) const {
+    std::shared_lock lock(mutex_);
+    return keys_.count(key) != 0;
+  }
+  void add(Key key) {
+    std::unique_lock lock(mutex_);
+    if (keys_.size() >= kMaxKeys) keys_.clear();  // the Python side keeps its own bounded table
+    keys_.insert(std::move(key));
+  }
+  void erase(const Key& key) {
+    std::unique_lock lock(mutex_);
+    keys_.erase(key);
+  }
+  void clear() {
+    std::unique_lock lock(mutex_);
+    keys_.clear();
+  }
+
+ private:
+  struct Hash {
+    size_t operator()(const Key& key) const {
+      size_t h = 0;
+      for (int64_t v : key) h = h * 1000003u ^ std::hash<int64_t>()(v);
+      return h;
+    }
+  };
+  static constexpr size_t kMaxKeys = 4096;
+  mutable std::shared_mutex mutex_;
+  std::unordered_set<Key, Hash> keys_;
+};
+
+ArmedSignatures& armed_linear() {
+  static ArmedSignatures table;
+  return table;
+}
+
+void fp8_linear_arm(const at::Tensor& x, const at::Tensor& w, const at::Tensor& scale,
+                    const std::optional<at::Tensor>& bias) {
+  armed_linear().add(ArmedSignatures::key_of(x, w, scale, bias));
+}
+
+void fp8_linear_disarm() { armed_linear().clear(); }
+
+at::Tensor fp8_linear_entry(const at::Tensor& x, const at::Tensor& w, const at::Tensor& scale,
+                            const std::optional<at::Tensor>& bias, std::optional<c10::string_view> backend) {
+  const bool autograd = c10::GradMode::is_enabled() &&
+                        (x.requires_grad() || scale.requires_grad() || (bias && bias->requires_grad()));
+  if (!backend && !autograd) {
+    const ArmedSignatures::Key key = ArmedSignatures::key_of(x, w, scale, bias);
+    if (armed_linear().contains(key)) {
+      try {
+        return fp8_linear_cpu(x, w, scale, bias, 0);
+      } catch (const c10::OutOfMemoryError&) {
+        throw;
+      } catch (const std::exception&) {
+        armed_linear().erase(key);  // the Python dispatch runs the call again, warns, and moves on
+      }
+    }
+  }
+  static const auto dispatch =
+      c10::Dispatcher::singleton()
+          .findSchemaOrThrow("pyext_C::fp8_linear_dispatch", "")
+          .typed<at::Tensor(const at::Tensor&, const at::Tensor&, const at::Tensor&, const std::optional<at::Tensor>&,
+                            std::optional<c10::string_view>)>();
+  return dispatch.call(x, w, scale, bias, backend);
+}
+
 }  // namespace
 
 TORCH_LIBRARY_FRAGMENT(pyext_C, m) {
+  m.def("fp8_linear_dispatch(Tensor x, Tensor w, Tensor scale, Tensor? bias=None, str? backend=None) -> Tensor");
+  m.def("fp8_linear_arm(Tensor x, Tensor w, Tensor scale, Tensor? bias) -> ()", fp8_linear_arm);
+  m.def("fp8_linear_disarm() -> ()", fp8_linear_disarm);
   m.def("fp8_conv2d(Tensor x, Tensor w, Tensor scale, Tensor? bias, int[] stride, int[] padding) -> Tensor");
   m.def("fp8_upcast_out(Tensor w, Tensor scale, Tensor(a!) out) -> ()");
   m.def("fp8_linear(Tensor x, Tensor w, Tensor scale, Tensor? bias, int tile_rows=0) -> Tensor");
@@ -203,5 +398,8 @@ TORCH_LIBRARY_IMPL(pyext_C, CPU, m) {
   m.impl("fp8_linear", fp8_linear_cpu);
   m.impl("fp8_conv2d", fp8_conv2d_cpu);
 }
+
+// pyext::fp8_linear is defined in Python (pyext/ops/fp8.py), which works without this extension.
+TORCH_LIBRARY_IMPL(pyext, CPU, m) { m.impl("fp8_linear", fp8_linear_entry); }
 
 }  // namespace pyext::cpu

@@ -11,9 +11,11 @@ from typing import Callable
 
 import torch
 
+from pyext._ext import has_kernel
 from pyext.dispatch import PyextError
 
 LIBRARY = torch.library.Library("pyext", "DEF")
+EXTENSION = torch.library.Library("pyext_C", "IMPL")  # Python kernels of ops the extension declares
 
 
 class _NoBackward(torch.autograd.Function):
@@ -31,10 +33,14 @@ class _NoBackward(torch.autograd.Function):
                          "or on tensors that do not require grad)")
 
 
-def define(schema: str, kernel: Callable, fake: Callable) -> None:
+def define(schema: str, kernel: Callable, fake: Callable, cpu_entry: str | None = None) -> None:
     """Define pyext::<schema>: `kernel` runs it on every device, without autograd (backends may
     write into out= buffers), `fake` gives its outputs' metadata. Outputs of a call on inputs that
-    require grad raise on backward."""
+    require grad raise on backward.
+
+    cpu_entry: the pyext_C op through which the extension's C++ CPU kernel of this op hands the
+    calls it does not run itself to `kernel` (see csrc/fp8/fp8_ops.cpp); registered when the
+    extension defines it."""
     name = schema.split("(", 1)[0]
 
     def run(*args, **kwargs):
@@ -52,6 +58,8 @@ def define(schema: str, kernel: Callable, fake: Callable) -> None:
     LIBRARY.define(schema)
     LIBRARY.impl(name, run, "CompositeExplicitAutograd")
     torch.library.register_fake(f"pyext::{name}", fake, lib=LIBRARY)
+    if cpu_entry is not None and has_kernel(cpu_entry):
+        EXTENSION.impl(cpu_entry, run, "CompositeExplicitAutograd")
 
 
 _LIKE: dict[tuple, tuple[int, ...]] = {}  # (shape, strides) -> empty_like's strides

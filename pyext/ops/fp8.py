@@ -14,7 +14,7 @@ import torch
 import torch.nn.functional as F
 
 from pyext import dispatch
-from pyext._ext import cuda_kernel_missing, kernel_missing
+from pyext._ext import cuda_kernel_missing, has_kernel, kernel_missing
 from pyext.dispatch import Backend, PyextError
 from pyext.ops._alias import apart_from
 from pyext.ops._library import define
@@ -358,7 +358,12 @@ def _upcast_fake(w, scale, dtype, backend=None):
 
 
 def _linear_kernel(x, w, scale, bias=None, backend=None):
-    return dispatch.select("fp8_linear", (x, w, scale, bias), backend).run(x, w, scale, bias)
+    args = (x, w, scale, bias)
+    chosen = dispatch.select("fp8_linear", args, backend)
+    out = chosen.run(*args)
+    if backend is None and chosen.name == "cpp" and dispatch.kept("fp8_linear", args) is chosen:
+        torch.ops.pyext_C.fp8_linear_arm(*args)  # later calls like this one skip Python
+    return out
 
 
 def _linear_fake(x, w, scale, bias=None, backend=None):
@@ -371,7 +376,9 @@ define("fp8_upcast_out(Tensor w, Tensor scale, Tensor(a2!) out, str? backend=Non
 define("fp8_upcast(Tensor w, Tensor scale, ScalarType dtype, str? backend=None) -> Tensor", _upcast_kernel,
        _upcast_fake)
 define("fp8_linear(Tensor x, Tensor w, Tensor scale, Tensor? bias=None, str? backend=None) -> Tensor",
-       _linear_kernel, _linear_fake)
+       _linear_kernel, _linear_fake, cpu_entry="fp8_linear_dispatch")
+if has_kernel("fp8_linear_disarm"):
+    dispatch.on_forget(torch.ops.pyext_C.fp8_linear_disarm)
 
 
 # ----------------------------------------------------------------------------- public API
