@@ -495,9 +495,13 @@ def run(preset_name: str, out: str, model: str | None = None, rows: list[str] | 
             json.dump(spec, f)
         # Rows are forked from a server process that imported torch and diffusers once and never
         # computed (no thread pools, no CUDA context): each row starts clean without paying the
-        # imports again (seconds per row on a busy machine).
+        # imports again (seconds per row on a busy machine). diffusers and transformers import
+        # their classes lazily: the pipeline's are named here.
         ctx = multiprocessing.get_context("forkserver")
-        ctx.set_forkserver_preload(["torch", "diffusers", "transformers", "pyext", "bench.latency"])
+        ctx.set_forkserver_preload(["torch", "diffusers", "transformers", "pyext", "bench.latency",
+                                    "diffusers.pipelines.stable_diffusion.pipeline_stable_diffusion",
+                                    "transformers.models.clip.modeling_clip",
+                                    "transformers.models.clip.tokenization_clip"])
         results = {}
         report = {
             "preset": preset_name, "preset_parameters": asdict(preset), "repeats": spec["repeats"],
