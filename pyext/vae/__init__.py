@@ -21,6 +21,7 @@ The package, one job per module:
   exact      the exact run: segments between GroupNorms over abutting tiles, the whole-image attention
   state      the whole-image state between segments, banded on the host, optionally compact
   spill      that state in a direct-I/O temporary file instead (TilingConfig.state_dir)
+  distributed  the ranks that share an exact run's tiles (TilingConfig.distributed)
   streaming  overlapping tiles blended into one output (methods "tiles" and "diffusers")
   tiling     tiled_run: one decode or encode with a config
   patching   tile_vae / untile_vae on an AutoencoderKL instance

@@ -57,6 +57,11 @@ class TilingConfig:
     state_memory_mib: with state_dir: MiB of that state kept in memory rather than written to
       the file (its first chunks, which the next segment reads first and frees soonest): less
       disk traffic for that much memory. 0 (default): all of it goes to the file.
+    distributed: "exact" only: split each segment's tiles across the ranks of torch.distributed's
+      default process group, which every rank must have initialized (torchrun), each rank calling
+      the decode with the same input. The ranks exchange the GroupNorm moments and the tiles'
+      outputs, so each returns the whole output, that of one process's run bit for bit
+      (pyext.vae.distributed). The whole-image attention runs on every rank.
     enable: also turn the VAE's use_tiling on.
     """
 
@@ -67,6 +72,7 @@ class TilingConfig:
     compact_state: bool = False
     state_dir: Optional[str] = AUTO
     state_memory_mib: int = 0
+    distributed: bool = False
     enable: bool = True
 
     def __post_init__(self):
@@ -100,5 +106,9 @@ class TilingConfig:
             fail(f"state_memory_mib must be a non-negative int (MiB), got {self.state_memory_mib!r}")
         if self.state_memory_mib and self.state_dir is None:
             fail("state_memory_mib applies with state_dir only (without it the whole state is in memory)")
+        if not isinstance(self.distributed, bool):
+            fail(f"distributed must be True or False, got {self.distributed!r}")
+        if self.distributed and self.method != "exact":
+            fail(f"distributed applies to method 'exact' only, got method={self.method!r}")
         if not isinstance(self.enable, bool):
             fail(f"enable must be True or False, got {self.enable!r}")

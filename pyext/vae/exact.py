@@ -56,6 +56,7 @@ from pyext import memory, ops
 from pyext._memory import reused_blocks, trim_heap
 from pyext.vae import spill, stages
 from pyext.vae.config import AUTO, TilingConfig, fail
+from pyext.vae.distributed import Ranks
 from pyext.vae.geometry import Span, equal_cores, rescale, window
 from pyext.vae.spill import Budget, FileBands
 from pyext.vae.state import LAYOUT, Bands, Joined
@@ -147,10 +148,12 @@ def plan(steps, whole_channels: int = 0) -> list[Segment]:
 
 
 def _run_segment(seg: Segment, state, rows: list[Span], cols: list[Span], device, new_state,
-                 first: Optional[Moments] = None, gather: bool = False, keep: bool = False) -> tuple:
+                 first: Optional[Moments] = None, gather: bool = False, keep: bool = False,
+                 ranks: Ranks = Ranks()) -> tuple:
     """The segment over the tiles rows x cols of the state (which may be banded otherwise):
     the whole-image state at its end, banded by the tile rows, made by new_state(rows, width)
-    (state.Bands in memory, or spill.FileBands).
+    (state.Bands in memory, or spill.FileBands). ranks: who runs which tiles (this process
+    alone, or pyext.vae.distributed's ranks).
 
     first: per-channel moments of the state's first tensor, gathered as it was written, when
     this segment starts with a GroupNorm of it (Step.input_norm): its pass that would only
@@ -162,16 +165,22 @@ def _run_segment(seg: Segment, state, rows: list[Span], cols: list[Span], device
     known: list = [] if first is None else [first.grouped(seg.steps[0].input_norm.num_groups).result()]
     out = new_state(out_rows, out_cols[-1][1])  # only the last pass writes it
     while True:
-        written = Moments() if gather else None
-        moments, finished = Moments(), 0
+        written: dict[int, Moments] = {}  # per tile, merged in tile order
+        moments: dict[int, Moments] = {}
+        finished = 0
         state.plan([(window(ys, H, seg.margin), window(xs, W, seg.margin)) for ys in rows for xs in cols])
         for r, ys in enumerate(rows):
             (y0, y1) = window(ys, H, seg.margin)
+            outputs = {}
             for c, xs in enumerate(cols):
+                index = r * len(cols) + c
+                if not ranks.owns(index):
+                    continue
                 (x0, x1) = window(xs, W, seg.margin)
                 tile = tuple(t.contiguous(memory_format=LAYOUT) for t in state.read((y0, y1), (x0, x1), device))
+                moments[index] = Moments()
                 try:
-                    with SyncedGroupNorms(known, moments, (ys[0] - y0, y1 - ys[1], xs[0] - x0, x1 - xs[1]),
+                    with SyncedGroupNorms(known, moments[index], (ys[0] - y0, y1 - ys[1], xs[0] - x0, x1 - xs[1]),
                                           (y1 - y0, x1 - x0)):
                         y = stages.run(seg.steps, *tile)
                 except Stop:
@@ -184,16 +193,39 @@ def _run_segment(seg: Segment, state, rows: list[Span], cols: list[Span], device
                     fail(f"a {y1 - y0}x{x1 - x0} window gave a {tuple(y[0].shape[-2:])} output; at scale {seg.scale} "
                          f"it should cover {oy + b - a}x{ox + q - p}: this network does not scale like AutoencoderKL's")
                 own = tuple(t[..., oy:oy + b - a, ox:ox + q - p] for t in y)
-                out.write(r, (p, q), own)
-                if written is not None and own[0].numel():
-                    written.add(own[0], own[0].shape[1])  # per channel: the next GroupNorm's groups merge them
-            if finished and not keep and r + 1 < len(rows):  # the last pass: free what no later tile reads
+                if gather and own[0].numel():
+                    written[index] = Moments()
+                    written[index].add(own[0], own[0].shape[1])  # per channel: the next GroupNorm's groups merge them
+                if ranks.size == 1:
+                    out.write(r, (p, q), own)  # at once: a GPU holds one tile's output
+                else:
+                    outputs[c] = own
+            row_done = finished > 0 if ranks.size == 1 else _share_row(ranks, r, len(cols), outputs, out, out_cols)
+            if row_done and not keep and r + 1 < len(rows):  # the last pass: free what no later tile reads
                 state.free_above(window(rows[r + 1], H, seg.margin)[0])
+        finished = sum(ranks.gather({ranks.rank: finished}).values())
         if finished not in (0, len(rows) * len(cols)):
             raise RuntimeError("tiles of one segment stopped at different GroupNorm calls")
         if finished:
-            return out, written
-        known.append(moments.result())
+            return out, (_in_order(ranks.gather_moments(written)) if gather else None)
+        known.append(_in_order(ranks.gather_moments(moments)).result())
+
+
+def _share_row(ranks: Ranks, r: int, columns: int, outputs: dict, out, out_cols: list[Span]) -> bool:
+    """Every tile of row r written to `out` on every rank, from the owners' `outputs` {column:
+    tensors}; whether the row's tiles ran to the end (False in a pass that stops at a GroupNorm)."""
+    like = ranks.gather({c: [(t.shape, t.dtype) for t in own] for c, own in outputs.items()})
+    for c in sorted(like):
+        out.write(r, out_cols[c], ranks.share(r * columns + c, outputs.get(c), like[c]))
+    return bool(like)
+
+
+def _in_order(parts: dict[int, Moments]) -> Moments:
+    """The tiles' moments merged in tile order: the same float64 sums on every rank and in one process."""
+    merged = Moments()
+    for index in sorted(parts):
+        merged.merge(parts[index])
+    return merged
 
 
 def _attend(attn, state, batch: int, device, new_state, first: Moments, gather: bool, elements: int) -> tuple:
@@ -279,11 +311,13 @@ def run(tiled_steps, x: torch.Tensor, tile: int, config: TilingConfig = TilingCo
     # the pool frees cached blocks before it takes new memory, so the peak is that of the tensors
     # in use (docs/vae.md: a bound of 8 tiles kept too few bands, and cost time).
     pooled = memory.settings().vae_block_pool and not x.is_cuda
+    ranks = Ranks.of_world(x.device) if config.distributed else Ranks()
     with spill.io_threads(), reused_blocks() if pooled else contextlib.nullcontext():
-        return _run(segs, x, tile, elements, new_state, trim=pooled)  # no state file or I/O thread stays
+        return _run(segs, x, tile, elements, new_state, ranks, trim=pooled)  # no state file or I/O thread stays
 
 
-def _run(segs: list[Segment], x: torch.Tensor, tile: int, elements: int, new_state, trim: bool) -> torch.Tensor:
+def _run(segs: list[Segment], x: torch.Tensor, tile: int, elements: int, new_state, ranks: Ranks,
+         trim: bool) -> torch.Tensor:
     state, res, moments, batch = None, Fraction(1), None, x.shape[0]  # res: pixels of the state per pixel of x
     for i, seg in enumerate(segs):
         at = max(1, math.floor(tile * res))
@@ -296,7 +330,7 @@ def _run(segs: list[Segment], x: torch.Tensor, tile: int, elements: int, new_sta
             done, moments = _attend(seg.steps[0].module, state, batch, x.device, new_state, moments, gather, elements)
         else:
             cols = seg.grid(state.width, at, batch, elements)
-            done, moments = _run_segment(seg, state, rows, cols, x.device, new_state, moments, gather, keep)
+            done, moments = _run_segment(seg, state, rows, cols, x.device, new_state, moments, gather, keep, ranks)
         if keep:  # the next segment reads both, and frees both as it goes
             done = Joined(done, state)
         else:

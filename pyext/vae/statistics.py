@@ -34,7 +34,19 @@ class Moments:
         """Merges in the moments of x (N, C, H, W), typically a crop of a tile (its own pixels),
         which pyext.ops.group_moments reads in place."""
         mean, m2 = group_moments(x if x.dtype in MOMENT_DTYPES else x.float(), groups)  # float64: in float32
-        n = math.prod(x.shape[2:]) * (x.shape[1] // groups)
+        self.merge(Moments.of(math.prod(x.shape[2:]) * (x.shape[1] // groups), mean, m2))
+
+    @classmethod
+    def of(cls, count: int, mean: torch.Tensor, m2: torch.Tensor) -> "Moments":
+        moments = cls()
+        moments.count, moments.mean, moments.m2 = count, mean, m2
+        return moments
+
+    def merge(self, other: "Moments") -> None:
+        """Merges in another's moments (those of other pixels)."""
+        n, mean, m2 = other.count, other.mean, other.m2
+        if n == 0:
+            return
         if self.count == 0:
             self.count, self.mean, self.m2 = n, mean, m2
             return

@@ -1,0 +1,102 @@
+"""The exact tiled run split across ranks (TilingConfig(distributed=True)), in 2 gloo processes on
+the CPU: every rank returns the whole output, bit for bit one process's exact run, while each
+rank runs only its share of the tiles."""
+from contextlib import contextmanager
+from datetime import timedelta
+
+import pytest
+import torch
+
+from pyext import PyextError
+from pyext.vae import TilingConfig, exact, tile_vae, tiled_run
+from tests.test_vae_exact import _full, _smooth, _vae, psnr
+
+pytest.importorskip("diffusers")
+if not torch.distributed.is_available():
+    pytest.skip("torch.distributed is not available", allow_module_level=True)
+
+# (kind, VAE, input shape in tiles of the VAE's own size, config): odd sizes, 3 x 2 tiles of
+# the VAE's size (more, and of other shapes, in the segments' own grids)
+CASES = {
+    "decode": ("decode", "3 blocks, 8 groups", {}),
+    "decode, compact state": ("decode", "3 blocks, 8 groups", {"compact_state": True}),
+    "encode": ("encode", "2 blocks, 4 groups, 2 layers", {}),
+}
+
+
+def _input(kind, vae, seed):
+    tile = vae.tile_latent_min_size if kind == "decode" else vae.tile_sample_min_size
+    channels = vae.config.latent_channels if kind == "decode" else 3
+    return _smooth((1, channels, 2 * tile + 5, tile + 3), seed)
+
+
+@contextmanager
+def counting_tiles():
+    """The tiles this process runs, counted (each runs in its own SyncedGroupNorms)."""
+    calls, real = [], exact.SyncedGroupNorms
+
+    class Counted(real):
+        def __init__(self, *args):
+            calls.append(1)
+            super().__init__(*args)
+
+    exact.SyncedGroupNorms = Counted
+    try:
+        yield calls
+    finally:
+        exact.SyncedGroupNorms = real
+
+
+def _run(kind, vae, x, config):
+    """A decode as users make it (the VAE tiled by tile_vae), an encode through tiled_run."""
+    if kind == "decode":
+        tile_vae(vae, config)
+        return vae.decode(x).sample
+    return tiled_run(vae, x, kind, config)
+
+
+@torch.no_grad()
+def _worker(rank: int, world: int, store_path: str, out_dir: str) -> None:
+    import torch.distributed as dist
+
+    dist.init_process_group("gloo", store=dist.FileStore(store_path, world), rank=rank, world_size=world,
+                            timeout=timedelta(seconds=120))
+    torch.set_num_threads(1)
+    results = {}
+    for name, (kind, shape, options) in CASES.items():
+        vae = _vae(shape)
+        with counting_tiles() as calls:
+            out = _run(kind, vae, _input(kind, vae, 1), TilingConfig(distributed=True, state_dir=None, **options))
+        results[name] = {"out": out, "tiles": len(calls)}
+    torch.save(results, f"{out_dir}/{rank}.pt")
+    dist.destroy_process_group()
+
+
+@pytest.mark.slow
+@torch.no_grad()
+def test_ranks_share_the_tiles_and_each_returns_one_process_run(tmp_path):
+    torch.multiprocessing.spawn(_worker, args=(2, str(tmp_path / "store"), str(tmp_path)), nprocs=2)
+    ranks = [torch.load(tmp_path / f"{rank}.pt") for rank in range(2)]
+    torch.set_num_threads(1)
+    for name, (kind, shape, options) in CASES.items():
+        vae = _vae(shape)
+        x = _input(kind, vae, 1)
+        with counting_tiles() as calls:
+            one = _run(kind, vae, x, TilingConfig(state_dir=None, **options))
+        for rank, results in enumerate(ranks):
+            assert torch.equal(results[name]["out"], one), (name, rank)
+        # every tile ran once, on one rank, and both ranks ran some
+        assert sum(r[name]["tiles"] for r in ranks) == len(calls), name
+        assert all(0 < r[name]["tiles"] < len(calls) for r in ranks), name
+        if not options:
+            assert psnr(one, _full(vae, kind, x)) >= 100, name
+
+
+def test_distributed_needs_an_initialized_process_group_and_the_exact_method():
+    vae = _vae("2 blocks, 4 groups, 2 layers")
+    with pytest.raises(PyextError, match="distributed=True needs torch.distributed's default process group"):
+        tiled_run(vae, _input("decode", vae, 0), "decode", TilingConfig(distributed=True, state_dir=None))
+    with pytest.raises(PyextError, match="distributed applies to method 'exact' only"):
+        TilingConfig(method="tiles", distributed=True)
+    with pytest.raises(PyextError, match="distributed must be True or False"):
+        TilingConfig(distributed=1)
