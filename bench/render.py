@@ -37,7 +37,9 @@ def _renderers() -> dict[str, Callable[[dict], str]]:
             "vae_memory_settings_cpu": lambda r: render_runs(r["rows"]),
             "planner_peaks_cpu": render_planner_peaks,
             "parallel_cpu_1": render_parallel,
-            "parallel_cpu_2": render_parallel}
+            "parallel_cpu_2": render_parallel,
+            "parallel_vae_cpu_1": render_parallel,
+            "parallel_vae_cpu_2": render_parallel}
 
 
 def _provenance(result: dict) -> str:
