@@ -1,22 +1,22 @@
 """The exact tiled run split across ranks (TilingConfig(distributed=True)), in 2 gloo processes on
 the CPU: every rank returns the whole output, bit for bit one process's exact run, while each
 rank runs only its share of the tiles."""
-from contextlib import contextmanager
 from datetime import timedelta
 
 import pytest
 import torch
 
+from bench.parallel import counting_tiles
 from pyext import PyextError
-from pyext.vae import TilingConfig, exact, tile_vae, tiled_run
+from pyext.vae import TilingConfig, tile_vae, tiled_run
 from tests.test_vae_exact import _full, _smooth, _vae, psnr
 
 pytest.importorskip("diffusers")
 if not torch.distributed.is_available():
     pytest.skip("torch.distributed is not available", allow_module_level=True)
 
-# (kind, VAE, input shape in tiles of the VAE's own size, config): odd sizes, 3 x 2 tiles of
-# the VAE's size (more, and of other shapes, in the segments' own grids)
+# (kind, VAE, TilingConfig options). Inputs of odd sizes, 3 x 2 tiles of the VAE's own size (more,
+# and of other shapes, in the segments' own grids), so the ranks get uneven shares.
 CASES = {
     "decode": ("decode", "3 blocks, 8 groups", {}),
     "decode, compact state": ("decode", "3 blocks, 8 groups", {"compact_state": True}),
@@ -28,23 +28,6 @@ def _input(kind, vae, seed):
     tile = vae.tile_latent_min_size if kind == "decode" else vae.tile_sample_min_size
     channels = vae.config.latent_channels if kind == "decode" else 3
     return _smooth((1, channels, 2 * tile + 5, tile + 3), seed)
-
-
-@contextmanager
-def counting_tiles():
-    """The tiles this process runs, counted (each runs in its own SyncedGroupNorms)."""
-    calls, real = [], exact.SyncedGroupNorms
-
-    class Counted(real):
-        def __init__(self, *args):
-            calls.append(1)
-            super().__init__(*args)
-
-    exact.SyncedGroupNorms = Counted
-    try:
-        yield calls
-    finally:
-        exact.SyncedGroupNorms = real
 
 
 def _run(kind, vae, x, config):
