@@ -157,7 +157,8 @@ def register(op_name: str, backend: Backend) -> None:
     if any(b.name == backend.name for b in op.backends):
         raise RuntimeError(f"pyext: backend {backend.name!r} registered twice for {op_name}")
     op.backends.append(backend)
-    _forget_choices()
+    with _LOCK:
+        _forget_choices()
 
 
 def define(op_name: str, **fields) -> None:
@@ -167,7 +168,8 @@ def define(op_name: str, **fields) -> None:
         if not hasattr(op, key) or key in ("name", "backends"):
             raise RuntimeError(f"pyext: Op has no settable field {key!r}")
         setattr(op, key, value)
-    _forget_choices()
+    with _LOCK:
+        _forget_choices()
 
 
 def ops() -> dict[str, Op]:
@@ -360,11 +362,15 @@ def _forget_choices() -> None:
         fn()
 
 
-def kept(op_name: str, args: tuple) -> Backend | None:
-    """The automatic choice kept for args' signature, if its guard does not run (so that every
-    call of the signature takes it without looking at values); else None."""
-    chosen, guarded = _CHOSEN.get(_signature(_OPS[op_name], None, args), (None, True))
-    return None if guarded else chosen
+def when_kept(op_name: str, args: tuple, chosen: Backend, fn: Callable[[], None]) -> None:
+    """Calls fn() if `chosen` is the automatic choice kept for args' signature and its guard does
+    not run (so that every call of the signature takes it without looking at values). Under the
+    lock that forgetting the choices takes: a fast path that fn arms is never left holding a
+    choice dispatch has dropped."""
+    with _LOCK:
+        kept, guarded = _CHOSEN.get(_signature(_OPS[op_name], None, args), (None, True))
+        if kept is chosen and not guarded:
+            fn()
 
 
 def _cache(device: torch.device) -> _DeviceCache:

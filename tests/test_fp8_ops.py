@@ -229,19 +229,22 @@ def test_kept_cpp_choice_runs_without_the_python_dispatch(monkeypatch):
 @needs_ext
 @pytest.mark.parametrize("m,k,n", [(4, 32, 32), (3, 33, 165), (4, 32, 129)])
 @pytest.mark.parametrize("dtype", DTYPES)
-def test_linear_cpp_small_layers_either_side_of_the_direct_loop(m, k, n, dtype):
+@pytest.mark.parametrize("per_channel", [True, False])
+def test_linear_cpp_small_layers_either_side_of_the_direct_loop(m, k, n, dtype, per_channel):
     """Layers of up to 2^14 multiply-adds are a plain loop, larger ones torch's GEMM: both
     agree with the reference to the dtype's rounding, odd sizes and NaN codes included."""
-    x = torch.randn(m, k, dtype=dtype)
-    w, s = fp8_quantize(torch.randn(n, k) / k**0.5)
+    x = torch.randn(1, m, k, dtype=dtype)
+    w, s = fp8_quantize(torch.randn(n, k) / k**0.5, per_channel=per_channel)
     w.view(torch.uint8)[1, 3] = 0x7F  # a NaN code: its output column is NaN
     b = torch.randn(n, dtype=dtype)
     y = fp8_linear(x, w, s, b, backend="cpp")
     ref = fp8_linear_reference(x, w, s, b)
-    assert torch.equal(y.isnan(), ref.isnan()) and bool(y[:, 1].isnan().all())
+    assert y.shape == (1, m, n) and torch.equal(y.isnan(), ref.isnan()) and bool(y[..., 1].isnan().all())
     tol = {torch.float32: 1e-5, torch.float16: 2e-3, torch.bfloat16: 1.6e-2}[dtype]
     ok = ~ref.isnan()
     assert rel_err(y[ok], ref[ok]) <= tol
+    with pytest.raises(RuntimeError, match="bias must have x's dtype"):  # the raw kernel's own guard
+        torch.ops.pyext_C.fp8_linear(x, w.view(torch.uint8), s, b.double())
 
 
 @needs_ext

@@ -8,7 +8,7 @@ import torch
 
 from bench.parallel import counting_tiles
 from pyext import PyextError
-from pyext.vae import TilingConfig, tile_vae, tiled_run
+from pyext.vae import TilingConfig, exact, tile_vae, tiled_run
 from tests.test_vae_exact import _full, _smooth, _vae, psnr
 
 pytest.importorskip("diffusers")
@@ -51,6 +51,17 @@ def _worker(rank: int, world: int, store_path: str, out_dir: str) -> None:
         with counting_tiles() as calls:
             out = _run(kind, vae, _input(kind, vae, 1), TilingConfig(distributed=True, state_dir=None, **options))
         results[name] = {"out": out, "tiles": len(calls)}
+    # a tile that raises on rank 1 raises on both ranks, instead of leaving rank 0 waiting
+    vae = _vae("2 blocks, 4 groups, 2 layers")
+    real = exact._run_tile
+    if rank == 1:
+        exact._run_tile = lambda *args: (_ for _ in ()).throw(ValueError("a broken tile"))
+    try:
+        tiled_run(vae, _input("decode", vae, 0), "decode", TilingConfig(distributed=True, state_dir=None))
+    except Exception as err:  # noqa: BLE001 (what each rank raised is the result)
+        results["raised"] = f"{type(err).__name__}: {err}"
+    finally:
+        exact._run_tile = real
     torch.save(results, f"{out_dir}/{rank}.pt")
     dist.destroy_process_group()
 
@@ -60,6 +71,8 @@ def _worker(rank: int, world: int, store_path: str, out_dir: str) -> None:
 def test_ranks_share_the_tiles_and_each_returns_one_process_run(tmp_path):
     torch.multiprocessing.spawn(_worker, args=(2, str(tmp_path / "store"), str(tmp_path)), nprocs=2)
     ranks = [torch.load(tmp_path / f"{rank}.pt") for rank in range(2)]
+    assert ranks[1].pop("raised") == "ValueError: a broken tile"
+    assert "a tile raised on rank 1: ValueError: a broken tile" in ranks[0].pop("raised")
     torch.set_num_threads(1)
     for name, (kind, shape, options) in CASES.items():
         vae = _vae(shape)

@@ -1,7 +1,8 @@
 // Torch glue for the fp8 CPU kernels: schemas of the private ops
-// torch.ops.pyext_C.fp8_upcast_out / fp8_linear and their CPU implementations.
-// Input validation with user-facing messages lives in pyext/ops/fp8.py; the
-// TORCH_CHECKs here only guard the raw-pointer kernels.
+// torch.ops.pyext_C.fp8_upcast_out / fp8_linear / fp8_conv2d and their CPU implementations, and
+// the CPU kernel of the public pyext::fp8_linear for the call signatures pyext's dispatch armed
+// (fp8_linear_entry, at the end). Input validation with user-facing messages lives in
+// pyext/ops/fp8.py; the TORCH_CHECKs here only guard the raw-pointer kernels.
 #include <ATen/ATen.h>
 #include <ATen/MemoryOverlap.h>
 #include <ATen/Parallel.h>
@@ -98,21 +99,21 @@ void fp8_upcast_out_cpu(const at::Tensor& w, const at::Tensor& scale, at::Tensor
 // torch's GEMM, whose set-up alone exceeds the work.
 constexpr int64_t kDirectMacs = int64_t{1} << 14;
 
-// dst[i * stride] = float(src[i]) for n elements of a bf16, fp16 or fp32 array.
-void widen(const void* src, int64_t n, float* dst, int64_t stride, at::ScalarType dtype) {
+// dst[i] = float(src[i]) for n elements of a bf16, fp16 or fp32 array.
+void to_float(const void* src, int64_t n, float* dst, at::ScalarType dtype) {
   if (dtype == at::kFloat) {
-    const float* s = static_cast<const float*>(src);
-    for (int64_t i = 0; i < n; ++i) dst[i * stride] = s[i];
+    std::copy(static_cast<const float*>(src), static_cast<const float*>(src) + n, dst);
   } else if (dtype == at::kBFloat16) {
     const uint16_t* s = static_cast<const uint16_t*>(src);
-    for (int64_t i = 0; i < n; ++i) dst[i * stride] = bf16_to_float(s[i]);
+    for (int64_t i = 0; i < n; ++i) dst[i] = bf16_to_float(s[i]);
   } else {
     const uint16_t* s = static_cast<const uint16_t*>(src);
-    for (int64_t i = 0; i < n; ++i) dst[i * stride] = fp16_to_float(s[i]);
+    for (int64_t i = 0; i < n; ++i) dst[i] = fp16_to_float(s[i]);
   }
 }
 
-void narrow(const float* src, int64_t n, void* dst, at::ScalarType dtype) {
+// dst[i] = src[i] rounded to dtype, for n elements.
+void from_float(const float* src, int64_t n, void* dst, at::ScalarType dtype) {
   if (dtype == at::kFloat) {
     std::copy(src, src + n, static_cast<float*>(dst));
   } else if (dtype == at::kBFloat16) {
@@ -144,20 +145,23 @@ at::Tensor fp8_linear_direct(const at::Tensor& x2, const uint8_t* w, const float
                              const std::optional<at::Tensor>& bias, int64_t M, int64_t N, int64_t K) {
   const at::ScalarType dtype = x2.scalar_type();
   const int64_t esize = x2.element_size();
-  struct Scratch { std::vector<float> w, row, acc; std::vector<char> upcast; };
+  struct Scratch { std::vector<float> w, row, acc, bias; std::vector<char> upcast; };
   thread_local Scratch scratch;
   Scratch& buf = scratch;
   buf.w.resize(N * K);
-  buf.row.resize(std::max(K, N));  // a row of x, then the bias
+  buf.row.resize(K);
   buf.acc.resize(N);
   if (dtype == at::kFloat) {
     upcast_rows(w, scale, per_row, 0, N, K, buf.w.data(), dtype);
   } else {
     buf.upcast.resize(N * K * esize);
     upcast_rows(w, scale, per_row, 0, N, K, buf.upcast.data(), dtype);
-    widen(buf.upcast.data(), N * K, buf.w.data(), 1, dtype);
+    to_float(buf.upcast.data(), N * K, buf.w.data(), dtype);
   }
-  const at::Tensor bc = bias ? bias->contiguous() : at::Tensor();
+  if (bias) {
+    buf.bias.resize(N);
+    to_float(bias->contiguous().data_ptr(), N, buf.bias.data(), dtype);
+  }
   at::Tensor y = at::empty({M, N}, x2.options());
   const char* xs = static_cast<const char*>(x2.data_ptr());
   char* ys = static_cast<char*>(y.data_ptr());
@@ -165,15 +169,13 @@ at::Tensor fp8_linear_direct(const at::Tensor& x2, const uint8_t* w, const float
   for (int64_t m = 0; m < M; ++m) {
     const float* a = buf.row.data();
     if (dtype == at::kFloat) a = reinterpret_cast<const float*>(xs) + m * K;
-    else widen(xs + m * K * esize, K, buf.row.data(), 1, dtype);
+    else to_float(xs + m * K * esize, K, buf.row.data(), dtype);
     int64_t n = 0;
     for (; n + 4 <= N; n += 4) dot_rows<4>(a, buf.w.data() + n * K, K, acc + n);
     for (; n < N; ++n) dot_rows<1>(a, buf.w.data() + n * K, K, acc + n);
-    if (bias) {
-      widen(bc.data_ptr(), N, buf.row.data(), 1, dtype);
-      for (int64_t j = 0; j < N; ++j) acc[j] += buf.row[j];
-    }
-    narrow(acc, N, ys + m * N * esize, dtype);
+    if (bias)
+      for (int64_t j = 0; j < N; ++j) acc[j] += buf.bias[j];
+    from_float(acc, N, ys + m * N * esize, dtype);
   }
   return y;
 }
@@ -185,6 +187,8 @@ at::Tensor fp8_linear_cpu(const at::Tensor& x, const at::Tensor& w, const at::Te
                           const std::optional<at::Tensor>& bias, int64_t tile_rows) {
   check_fp8_weight(w, scale);
   TORCH_CHECK(w.dim() == 2 && x.size(-1) == w.size(1), "pyext fp8_linear: shape mismatch");
+  TORCH_CHECK(!bias || (bias->scalar_type() == x.scalar_type() && bias->numel() == w.size(0)),
+              "pyext fp8_linear: bias must have x's dtype and weight.size(0) elements");
   const int64_t K = w.size(1), N = w.size(0);
   const int64_t M = K ? x.numel() / K : c10::multiply_integers(x.sizes().begin(), x.sizes().end() - 1);
   const at::Tensor x2 = (x.dim() == 2 ? x : x.reshape({M, K})).contiguous();

@@ -238,8 +238,9 @@ LINEAR_TEST_SHAPES = ((5, 40, 7, True, True), (1, 33, 70, False, False), (70, 96
 dispatch.register("fp8_linear", Backend(
     "cpp", _linear_cpp, unavailable=partial(kernel_missing, "fp8_linear"), devices=("cpu",),
     dtypes=COMPUTE_DTYPES, test_shapes=LINEAR_TEST_SHAPES,
-    doc="C++: bf16 on AVX512_BF16 CPUs: a GEMM that decodes fp8 in its packing step; "
-        "otherwise weight tiles upcast into a cache-sized buffer, torch GEMM per tile"))
+    doc="C++: bf16 on AVX512_BF16 CPUs: a GEMM that decodes fp8 in its packing step; small layers: "
+        "a plain loop over the upcast weight; otherwise weight tiles upcast into a cache-sized buffer, "
+        "torch GEMM per tile"))
 dispatch.register("fp8_linear", Backend(
     "triton", _linear_triton, unavailable=triton_unavailable, advisory=interpreter_advisory,
     devices=triton_devices(), dtypes=triton_dtypes((torch.bfloat16, torch.float16)), test_shapes=LINEAR_TEST_SHAPES,
@@ -361,8 +362,8 @@ def _linear_kernel(x, w, scale, bias=None, backend=None):
     args = (x, w, scale, bias)
     chosen = dispatch.select("fp8_linear", args, backend)
     out = chosen.run(*args)
-    if backend is None and chosen.name == "cpp" and dispatch.kept("fp8_linear", args) is chosen:
-        torch.ops.pyext_C.fp8_linear_arm(*args)  # later calls like this one skip Python
+    if backend is None and chosen.name == "cpp":  # later calls like this one skip Python
+        dispatch.when_kept("fp8_linear", args, chosen, lambda: torch.ops.pyext_C.fp8_linear_arm(*args))
     return out
 
 

@@ -5,7 +5,7 @@ gives the others goes to every rank: after each row of tiles, the outputs of tha
 (broadcast by their owners), and after each pass, every tile's moments, which each rank then
 merges in tile order, as one process does. So every rank holds the whole-image state and its
 statistics, bit for bit those of one process, and returns the whole output. One process is
-the same code with a world of one.
+a world of one (Ranks()), whose tiles are written as they are made.
 """
 from __future__ import annotations
 

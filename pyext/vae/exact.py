@@ -168,39 +168,35 @@ def _run_segment(seg: Segment, state, rows: list[Span], cols: list[Span], device
         written: dict[int, Moments] = {}  # per tile, merged in tile order
         moments: dict[int, Moments] = {}
         finished = 0
-        state.plan([(window(ys, H, seg.margin), window(xs, W, seg.margin)) for ys in rows for xs in cols])
+        state.plan([(window(ys, H, seg.margin), window(xs, W, seg.margin)) for r, ys in enumerate(rows)
+                    for c, xs in enumerate(cols) if ranks.owns(r * len(cols) + c)])
         for r, ys in enumerate(rows):
-            (y0, y1) = window(ys, H, seg.margin)
-            outputs = {}
+            outputs, failed = {}, None
             for c, xs in enumerate(cols):
                 index = r * len(cols) + c
                 if not ranks.owns(index):
                     continue
-                (x0, x1) = window(xs, W, seg.margin)
-                tile = tuple(t.contiguous(memory_format=LAYOUT) for t in state.read((y0, y1), (x0, x1), device))
                 moments[index] = Moments()
                 try:
-                    with SyncedGroupNorms(known, moments[index], (ys[0] - y0, y1 - ys[1], xs[0] - x0, x1 - xs[1]),
-                                          (y1 - y0, x1 - x0)):
-                        y = stages.run(seg.steps, *tile)
-                except Stop:
+                    own = _run_tile(seg, state, ys, xs, out_rows[r], out_cols[c], device, known, moments[index])
+                except Exception as err:  # with ranks, raised on every rank once the row is shared
+                    if ranks.size == 1:
+                        raise
+                    failed = err
+                    break
+                if own is None:  # stopped at a GroupNorm
                     continue
                 finished += 1
-                y = y if isinstance(y, tuple) else (y,)
-                oy, ox = int((ys[0] - y0) * seg.scale), int((xs[0] - x0) * seg.scale)
-                (a, b), (p, q) = out_rows[r], out_cols[c]
-                if y[0].shape[-2] < oy + b - a or y[0].shape[-1] < ox + q - p:
-                    fail(f"a {y1 - y0}x{x1 - x0} window gave a {tuple(y[0].shape[-2:])} output; at scale {seg.scale} "
-                         f"it should cover {oy + b - a}x{ox + q - p}: this network does not scale like AutoencoderKL's")
-                own = tuple(t[..., oy:oy + b - a, ox:ox + q - p] for t in y)
                 if gather and own[0].numel():
                     written[index] = Moments()
                     written[index].add(own[0], own[0].shape[1])  # per channel: the next GroupNorm's groups merge them
                 if ranks.size == 1:
-                    out.write(r, (p, q), own)  # at once: a GPU holds one tile's output
+                    out.write(r, out_cols[c], own)  # at once: a GPU holds one tile's output
                 else:
-                    outputs[c] = own
-            row_done = finished > 0 if ranks.size == 1 else _share_row(ranks, r, len(cols), outputs, out, out_cols)
+                    # the row's tiles wait for the exchange: keep their own pixels only
+                    outputs[c] = tuple(t.contiguous() for t in own)
+            row_done = finished > 0 if ranks.size == 1 else _share_row(ranks, r, len(cols), outputs, failed, out,
+                                                                       out_cols)
             if row_done and not keep and r + 1 < len(rows):  # the last pass: free what no later tile reads
                 state.free_above(window(rows[r + 1], H, seg.margin)[0])
         finished = sum(ranks.gather({ranks.rank: finished}).values())
@@ -211,10 +207,42 @@ def _run_segment(seg: Segment, state, rows: list[Span], cols: list[Span], device
         known.append(_in_order(ranks.gather_moments(moments)).result())
 
 
-def _share_row(ranks: Ranks, r: int, columns: int, outputs: dict, out, out_cols: list[Span]) -> bool:
+def _run_tile(seg: Segment, state, ys: Span, xs: Span, out_ys: Span, out_xs: Span, device, known: list,
+              moments: Moments) -> Optional[tuple]:
+    """One tile of a segment: its own pixels of the output (out_ys x out_xs of the output), or None
+    where it stopped at a GroupNorm whose statistics are not known yet (its moments added)."""
+    H, W = state.height, state.width
+    (y0, y1), (x0, x1) = window(ys, H, seg.margin), window(xs, W, seg.margin)
+    tile = tuple(t.contiguous(memory_format=LAYOUT) for t in state.read((y0, y1), (x0, x1), device))
+    try:
+        with SyncedGroupNorms(known, moments, (ys[0] - y0, y1 - ys[1], xs[0] - x0, x1 - xs[1]), (y1 - y0, x1 - x0)):
+            y = stages.run(seg.steps, *tile)
+    except Stop:
+        return None
+    y = y if isinstance(y, tuple) else (y,)
+    oy, ox = int((ys[0] - y0) * seg.scale), int((xs[0] - x0) * seg.scale)
+    (a, b), (p, q) = out_ys, out_xs
+    if y[0].shape[-2] < oy + b - a or y[0].shape[-1] < ox + q - p:
+        fail(f"a {y1 - y0}x{x1 - x0} window gave a {tuple(y[0].shape[-2:])} output; at scale {seg.scale} "
+             f"it should cover {oy + b - a}x{ox + q - p}: this network does not scale like AutoencoderKL's")
+    return tuple(t[..., oy:oy + b - a, ox:ox + q - p] for t in y)
+
+
+def _share_row(ranks: Ranks, r: int, columns: int, outputs: dict, failed: Optional[Exception], out,
+               out_cols: list[Span]) -> bool:
     """Every tile of row r written to `out` on every rank, from the owners' `outputs` {column:
-    tensors}; whether the row's tiles ran to the end (False in a pass that stops at a GroupNorm)."""
-    like = ranks.gather({c: [(t.shape, t.dtype) for t in own] for c, own in outputs.items()})
+    tensors}; whether the row's tiles ran to the end (False in a pass that stops at a GroupNorm).
+    A tile that raised on one rank (`failed`) raises on every rank."""
+    mine = {c: [(t.shape, t.dtype) for t in own] for c, own in outputs.items()}
+    if failed is not None:
+        mine["failed", ranks.rank] = f"{type(failed).__name__}: {failed}"
+    like = ranks.gather(mine)
+    errors = {key[1]: message for key, message in like.items() if isinstance(key, tuple)}
+    if failed is not None:
+        raise failed
+    if errors:
+        rank = min(errors)
+        raise RuntimeError(f"pyext exact VAE run: a tile raised on rank {rank}: {errors[rank]}")
     for c in sorted(like):
         out.write(r, out_cols[c], ranks.share(r * columns + c, outputs.get(c), like[c]))
     return bool(like)
@@ -280,8 +308,8 @@ def placement(config: TilingConfig, segs: list[Segment], x: torch.Tensor, elemen
     keep = config.state_memory_mib << 20
     if config.state_dir != AUTO:
         return config.state_dir, keep
-    if x.is_cuda or not memory.settings().vae_state_on_disk:
-        return None, 0
+    if x.is_cuda or config.distributed or not memory.settings().vae_state_on_disk:
+        return None, 0  # (ranks must place it alike: each host's free disk differs)
     largest = largest_state(segs, x)
     if largest <= AUTO_MEMORY_TILES * elements * x.element_size():
         return None, 0
