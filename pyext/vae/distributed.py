@@ -4,7 +4,9 @@ Each segment's tiles are dealt out in turn (tile i to rank i mod world size). Wh
 gives the others goes to every rank: after each row of tiles, the outputs of that row's tiles
 (broadcast by their owners), and after each pass, every tile's moments, which each rank then
 merges in tile order, as one process does. So every rank holds the whole-image state and its
-statistics, bit for bit those of one process, and returns the whole output. One process is
+statistics, bit for bit those of one process, and returns the whole output. (A row's tiles all
+have the same channels and dtype, and their sizes follow from the grid: one small all-reduce per
+row tells every rank whether the row ran to the end, and with what.) One process is
 a world of one (Ranks()), whose tiles are written as they are made.
 """
 from __future__ import annotations
@@ -43,6 +45,16 @@ class Ranks:
         dist.all_gather_object(every, items)
         return {key: value for part in every for key, value in part.items()}
 
+    def most(self, values: list[int]) -> list[int]:
+        """Each value's largest over the ranks (one small all-reduce)."""
+        if self.size == 1:
+            return list(values)
+        import torch.distributed as dist
+
+        t = torch.tensor(values, dtype=torch.int64, device=self.device)
+        dist.all_reduce(t, op=dist.ReduceOp.MAX)
+        return t.tolist()
+
     def gather_moments(self, parts: dict[int, Moments]) -> dict[int, Moments]:
         """gather() for {tile: Moments}, sent through the host and put back on the run's device."""
         if self.size == 1:
@@ -51,7 +63,8 @@ class Ranks:
         return {i: _moved(m, self.device) for i, m in every.items()}
 
     def share(self, tile: int, tensors: tuple | None, like: list) -> tuple:
-        """The tile's tensors on every rank, sent by its owner; `like`: their (shape, dtype)."""
+        """The tile's tensors on every rank, sent by its owner; `like`: their (shape, dtype), which
+        every rank knows."""
         if self.size == 1:
             return tensors
         import torch.distributed as dist

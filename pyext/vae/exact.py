@@ -195,8 +195,8 @@ def _run_segment(seg: Segment, state, rows: list[Span], cols: list[Span], device
                 else:
                     # the row's tiles wait for the exchange: keep their own pixels only
                     outputs[c] = tuple(t.contiguous() for t in own)
-            row_done = finished > 0 if ranks.size == 1 else _share_row(ranks, r, len(cols), outputs, failed, out,
-                                                                       out_cols)
+            row_done = finished > 0 if ranks.size == 1 else _share_row(ranks, r, out_rows[r], out_cols, outputs,
+                                                                       failed, out)
             if row_done and not keep and r + 1 < len(rows):  # the last pass: free what no later tile reads
                 state.free_above(window(rows[r + 1], H, seg.margin)[0])
         finished = sum(ranks.gather({ranks.rank: finished}).values())
@@ -228,24 +228,35 @@ def _run_tile(seg: Segment, state, ys: Span, xs: Span, out_ys: Span, out_xs: Spa
     return tuple(t[..., oy:oy + b - a, ox:ox + q - p] for t in y)
 
 
-def _share_row(ranks: Ranks, r: int, columns: int, outputs: dict, failed: Optional[Exception], out,
-               out_cols: list[Span]) -> bool:
+# The dtypes a tile's outputs may have, as _share_row codes them; and at most how many outputs.
+_DTYPES = (torch.float32, torch.float16, torch.bfloat16, torch.float64)
+_MAX_OUTPUTS = 4
+
+
+def _share_row(ranks: Ranks, r: int, out_ys: Span, out_cols: list[Span], outputs: dict,
+               failed: Optional[Exception], out) -> bool:
     """Every tile of row r written to `out` on every rank, from the owners' `outputs` {column:
     tensors}; whether the row's tiles ran to the end (False in a pass that stops at a GroupNorm).
     A tile that raised on one rank (`failed`) raises on every rank."""
-    mine = {c: [(t.shape, t.dtype) for t in own] for c, own in outputs.items()}
-    if failed is not None:
-        mine["failed", ranks.rank] = f"{type(failed).__name__}: {failed}"
-    like = ranks.gather(mine)
-    errors = {key[1]: message for key, message in like.items() if isinstance(key, tuple)}
-    if failed is not None:
-        raise failed
-    if errors:
-        rank = min(errors)
-        raise RuntimeError(f"pyext exact VAE run: a tile raised on rank {rank}: {errors[rank]}")
-    for c in sorted(like):
-        out.write(r, out_cols[c], ranks.share(r * columns + c, outputs.get(c), like[c]))
-    return bool(like)
+    some = next(iter(outputs.values()), ())
+    if len(some) > _MAX_OUTPUTS:
+        fail(f"a tile gave {len(some)} outputs; the ranks exchange at most {_MAX_OUTPUTS}")
+    header = [int(bool(some)), 0 if failed is None else ranks.rank + 1,
+              some[0].shape[0] if some else 0, _DTYPES.index(some[0].dtype) if some else 0,
+              *[t.shape[1] for t in some], *[0] * (_MAX_OUTPUTS - len(some))]
+    done, failed_rank, batch, dtype, *channels = ranks.most(header)
+    if failed_rank:
+        messages = ranks.gather({} if failed is None else {ranks.rank: f"{type(failed).__name__}: {failed}"})
+        if failed is not None:
+            raise failed
+        raise RuntimeError(f"pyext exact VAE run: a tile raised on rank {failed_rank - 1}: "
+                           f"{messages[failed_rank - 1]}")
+    if not done:
+        return False
+    for c, (p, q) in enumerate(out_cols):
+        like = [((batch, n, out_ys[1] - out_ys[0], q - p), _DTYPES[dtype]) for n in channels if n]
+        out.write(r, (p, q), ranks.share(r * len(out_cols) + c, outputs.get(c), like))
+    return True
 
 
 def _in_order(parts: dict[int, Moments]) -> Moments:
