@@ -54,6 +54,7 @@ import torch
 
 from pyext import memory, ops
 from pyext._memory import reused_blocks, trim_heap
+from pyext.dispatch import PyextError
 from pyext.vae import spill, stages
 from pyext.vae.config import AUTO, TilingConfig, fail
 from pyext.vae.distributed import Ranks
@@ -239,8 +240,14 @@ def _share_row(ranks: Ranks, r: int, out_ys: Span, out_cols: list[Span], outputs
     tensors}; whether the row's tiles ran to the end (False in a pass that stops at a GroupNorm).
     A tile that raised on one rank (`failed`) raises on every rank."""
     some = next(iter(outputs.values()), ())
-    if len(some) > _MAX_OUTPUTS:
-        fail(f"a tile gave {len(some)} outputs; the ranks exchange at most {_MAX_OUTPUTS}")
+    if failed is None and some and (len(some) > _MAX_OUTPUTS or some[0].dtype not in _DTYPES):
+        try:  # raised below, on every rank
+            fail(f"a tile gave {len(some)} outputs of {some[0].dtype}; the ranks exchange at most "
+                 f"{_MAX_OUTPUTS}, of {', '.join(map(str, _DTYPES))}")
+        except PyextError as err:
+            failed = err
+    if failed is not None:
+        some = ()
     header = [int(bool(some)), 0 if failed is None else ranks.rank + 1,
               some[0].shape[0] if some else 0, _DTYPES.index(some[0].dtype) if some else 0,
               *[t.shape[1] for t in some], *[0] * (_MAX_OUTPUTS - len(some))]
