@@ -352,7 +352,7 @@ _ON_FORGET: list[Callable[[], None]] = []
 
 def on_forget(fn: Callable[[], None]) -> None:
     """Call fn whenever the kept choices are dropped: a C++ fast path that holds copies of
-    some of them (see kept) drops its own."""
+    some of them (armed through when_kept) drops its own."""
     _ON_FORGET.append(fn)
 
 

@@ -279,9 +279,9 @@ class SequenceSplit:
 def latent_channels(components: Components) -> int | None:
     """The latent channels of the pipeline's VAE, where its config says."""
     for name, module in components.modules.items():
-        config = getattr(module, "config", None)
-        if components.roles[name] == "vae" and isinstance(config, dict) and config.get("latent_channels"):
-            return int(config["latent_channels"])
+        channels = _config(module).get("latent_channels") if components.roles[name] == "vae" else None
+        if channels:
+            return int(channels)
     return None
 
 

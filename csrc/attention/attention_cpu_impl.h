@@ -32,22 +32,6 @@ inline int64_t round_up(int64_t x, int64_t m) { return (x + m - 1) / m * m; }
 // exp2(-inf - -inf) would be NaN: subtracting 0 instead gives p = 0 and alpha = 0.
 inline float softmax_shift(float running_max) { return running_max == -INFINITY ? 0.0f : running_max; }
 
-inline float load_elem(const void* p, int64_t i, PyextDtype t) {
-  switch (t) {
-    case PYEXT_BF16: return bf16_to_float(static_cast<const uint16_t*>(p)[i]);
-    case PYEXT_F16: return fp16_to_float(static_cast<const uint16_t*>(p)[i]);
-    default: return static_cast<const float*>(p)[i];
-  }
-}
-
-inline void store_elem(void* p, int64_t i, float f, PyextDtype t) {
-  switch (t) {
-    case PYEXT_BF16: static_cast<uint16_t*>(p)[i] = float_to_bf16(f); break;
-    case PYEXT_F16: static_cast<uint16_t*>(p)[i] = float_to_fp16(f); break;
-    default: static_cast<float*>(p)[i] = f;
-  }
-}
-
 // A pass of nr query rows (from row r0) starts from the carried o, m, l, or from nothing: o in
 // scratch rows of dv columns (padding columns stay 0), `tile_rows` of them (whole tiles).
 inline void carry_in(const AttnCarry* carry, int64_t r0, int64_t nr, int64_t tile_rows, int64_t d, int64_t dv,

@@ -97,5 +97,22 @@ template <> struct DtypeIo<PYEXT_BF16> {
   PYEXT_HOST_DEVICE static T store(float v) { return float_to_bf16(v); }
 };
 
+// Element i of a float32 / float16 / bfloat16 array, as fp32; and its store, rounded.
+PYEXT_HOST_DEVICE inline float load_elem(const void* p, int64_t i, PyextDtype t) {
+  switch (t) {
+    case PYEXT_BF16: return bf16_to_float(static_cast<const uint16_t*>(p)[i]);
+    case PYEXT_F16: return fp16_to_float(static_cast<const uint16_t*>(p)[i]);
+    default: return static_cast<const float*>(p)[i];
+  }
+}
+
+PYEXT_HOST_DEVICE inline void store_elem(void* p, int64_t i, float f, PyextDtype t) {
+  switch (t) {
+    case PYEXT_BF16: static_cast<uint16_t*>(p)[i] = float_to_bf16(f); break;
+    case PYEXT_F16: static_cast<uint16_t*>(p)[i] = float_to_fp16(f); break;
+    default: static_cast<float*>(p)[i] = f;
+  }
+}
+
 }  // namespace
 }  // namespace pyext

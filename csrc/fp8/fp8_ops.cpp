@@ -99,28 +99,9 @@ void fp8_upcast_out_cpu(const at::Tensor& w, const at::Tensor& scale, at::Tensor
 // torch's GEMM, whose set-up alone exceeds the work.
 constexpr int64_t kDirectMacs = int64_t{1} << 14;
 
-// dst[i] = float(src[i]) for n elements of a bf16, fp16 or fp32 array.
-void to_float(const void* src, int64_t n, float* dst, at::ScalarType dtype) {
-  if (dtype == at::kFloat) {
-    std::copy(static_cast<const float*>(src), static_cast<const float*>(src) + n, dst);
-  } else if (dtype == at::kBFloat16) {
-    const uint16_t* s = static_cast<const uint16_t*>(src);
-    for (int64_t i = 0; i < n; ++i) dst[i] = bf16_to_float(s[i]);
-  } else {
-    const uint16_t* s = static_cast<const uint16_t*>(src);
-    for (int64_t i = 0; i < n; ++i) dst[i] = fp16_to_float(s[i]);
-  }
-}
-
-// dst[i] = src[i] rounded to dtype, for n elements.
-void from_float(const float* src, int64_t n, void* dst, at::ScalarType dtype) {
-  if (dtype == at::kFloat) {
-    std::copy(src, src + n, static_cast<float*>(dst));
-  } else if (dtype == at::kBFloat16) {
-    for (int64_t i = 0; i < n; ++i) static_cast<uint16_t*>(dst)[i] = float_to_bf16(src[i]);
-  } else {
-    for (int64_t i = 0; i < n; ++i) static_cast<uint16_t*>(dst)[i] = float_to_fp16(src[i]);
-  }
+// dst[i] = float(src[i]) for n elements of a float32 / float16 / bfloat16 array.
+void to_float(const void* src, int64_t n, float* dst, PyextDtype dtype) {
+  for (int64_t i = 0; i < n; ++i) dst[i] = load_elem(src, i, dtype);
 }
 
 // out[j] = dot(a, b + j * K) for R rows of b, each a sum of four interleaved fp32 partial sums,
@@ -144,6 +125,7 @@ void dot_rows(const float* __restrict a, const float* __restrict b, int64_t K, f
 at::Tensor fp8_linear_direct(const at::Tensor& x2, const uint8_t* w, const float* scale, bool per_row,
                              const std::optional<at::Tensor>& bias, int64_t M, int64_t N, int64_t K) {
   const at::ScalarType dtype = x2.scalar_type();
+  const PyextDtype code = dtype_code(dtype, "pyext fp8_linear");
   const int64_t esize = x2.element_size();
   struct Scratch { std::vector<float> w, row, acc, bias; std::vector<char> upcast; };
   thread_local Scratch scratch;
@@ -156,11 +138,11 @@ at::Tensor fp8_linear_direct(const at::Tensor& x2, const uint8_t* w, const float
   } else {
     buf.upcast.resize(N * K * esize);
     upcast_rows(w, scale, per_row, 0, N, K, buf.upcast.data(), dtype);
-    to_float(buf.upcast.data(), N * K, buf.w.data(), dtype);
+    to_float(buf.upcast.data(), N * K, buf.w.data(), code);
   }
   if (bias) {
     buf.bias.resize(N);
-    to_float(bias->contiguous().data_ptr(), N, buf.bias.data(), dtype);
+    to_float(bias->contiguous().data_ptr(), N, buf.bias.data(), code);
   }
   at::Tensor y = at::empty({M, N}, x2.options());
   const char* xs = static_cast<const char*>(x2.data_ptr());
@@ -169,13 +151,13 @@ at::Tensor fp8_linear_direct(const at::Tensor& x2, const uint8_t* w, const float
   for (int64_t m = 0; m < M; ++m) {
     const float* a = buf.row.data();
     if (dtype == at::kFloat) a = reinterpret_cast<const float*>(xs) + m * K;
-    else to_float(xs + m * K * esize, K, buf.row.data(), dtype);
+    else to_float(xs + m * K * esize, K, buf.row.data(), code);
     int64_t n = 0;
     for (; n + 4 <= N; n += 4) dot_rows<4>(a, buf.w.data() + n * K, K, acc + n);
     for (; n < N; ++n) dot_rows<1>(a, buf.w.data() + n * K, K, acc + n);
     if (bias)
       for (int64_t j = 0; j < N; ++j) acc[j] += buf.bias[j];
-    from_float(acc, N, ys + m * N * esize, dtype);
+    for (int64_t j = 0; j < N; ++j) store_elem(ys, m * N + j, acc[j], code);
   }
   return y;
 }
@@ -301,10 +283,9 @@ class ArmedSignatures {
  public:
   using Key = std::vector<int64_t>;
 
-  static Key key_of(const at::Tensor& x, const at::Tensor& w, const at::Tensor& scale,
-                    const std::optional<at::Tensor>& bias) {
-    Key key;
-    key.reserve(40);
+  static void key_of(const at::Tensor& x, const at::Tensor& w, const at::Tensor& scale,
+                     const std::optional<at::Tensor>& bias, Key& key) {
+    key.clear();
     for (const at::Tensor* t : {&x, &w, &scale, bias ? &*bias : nullptr}) {
       if (t == nullptr) {
         key.push_back(-1);
@@ -316,7 +297,6 @@ class ArmedSignatures {
       key.insert(key.end(), t->sizes().begin(), t->sizes().end());
       key.insert(key.end(), t->strides().begin(), t->strides().end());
     }
-    return key;
   }
 
   bool contains(const Key& key) const {
@@ -357,7 +337,9 @@ ArmedSignatures& armed_linear() {
 
 void fp8_linear_arm(const at::Tensor& x, const at::Tensor& w, const at::Tensor& scale,
                     const std::optional<at::Tensor>& bias) {
-  armed_linear().add(ArmedSignatures::key_of(x, w, scale, bias));
+  ArmedSignatures::Key key;
+  ArmedSignatures::key_of(x, w, scale, bias, key);
+  armed_linear().add(std::move(key));
 }
 
 void fp8_linear_disarm() { armed_linear().clear(); }
@@ -367,7 +349,8 @@ at::Tensor fp8_linear_entry(const at::Tensor& x, const at::Tensor& w, const at::
   const bool autograd = c10::GradMode::is_enabled() &&
                         (x.requires_grad() || scale.requires_grad() || (bias && bias->requires_grad()));
   if (!backend && !autograd) {
-    const ArmedSignatures::Key key = ArmedSignatures::key_of(x, w, scale, bias);
+    thread_local ArmedSignatures::Key key;  // reused: no allocation per call
+    ArmedSignatures::key_of(x, w, scale, bias, key);
     if (armed_linear().contains(key)) {
       try {
         return fp8_linear_cpu(x, w, scale, bias, 0);

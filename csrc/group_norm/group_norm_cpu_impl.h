@@ -148,14 +148,6 @@ inline Moments merge(const Moments& a, const Moments& b) {
   return {count, a.mean + delta * (b.count / count), a.m2 + b.m2 + delta * delta * (a.count / count * b.count)};
 }
 
-inline float load_param(const void* p, PyextDtype t, int64_t i) {
-  switch (t) {
-    case PYEXT_F16: return fp16_to_float(static_cast<const uint16_t*>(p)[i]);
-    case PYEXT_BF16: return bf16_to_float(static_cast<const uint16_t*>(p)[i]);
-    default: return static_cast<const float*>(p)[i];
-  }
-}
-
 // ----------------------------------------------------------------------------- pass 1: stats
 
 // Channels-first: chunk k of group (n, g), a contiguous run of the group that may span planes.
@@ -320,8 +312,8 @@ void finish(const GroupNormArgs& a, const Moments* parts, const ChannelParams& p
       const double rstd = 1.0 / std::sqrt((var < 0 ? 0.0 : var) + a.eps);
       for (int64_t c = g * cg; c < (g + 1) * cg; ++c) {
         const int64_t j = n * a.C + c;
-        const double w = a.weight ? load_param(a.weight, a.weight_dtype, c) : 1.0;
-        const double b = a.bias ? load_param(a.bias, a.bias_dtype, c) : 0.0;
+        const double w = a.weight ? load_elem(a.weight, c, a.weight_dtype) : 1.0;
+        const double b = a.bias ? load_elem(a.bias, c, a.bias_dtype) : 0.0;
         const float hi = static_cast<float>(m.mean);
         const double scale = w * rstd;
         p.shift[j] = a.shift ? Io<D>::load(static_cast<const Elem<D>*>(a.shift)[j]) : 0.0f;

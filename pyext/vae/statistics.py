@@ -61,10 +61,9 @@ class Moments:
         consecutive channels, as GroupNorm groups them (every channel has the same count)."""
         n, c = self.mean.shape
         mean, m2 = self.mean.view(n, groups, c // groups), self.m2.view(n, groups, c // groups)
-        merged = Moments()
-        merged.count, merged.mean = self.count * (c // groups), mean.mean(-1)
-        merged.m2 = m2.sum(-1) + self.count * ((mean - merged.mean[..., None]) ** 2).sum(-1)
-        return merged
+        grouped_mean = mean.mean(-1)
+        return Moments.of(self.count * (c // groups), grouped_mean,
+                          m2.sum(-1) + self.count * ((mean - grouped_mean[..., None]) ** 2).sum(-1))
 
     def result(self) -> tuple[torch.Tensor, torch.Tensor]:
         """(mean, variance) per (sample, group), float64."""
