@@ -63,7 +63,7 @@ kernels: build
 # On a CUDA machine without network, in one call sized for a short lease: wheels from .whl/, build,
 # the CUDA tests, a sync-debug step, dispatch overhead, kernel benches, the SD1.5 rows (bench/gpu_check.py).
 gpu-check:
-	$(PYTHON) -m bench.gpu_check
+	MAX_JOBS=$$(nproc) $(PYTHON) -m bench.gpu_check
 
 # On a machine with network: what the GPU machine lacks (diffusers and its one missing dependency;
 # it has torch, triton, transformers, accelerate and pytest), for Python 3.12, into .whl/.

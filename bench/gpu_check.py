@@ -1,30 +1,39 @@
 """The GPU proof in one call (`make gpu-check`), sized for a short lease on a bare machine.
 
-    python -m bench.gpu_check [--out DIR] [--only a,b] [--budget-s 360]
+    python -m bench.gpu_check [--out DIR] [--only a,b] [--budget-s 330] [--resume DIR]
 
-It prints its plan with each step's estimate first, then runs the steps in order: each one's
-output goes to DIR/<step>.log, and DIR/gpu_check.json records every step's exit code, seconds
-and (for the benches) its results file. A second call with the same DIR skips the steps that
-passed at the same commit, so a rerun after a fix spends its time on what is left. Steps stop
-being started once the budget is spent (the JSON says which were left).
+It prints its plan with each step's estimate first, then runs the steps in order. Everything lands
+in two files under DIR: gpu_check.log (every step's output, one after another) and gpu_check.json
+(each step's exit code, seconds and results), plus the built extension (pyext_C.tar.gz). Given
+--resume with a former call's DIR (default .gpu_check/ when it exists), steps that passed on the
+same sources are skipped, the build too when csrc/ is unchanged (its extension is unpacked
+instead), so a rerun after a fix spends its time on what is left. Each step's time limit is cut
+to what is left of the budget, so the JSON is always written before the caller's limit.
 
 The machine is expected to have torch with CUDA, Triton, transformers, accelerate and pytest,
 and no network: wheels in WHEELS (default .whl/, from `make gpu-wheels`) supply what it lacks.
 
-Estimates for a 16-core H100 machine; the build's CUDA part was timed here (nvcc, the two .cu
-files for sm_80 and sm_90: 8 s on 2 cores), the rest are budgets each step is sized to.
+Estimates are for a 16-core H100 machine; nvcc on the two .cu files for sm_80 and sm_90 was timed
+at 8 s on 2 cores, the C++ sources at about 90 s for the slowest one on one core.
 """
 from __future__ import annotations
 
 import argparse
+import glob
+import hashlib
 import json
 import os
+import shutil
 import subprocess
 import sys
+import tarfile
 import time
 from dataclasses import dataclass
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+BUILD_SOURCES = ("csrc", "setup.py")
+ALL_SOURCES = ("csrc", "setup.py", "pyext", "bench", "tests")
+ARTEFACT = "pyext_C.tar.gz"
 
 
 @dataclass(frozen=True)
@@ -33,42 +42,53 @@ class Step:
     estimate_s: int
     command: tuple[str, ...]
     what: str
+    sources: tuple[str, ...] = ALL_SOURCES  # a step passed before is skipped while these are unchanged
 
 
 def steps(out: str) -> list[Step]:
     py = sys.executable
+    me = (py, "-m", "bench.gpu_check")
     return [
-        Step("wheels", 10, (py, "-m", "bench.gpu_check", "--install-wheels"),
-             "install the local wheels of the packages this machine lacks (diffusers)"),
-        Step("build", 90, (py, "setup.py", "build_ext", "--inplace"),
-             "pyext._C with the CUDA kernels, every core (MAX_JOBS)"),
+        Step("wheels", 10, (*me, "--install-wheels"),
+             "install the local wheels of the packages this machine lacks (diffusers)", ()),
+        Step("build", 70, (py, "setup.py", "build_ext", "--inplace"),
+             "pyext._C with the CUDA kernels, every core (MAX_JOBS)", BUILD_SOURCES),
         Step("info", 5, (py, "-m", "pyext", "info"), "the build, the GPU, every backend's availability"),
-        Step("tests", 60, (py, "-m", "pytest", "-q", "-m", "cuda", "tests"),
+        Step("tests", 45, (py, "-m", "pytest", "-q", "-m", "cuda", "-p", "no:cacheprovider", "-n", "8", "--dist", "load",
+                                 "tests"),
              "the tests marked cuda: every backend on its declared cases on the GPU, against the reference"),
-        Step("sync_debug", 25, (py, "-m", "bench.gpu_check", "--sync-debug"),
-             "one step of optimized tiny SD1.5 and Flux under torch.cuda.set_sync_debug_mode('error')"),
-        Step("dispatch_overhead", 10, (py, "-m", "bench.dispatch", "--overhead", "--device", "cuda",
-                                       "--out", os.path.join(out, "dispatch_overhead.json")),
+        Step("capture", 15, (*me, "--capture"),
+             "every CUDA backend of every op captured in a CUDA graph and replayed, against its eager result"),
+        Step("dispatch_overhead", 15, (py, "-m", "bench.dispatch", "--overhead", "--device", "cuda", "--rounds", "5",
+                                       "--calls", "1000", "--out", os.path.join(out, "dispatch_overhead.json")),
              "each op's call against PyTorch's own call, tiny inputs"),
-        Step("kernels", 40, (py, "-m", "bench.kernels", "--json", os.path.join(out, "kernels.json")),
-             "kernel benches (attention against SDPA's backends, fp8 linears against cuBLAS bf16)"),
-        Step("latency", 120, (py, "-m", "bench.latency", "--preset", "gpu", "--repeats", "1", "--rows",
-                              "sdpa_attention,pyext_optimize,pyext_cudagraphs,torch_compile_cudagraphs",
-                              "--out", os.path.join(out, "latency")),
-             "SD1.5 512x512, 50 steps: fp16 + SDPA, pyext_optimize eager and with CUDA graphs, "
-             "torch.compile with CUDA graphs"),
+        Step("kernels", 30, (py, "-m", "bench.gpu_kernels", "--json", os.path.join(out, "kernels.json")),
+             "attention against SDPA's flash, efficient and cuDNN backends; fp8 linears against cuBLAS bf16"),
+        Step("latency", 50, (py, "-m", "bench.latency", "--preset", "gpu", "--repeats", "1", "--rows",
+                             "sdpa_attention,pyext_optimize", "--out", os.path.join(out, "latency")),
+             "SD1.5 512x512, 50 steps: fp16 + SDPA against pyext_optimize"),
+        Step("latency_graphs", 100, (py, "-m", "bench.latency", "--preset", "gpu", "--repeats", "1", "--rows",
+                                     "pyext_cudagraphs,torch_compile_cudagraphs",
+                                     "--out", os.path.join(out, "latency_graphs")),
+             "the same with CUDA graphs: pyext_optimize(compile='cudagraphs') against torch.compile's"),
+        Step("sync_debug", 20, (*me, "--sync-debug"),
+             "one step of optimized tiny SD1.5 and Flux under torch.cuda.set_sync_debug_mode('error')"),
     ]
 
 
-def _commit() -> str:
-    """The commit, and a hash of the uncommitted changes to tracked files if any: a step that passed
-    is skipped again only on the same code."""
-    import hashlib
-
-    head = subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True, cwd=ROOT)
-    diff = subprocess.run(["git", "diff", "HEAD"], capture_output=True, cwd=ROOT)
-    commit = head.stdout.strip() or f"unknown-{int(time.time())}"
-    return f"{commit}+{hashlib.sha1(diff.stdout).hexdigest()[:10]}" if diff.stdout else commit
+def sources_hash(paths) -> str:
+    """A hash of the files under `paths` (what git tracks there, compiled outputs aside): the
+    machine's copy of the tree may have no .git."""
+    h = hashlib.sha1()
+    for top in paths:
+        files = [os.path.join(ROOT, top)] if os.path.isfile(os.path.join(ROOT, top)) else sorted(
+            glob.glob(os.path.join(ROOT, top, "**", "*"), recursive=True))
+        for f in files:
+            if os.path.isfile(f) and not f.endswith((".so", ".pyc")) and not f.endswith("_build_info.py"):
+                h.update(os.path.relpath(f, ROOT).encode())
+                with open(f, "rb") as fh:
+                    h.update(fh.read())
+    return h.hexdigest()[:12]
 
 
 def install_wheels() -> int:
@@ -118,62 +138,180 @@ def sync_debug() -> int:
     return 0
 
 
+def capture() -> int:
+    """Each CUDA backend of each op, on its first declared case in its first dtype, captured in a
+    CUDA graph and replayed on fresh inputs copied into the captured ones: the replay must give
+    what an eager call gives on those inputs (a kernel that syncs, allocates on the host per call,
+    or bakes a value in at capture fails here)."""
+    import torch
+
+    import pyext  # noqa: F401 (registers the ops)
+    from pyext import dispatch
+
+    failures, notes = [], []
+    for name, op in sorted(dispatch.ops().items()):
+        for b in op.backends:
+            if name.startswith("_test") or "cuda" not in b.devices or b.unavailable() or not b.test_shapes:
+                continue
+            dtype = (b.dtypes or dispatch.reference(op).dtypes)[0]
+            problems = []
+            try:
+                static = op.example(b.test_shapes[0], dtype, "cuda")
+                fresh = tuple(torch.roll(a, 1, -1) if isinstance(a, torch.Tensor) and a.is_floating_point() and a.dim()
+                              else a for a in static)  # the same values elsewhere: valid inputs, another answer
+                if dispatch.input_reasons(op, b, static):
+                    continue
+                side = torch.cuda.Stream()
+                side.wait_stream(torch.cuda.current_stream())
+                with torch.cuda.stream(side):  # warm-up off the capture stream, as torch.cuda.graphs asks
+                    b.run(*static)
+                torch.cuda.current_stream().wait_stream(side)
+                graph = torch.cuda.CUDAGraph()
+                with torch.cuda.graph(graph):
+                    captured = b.run(*static)
+                for dst, src in zip(static, fresh):
+                    if isinstance(dst, torch.Tensor):
+                        dst.copy_(src)
+                graph.replay()
+                torch.cuda.synchronize()
+                replayed = op.output(static, captured)
+                eager = dispatch.run_on_copy(op, b, fresh)
+                pairs = [(x, y) for x, y in zip(*((r if isinstance(r, tuple) else (r,)) for r in (replayed, eager)))
+                         if isinstance(x, torch.Tensor) and x.numel()]
+                diff = max([(x.float() - y.float()).abs().nan_to_num(float("inf")).max().item() for x, y in pairs] or [0.0])
+                problem = op.close(replayed, eager, fresh)  # within the op's tolerance (another config may run)
+                print(f"{name} {b.name} {str(dtype)[6:]}: captured; replay vs eager max diff {diff:.3g}"
+                      f"{', ' + problem if problem else ''}")
+                if problem:
+                    problems.append(f"{name} {b.name}: replay differs from eager: {problem}")
+            except Exception as e:  # noqa: BLE001 (every backend is tried; the failures are listed)
+                print(f"{name} {b.name}: FAILED {type(e).__name__}: {e}")
+                problems.append(f"{name} {b.name}: {type(e).__name__}: {str(e)[:200]}")
+            if b.name == op.reference:  # the oracle, not a fast path: reported, not required
+                notes += problems
+            else:
+                failures += problems
+    print("\n".join(["references that do not capture (not a fast path):", *notes]) if notes else "")
+    print("\n".join(["capture failures:", *failures]) if failures else "every CUDA backend captures and replays")
+    return 1 if failures else 0
+
+
+def _failed_rows(results: dict) -> list[str]:
+    """The rows of a step's results that say they failed: bench.latency's rows with a reason that
+    is a failure, bench.gpu_kernels' rows with an error."""
+    failed = []
+    for content in results.values():
+        rows = content.get("rows") if isinstance(content, dict) else None
+        failed += [name for name, row in (rows.items() if isinstance(rows, dict) else ()) if isinstance(row, dict) and
+                   str(row.get("reason", "")).startswith(("failed", "worker died", "timed out"))]
+        if isinstance(content, list):
+            failed += [str(row.get("shape", row.get("bench"))) for row in content if isinstance(row, dict)
+                       and any(k == "error" or k.endswith("_error") for k in row)]
+    return failed
+
+
+def _pack_build(out: str) -> None:
+    with tarfile.open(os.path.join(out, ARTEFACT), "w:gz") as tar:
+        for f in glob.glob(os.path.join(ROOT, "pyext", "_C*.so")) + [os.path.join(ROOT, "pyext", "_build_info.py")]:
+            tar.add(f, arcname=os.path.relpath(f, ROOT))
+
+
+def _unpack_build(resume: str) -> bool:
+    path = os.path.join(resume, ARTEFACT)
+    if not os.path.exists(path):
+        return False
+    with tarfile.open(path) as tar:
+        tar.extractall(ROOT, filter="data")
+    return True
+
+
 def main(argv=None) -> int:
     p = argparse.ArgumentParser(prog="python -m bench.gpu_check", description=__doc__.split("\n\n")[0])
     p.add_argument("--out", default=os.environ.get("OUT") or os.path.join(ROOT, "gpu_check_out"))
     p.add_argument("--only", help="comma-separated steps to run (default: all)")
-    p.add_argument("--budget-s", type=int, default=360, help="start no step once this many seconds have passed")
+    p.add_argument("--budget-s", type=int, default=330, help="no step runs past this many seconds")
+    p.add_argument("--resume", default=os.path.join(ROOT, ".gpu_check"),
+                   help="a former call's output folder: skip what passed there on the same sources")
     p.add_argument("--install-wheels", action="store_true", help=argparse.SUPPRESS)
     p.add_argument("--sync-debug", action="store_true", help=argparse.SUPPRESS)
+    p.add_argument("--capture", action="store_true", help=argparse.SUPPRESS)
     args = p.parse_args(argv)
     if args.install_wheels:
         return install_wheels()
     if args.sync_debug:
         return sync_debug()
+    if args.capture:
+        return capture()
 
+    start = time.monotonic()
     os.makedirs(args.out, exist_ok=True)
-    record_path = os.path.join(args.out, "gpu_check.json")
-    record = {}
-    if os.path.exists(record_path):
-        with open(record_path) as f:
-            record = json.load(f)
-    commit = _commit()
-    done = {name for name, r in record.get("steps", {}).items() if r.get("rc") == 0 and r.get("commit") == commit}
+    record_path, log_path = os.path.join(args.out, "gpu_check.json"), os.path.join(args.out, "gpu_check.log")
+    former = {}
+    for folder in dict.fromkeys([args.resume, args.out]):
+        if os.path.exists(os.path.join(folder, "gpu_check.json")):
+            with open(os.path.join(folder, "gpu_check.json")) as f:
+                former.update(json.load(f).get("steps", {}))
     chosen = [s for s in steps(args.out) if not args.only or s.name in args.only.split(",")]
+    hashes = {s.name: sources_hash(s.sources) for s in chosen}
+    done = {s.name for s in chosen if former.get(s.name, {}).get("rc") == 0
+            and former[s.name].get("sources") == hashes[s.name] and s.sources}
+    if "build" in done and not _unpack_build(args.resume):
+        done.discard("build")
     todo = [s for s in chosen if s.name not in done]
-    print(f"gpu-check at {commit}: {len(todo)} steps, about {sum(s.estimate_s for s in todo)} s "
-          f"(budget {args.budget_s} s); results in {record_path}")
+    print(f"gpu-check: {len(todo)} steps, about {sum(s.estimate_s for s in todo)} s (budget {args.budget_s} s); "
+          f"results in {record_path}, output in {log_path}")
     for s in chosen:
-        print(f"  {s.name:<18} {'done, skipped' if s.name in done else f'~{s.estimate_s:>3} s'}  {s.what}")
+        print(f"  {s.name:<18} {'passed before on these sources, skipped' if s.name in done else f'~{s.estimate_s:>3} s'}"
+              f"  {s.what}")
     sys.stdout.flush()
 
-    env = dict(os.environ, MAX_JOBS=os.environ.get("MAX_JOBS", str(os.cpu_count() or 8)))
+    env = dict(os.environ, MAX_JOBS=os.environ.get("MAX_JOBS", str(os.cpu_count() or 8)), PYTHONUNBUFFERED="1")
     site = os.environ.get("SITE", "/tmp/pyext_site")
     env["PYTHONPATH"] = os.pathsep.join(filter(None, [site, ROOT, env.get("PYTHONPATH")]))
-    record.setdefault("steps", {})
-    start, failed = time.monotonic(), False
+    record = {"steps": {name: former[name] for name in done}, "environment": {"MAX_JOBS": env["MAX_JOBS"]}}
+    failed = False
     for s in todo:
-        if time.monotonic() - start > args.budget_s:
-            record["steps"][s.name] = {"rc": None, "commit": commit, "reason": "not started: budget spent"}
+        left = args.budget_s - (time.monotonic() - start)
+        if left < min(s.estimate_s, 30):
+            record["steps"][s.name] = {"rc": None, "reason": "not started: budget spent"}
             print(f"== {s.name}: not started, budget spent")
             continue
         print(f"== {s.name}: {' '.join(s.command)}", flush=True)
         t = time.monotonic()
-        with open(os.path.join(args.out, f"{s.name}.log"), "w") as log:
-            try:  # three times its estimate at most: a hung step must not eat the lease
+        with open(log_path, "a") as log:
+            log.write(f"\n==== {s.name}: {' '.join(s.command)}\n")
+            log.flush()
+            try:  # three times its estimate at most, and never past the budget: a hung step must not eat the lease
                 rc = subprocess.call(s.command, cwd=ROOT, env=env, stdout=log, stderr=subprocess.STDOUT,
-                                     timeout=3 * s.estimate_s)
+                                     timeout=min(3 * s.estimate_s, left))
             except subprocess.TimeoutExpired:
                 rc = 124
         seconds = time.monotonic() - t
-        record["steps"][s.name] = {"rc": rc, "seconds": round(seconds, 1), "estimate_s": s.estimate_s,
-                                   "commit": commit, "log": f"{s.name}.log"}
+        entry = {"rc": rc, "seconds": round(seconds, 1), "estimate_s": s.estimate_s, "sources": hashes[s.name]}
+        for results in glob.glob(os.path.join(args.out, s.name + "*.json")) + glob.glob(
+                os.path.join(args.out, s.name, "*.json")):
+            with open(results) as f:  # one JSON in the end: the step's results move into the record
+                entry.setdefault("results", {})[os.path.basename(results)] = json.load(f)
+            os.remove(results)
+        with open(log_path, "a") as log:  # and its own logs into the one log
+            for sub in sorted(glob.glob(os.path.join(args.out, s.name, "**", "*.log"), recursive=True)):
+                with open(sub) as f:
+                    log.write(f"\n---- {os.path.relpath(sub, args.out)}\n{f.read()}")
+        shutil.rmtree(os.path.join(args.out, s.name), ignore_errors=True)
+        if rc == 0 and _failed_rows(entry.get("results", {})):  # a bench that ran but could not measure a row
+            entry["rc"], entry["failed_rows"] = 1, _failed_rows(entry["results"])
+            rc = 1
+        record["steps"][s.name] = entry
         print(f"   {s.name}: rc {rc} in {seconds:.0f} s (estimate {s.estimate_s} s)", flush=True)
+        if s.name == "build" and rc == 0:
+            _pack_build(args.out)
         failed |= rc != 0
         with open(record_path, "w") as f:
             json.dump(record, f, indent=1)
     with open(record_path, "w") as f:
         json.dump(record, f, indent=1)
+    if "build" in done and os.path.exists(os.path.join(args.resume, ARTEFACT)):
+        shutil.copy(os.path.join(args.resume, ARTEFACT), args.out)
     return 1 if failed else 0
 
 

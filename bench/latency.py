@@ -493,15 +493,7 @@ def run(preset_name: str, out: str, model: str | None = None, rows: list[str] | 
         spec_path = os.path.join(workdir, "spec.json")
         with open(spec_path, "w") as f:
             json.dump(spec, f)
-        # Rows are forked from a server process that imported torch and diffusers once and never
-        # computed (no thread pools, no CUDA context): each row starts clean without paying the
-        # imports again (seconds per row on a busy machine). diffusers and transformers import
-        # their classes lazily: the pipeline's are named here.
-        ctx = multiprocessing.get_context("forkserver")
-        ctx.set_forkserver_preload(["torch", "diffusers", "transformers", "pyext", "bench.latency",
-                                    "diffusers.pipelines.stable_diffusion.pipeline_stable_diffusion",
-                                    "transformers.models.clip.modeling_clip",
-                                    "transformers.models.clip.tokenization_clip"])
+        ctx = _row_context(preset.device)
         results = {}
         report = {
             "preset": preset_name, "preset_parameters": asdict(preset), "repeats": spec["repeats"],
@@ -545,6 +537,23 @@ def _row_process(name, spec_path, result_path, log_path):
     os.dup2(log, 1)
     os.dup2(log, 2)
     _worker(name, spec_path, result_path)
+
+
+def _row_context(device: str):
+    """Where rows' processes come from. On CPU, forked from a server process that imported torch and
+    diffusers once and never computed (no thread pools): each row starts clean without paying the
+    imports again (seconds per row on a busy machine); diffusers and transformers import their
+    classes lazily, so the pipeline's are named. On CUDA, spawned: a library that asks for the
+    device count at import (torch's check for CUDA does) marks every later fork of that process
+    as unable to use CUDA."""
+    if device == "cuda":
+        return multiprocessing.get_context("spawn")
+    ctx = multiprocessing.get_context("forkserver")
+    ctx.set_forkserver_preload(["torch", "diffusers", "transformers", "pyext", "bench.latency",
+                                "diffusers.pipelines.stable_diffusion.pipeline_stable_diffusion",
+                                "transformers.models.clip.modeling_clip",
+                                "transformers.models.clip.tokenization_clip"])
+    return ctx
 
 
 def _run_in_subprocess(ctx, name, spec_path, workdir, out, timeout_s) -> dict:

@@ -515,10 +515,11 @@ def time_call(fn: Callable[[], Any], device: torch.device, warmup: int = 1, runs
 
 
 def measured_choice(what: str, key: str, device: torch.device, runs: dict[str, Callable[[], Any]],
-                    close: Callable | None = None) -> dict:
+                    close: Callable | None = None, check_first: bool = False) -> dict:
     """The decision {op, key, backend, timings[, rejected]} for the fastest of `runs` on `device`,
     measured on the first call for (what, key) and cached. A run that raises, or (with `close`)
-    whose output misses the first run's, is rejected with its reason and not timed."""
+    whose output misses the first run's, is rejected with its reason and not timed; with
+    check_first, close(out, None) judges every run, the first too, on its own."""
     cache = _cache(device)
     full_key = f"{what}|{key}"
     with _LOCK:
@@ -529,10 +530,11 @@ def measured_choice(what: str, key: str, device: torch.device, runs: dict[str, C
         for label, fn in runs.items():
             try:
                 out = fn()
-                problem = None if close is None or first is None else close(out, first[1])
+                problem = None if close is None or (first is None and not check_first) else \
+                    close(out, first[1] if first else None)
                 first = first or (label, out)
                 if problem:
-                    rejected[label] = f"output differs from {first[0]}'s: {problem}"
+                    rejected[label] = problem if check_first else f"output differs from {first[0]}'s: {problem}"
                     continue
                 timings[label] = time_call(fn, device)
             except (PyextError, torch.OutOfMemoryError):

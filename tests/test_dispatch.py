@@ -269,6 +269,24 @@ def test_measured_mode_times_every_backend_and_caches_the_fastest(monkeypatch):
     assert len(dispatch.decisions()) == 2
 
 
+def test_kernel_configs_checked_against_a_reference_each_on_their_own(monkeypatch):
+    """A compiler can miscompile a launch config, the default among them: with a check, the default
+    is judged like the others instead of being the yardstick the right ones are rejected against."""
+    from pyext.kernels import config, relative_close, tune
+
+    monkeypatch.setenv("PYEXT_DISPATCH", "measured")
+    x = torch.randn(64)
+    wrong, right, other = config(4, 3, BLOCK=64), config(4, 2, BLOCK=32), config(8, 2, BLOCK=64)
+    outputs = {wrong: x * 3, right: x * 2, other: x * 2}
+    assert tune("_test_kernel", "plain", torch.device("cpu"), [wrong, right], outputs.get) == wrong
+    chosen = tune("_test_kernel", "checked", torch.device("cpu"), [wrong, right, other], outputs.get,
+                  check=lambda out: relative_close(out, x * 2))
+    assert chosen in (right, other)
+    decision = next(d for d in dispatch.decisions() if d["key"] == "checked")
+    assert set(decision["timings"]) == {right.label, other.label}
+    assert "max error" in decision["rejected"][wrong.label]
+
+
 def test_slower_is_followed_statically_and_measured_otherwise(monkeypatch):
     make_op(Backend("fast_but_flagged", lambda x: x + x, slower=lambda x: ["slower than good (measured)"]),
             Backend("good", lambda x: x * 2))

@@ -11,14 +11,30 @@ def test_the_plan_fits_six_minutes_and_names_every_part():
     plan = gpu_check.steps("out")
     assert sum(s.estimate_s for s in plan) <= 6 * 60
     assert [s.name for s in plan][:2] == ["wheels", "build"]
-    assert {"tests", "sync_debug", "kernels", "latency", "dispatch_overhead"} <= {s.name for s in plan}
+    assert {"tests", "capture", "sync_debug", "kernels", "latency", "latency_graphs",
+            "dispatch_overhead"} <= {s.name for s in plan}
 
 
-def test_a_rerun_skips_the_steps_that_passed(tmp_path):
-    cmd = [sys.executable, "-m", "bench.gpu_check", "--only", "info", "--out", str(tmp_path)]
-    first = subprocess.run(cmd, capture_output=True, text=True, cwd=gpu_check.ROOT)
+def test_a_rerun_skips_the_steps_that_passed_on_the_same_sources(tmp_path):
+    first_out, second_out = tmp_path / "first", tmp_path / "second"
+    cmd = [sys.executable, "-m", "bench.gpu_check", "--only", "info"]
+    first = subprocess.run([*cmd, "--out", str(first_out), "--resume", str(tmp_path / "none")],
+                           capture_output=True, text=True, cwd=gpu_check.ROOT)
     assert first.returncode == 0, first.stdout + first.stderr
-    record = json.loads((tmp_path / "gpu_check.json").read_text())
-    assert record["steps"]["info"]["rc"] == 0 and (tmp_path / "info.log").read_text()
-    again = subprocess.run(cmd, capture_output=True, text=True, cwd=gpu_check.ROOT)
-    assert "done, skipped" in again.stdout and "== info" not in again.stdout
+    record = json.loads((first_out / "gpu_check.json").read_text())
+    assert record["steps"]["info"]["rc"] == 0 and "==== info" in (first_out / "gpu_check.log").read_text()
+    again = subprocess.run([*cmd, "--out", str(second_out), "--resume", str(first_out)],
+                           capture_output=True, text=True, cwd=gpu_check.ROOT)
+    assert "skipped" in again.stdout and "== info" not in again.stdout
+    assert json.loads((second_out / "gpu_check.json").read_text())["steps"]["info"]["rc"] == 0
+
+
+def test_the_sources_hash_follows_the_sources(tmp_path, monkeypatch):
+    (tmp_path / "csrc").mkdir()
+    (tmp_path / "csrc" / "a.cpp").write_text("int a;")
+    monkeypatch.setattr(gpu_check, "ROOT", str(tmp_path))
+    before = gpu_check.sources_hash(["csrc"])
+    (tmp_path / "csrc" / "a.so").write_text("built")
+    assert gpu_check.sources_hash(["csrc"]) == before
+    (tmp_path / "csrc" / "a.cpp").write_text("int b;")
+    assert gpu_check.sources_hash(["csrc"]) != before

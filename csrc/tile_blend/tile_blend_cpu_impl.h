@@ -10,7 +10,7 @@
 #pragma once
 #include <algorithm>
 #include <cstdint>
-#include <vector>
+#include <memory>
 
 #include "tile_blend/tile_blend_cpu.h"
 #include "tile_blend/tile_blend_math.h"
@@ -34,7 +34,9 @@ void diffusers_items(const TileBlendArgs& a, int64_t begin, int64_t end) {
   T* right = static_cast<T*>(a.right);
   const int64_t ev = above ? std::min(a.above_rows, a.th) : 0;  // blend_v extent
   const int64_t eh = left ? std::min(a.left_cols, a.tw) : 0;    // blend_h extent
-  std::vector<float> wl(eh), wn(eh), row(a.tw);
+  // Plain arrays, not std::vector: GCC 13 cannot inline std::allocator's always_inline members
+  // into the implicit destructors generated under a SIMD unit's `#pragma GCC target`.
+  const std::unique_ptr<float[]> wl(new float[eh]), wn(new float[eh]), row(new float[a.tw]);
   for (int64_t x = 0; x < eh; ++x) ramp(x, eh, wl[x], wn[x]);
   for (int64_t item = begin; item < end; ++item) {
     const int64_t p = item / a.th, y = item % a.th;
@@ -63,7 +65,7 @@ void diffusers_items(const TileBlendArgs& a, int64_t begin, int64_t end) {
     }
     if (a.right_cols) {
       T* r = right + (p * a.th + y) * a.right_cols;
-      const float* src = row.data() + a.tw - a.right_cols;
+      const float* src = row.get() + a.tw - a.right_cols;
       for (int64_t x = 0; x < a.right_cols; ++x) r[x] = Io<D>::store(src[x]);
     }
   }
@@ -74,7 +76,7 @@ void normalized_items(const TileBlendArgs& a, int64_t begin, int64_t end) {
   using T = typename Io<D>::T;
   const T* tile = static_cast<const T*>(a.tile);
   T* out = static_cast<T*>(a.out);
-  std::vector<float> wx(a.tw);
+  const std::unique_ptr<float[]> wx(new float[a.tw]);
   for (int64_t x = 0; x < a.tw; ++x) wx[x] = edge_weight(x, a.ov_left) * edge_weight(a.tw - 1 - x, a.ov_right);
   for (int64_t item = begin; item < end; ++item) {
     const int64_t p = item / a.th, y = item % a.th;

@@ -63,15 +63,18 @@ def relative_close(out, ref, rel: float = 1e-2) -> str | None:
     return None if err <= rel * max(1.0, ref.float().abs().max().item()) else f"max error {err:.3g}"
 
 
-def tune(kernel: str, key: str, device, configs: list[Config], launch) -> Config:
+def tune(kernel: str, key: str, device, configs: list[Config], launch, check=None) -> Config:
     """The config to launch: the default (first) in static dispatch, where nothing can be timed, or
-    when there is one; else the fastest of those whose output is close to the default's (measured
-    once per key and cached with the dispatch decisions). launch(config) runs the kernel and
-    returns its output."""
+    when there is one; else the fastest of those whose output passes `check(output)` (None when
+    right; by default: close to the default's output), measured once per key and cached with the
+    dispatch decisions. launch(config) runs the kernel and returns its output. A `check` against a
+    reference matters where a compiler may miscompile some configs, the default among them."""
     from pyext import dispatch
 
     if len(configs) == 1 or dispatch.mode(device) != "measured" or not dispatch.can_measure(device):
         return configs[0]
     by_label = {c.label: c for c in configs}
     runs = {c.label: (lambda c=c: launch(c)) for c in configs}
-    return by_label[dispatch.measured_choice(f"{kernel} config", key, device, runs, relative_close)["backend"]]
+    close = relative_close if check is None else (lambda out, first: check(out))
+    return by_label[dispatch.measured_choice(f"{kernel} config", key, device, runs, close, check_first=check is not None)
+                    ["backend"]]

@@ -21,7 +21,6 @@ first the default. Every one is compiled for sm_80 and sm_90 by `python -m pyext
 (tests/test_kernels_compile.py), and the defaults are those that compile without register
 spills there, plain and with a bias (which makes another candidate the default in some
 classes); on a GPU, measured dispatch times the candidates and keeps the fastest.
-No GPU has timed them yet.
 """
 from __future__ import annotations
 
@@ -40,8 +39,9 @@ MAX_PARTS = 3
 # the inputs are fp32 (exact "ieee" dots keep fp32 operands in registers: smaller tiles). The
 # default (first) of each is spill-free on sm_80 and sm_90 (`python -m pyext kernels`).
 _CONFIGS_16BIT = {
-    64: [config(4, 3, BLOCK_M=64, BLOCK_N=64), config(8, 3, BLOCK_M=128, BLOCK_N=64),
-         config(4, 2, BLOCK_M=64, BLOCK_N=32)],
+    # Triton 3.6 on sm_90 computes head dim 40 (32 + 16) wrongly with 4 warps and 64 x 64 tiles.
+    64: [config(4, 2, BLOCK_M=64, BLOCK_N=32), config(8, 2, BLOCK_M=64, BLOCK_N=64),
+         config(4, 1, BLOCK_M=32, BLOCK_N=32)],
     96: [config(8, 2, BLOCK_M=128, BLOCK_N=32), config(8, 2, BLOCK_M=64, BLOCK_N=32)],
     128: [config(8, 2, BLOCK_M=64, BLOCK_N=64), config(8, 2, BLOCK_M=64, BLOCK_N=32)],
     192: [config(8, 2, BLOCK_M=64, BLOCK_N=32), config(8, 2, BLOCK_M=32, BLOCK_N=32)],
@@ -55,7 +55,7 @@ _CONFIGS_FP32 = {
 }
 # With a bias its fp32 (BLOCK_M, BLOCK_N) tile is live beside the scores; where the plain default
 # then spills on sm_80, the candidate at this index of the class is the default instead.
-_BIAS_DEFAULT_16BIT = {64: 2}
+_BIAS_DEFAULT_16BIT: dict[int, int] = {}
 _BIAS_DEFAULT_FP32 = {64: 1, 256: 1}
 _INTERPRETER = [config(4, 1, BLOCK_M=32, BLOCK_N=32)]  # the interpreter runs each program in numpy
 
@@ -246,8 +246,23 @@ def attention_triton(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: f
 
     key = f"{str(q.dtype).removeprefix('torch.')} d{D} sq{triton.next_power_of_2(SQ)} skv{triton.next_power_of_2(SKV)}"
     key += " bias" if bias is not None else ""
-    cfg = tune("attention:triton", key, q.device, configs(D, q.dtype, bias is not None), lambda c: launch(c).clone())
+    cfg = tune("attention:triton", key, q.device, configs(D, q.dtype, bias is not None), lambda c: launch(c).clone(),
+               check=lambda out: _slice_problem(out, q, k, v, scale, bias))
     return launch(cfg), lse
+
+
+def _slice_problem(out, q, k, v, scale, bias) -> str | None:
+    """None when out's first rows of the first head match the fp32 reference there: each launch
+    config is judged on its own, since a compiler can miscompile some, the default among them."""
+    from pyext.kernels import relative_close
+
+    rows = min(q.shape[2], 128)
+    s = torch.matmul(q[:1, :1, :rows].float(), k[:1, :1].float().transpose(-1, -2)) * scale
+    if bias is not None:
+        s = s + bias[:1, :1, :rows].float()
+    p = torch.softmax(s, dim=-1).nan_to_num(0.0)  # a fully masked row is 0, as the kernel gives
+    ref = torch.matmul(p, v[:1, :1].float())
+    return relative_close(out[:1, :1, :rows], ref, rel=2e-2 if q.dtype != torch.float32 else 1e-4)
 
 
 def signature(dtype: torch.dtype, d: int, cfg: Config, has_bias: bool = False, return_lse: bool = False,

@@ -1,0 +1,145 @@
+"""GPU kernel bench: pyext's attention against each of SDPA's backends, and pyext's fp8 linears
+against cuBLAS bf16, at SD1.5, SDXL, SD3 and Flux shapes (1024x1024 for SDXL, SD3 and Flux).
+
+    python -m bench.gpu_kernels [--json PATH]
+
+Times are CUDA-event medians (triton.testing.do_bench). Each attention row also gives its error
+against an fp32 reference on the same inputs, beside the error of SDPA's default in the same dtype:
+pyext's may be at most twice SDPA's. Each fp8 row gives its SQNR against the bf16 layer.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+
+import torch
+import torch.nn.functional as F
+
+# (name, batch, heads, q tokens, kv tokens, head dim); batch 2 where the pipeline runs CFG in one batch
+ATTENTION_SHAPES = [
+    ("sd15 512: 64x64 self", 2, 8, 4096, 4096, 40),
+    ("sd15 512: 64x64 cross (77 text)", 2, 8, 4096, 77, 40),
+    ("sd15 512: 32x32 self", 2, 8, 1024, 1024, 80),
+    ("sd15 512: 16x16 self", 2, 8, 256, 256, 160),
+    ("sdxl 1024: 64x64 self", 2, 10, 4096, 4096, 64),
+    ("sdxl 1024: 32x32 self", 2, 20, 1024, 1024, 64),
+    ("sd3 1024: joint", 2, 24, 4429, 4429, 64),
+    ("flux 1024: joint", 1, 24, 4608, 4608, 128),
+]
+SDPA_BACKENDS = ("FLASH_ATTENTION", "EFFICIENT_ATTENTION", "CUDNN_ATTENTION")
+
+# (name, tokens, in, out): Flux.1 at 1024x1024 (4096 image tokens, 512 text), bf16
+LINEAR_SHAPES = [
+    ("flux double: q/k/v/out 3072->3072", 4096, 3072, 3072),
+    ("flux double: mlp 3072->12288", 4096, 3072, 12288),
+    ("flux double: mlp 12288->3072", 4096, 12288, 3072),
+    ("flux single: qkv+mlp 3072->21504", 4608, 3072, 21504),
+    ("flux single: out 15360->3072", 4608, 15360, 3072),
+    ("flux text: 3072->3072 (512 tokens)", 512, 3072, 3072),
+]
+
+
+def _ms(fn) -> float:
+    from triton.testing import do_bench
+
+    return do_bench(fn, warmup=25, rep=100, return_mode="median")
+
+
+def _rel(y: torch.Tensor, ref: torch.Tensor) -> float:
+    return ((y.float() - ref).norm() / ref.norm()).item()
+
+
+@torch.no_grad()
+def bench_attention(shapes=ATTENTION_SHAPES, dtype=torch.bfloat16) -> list[dict]:
+    from torch.nn.attention import SDPBackend, sdpa_kernel
+
+    from pyext.ops import attention
+
+    rows = []
+    for name, b, h, sq, skv, d in shapes:
+        g = torch.Generator("cuda").manual_seed(0)
+        q, k, v = (torch.randn(b, h, s, d, device="cuda", dtype=dtype, generator=g) for s in (sq, skv, skv))
+        ref = F.scaled_dot_product_attention(q.float(), k.float(), v.float())
+        flops = 4 * b * h * sq * skv * d
+        row = dict(bench="attention", shape=name, b=b, h=h, sq=sq, skv=skv, d=d, dtype=str(dtype)[6:])
+        try:
+            row["pyext_ms"] = _ms(lambda: attention(q, k, v, backend="triton"))
+            row["pyext_err"] = _rel(attention(q, k, v, backend="triton"), ref)
+        except Exception as e:  # one backend's failure must not hide the others' rows
+            row["pyext_error"] = f"{type(e).__name__}: {e}"[:200]
+        row["sdpa_err"] = _rel(F.scaled_dot_product_attention(q, k, v), ref)
+        for backend in SDPA_BACKENDS:
+            try:
+                with sdpa_kernel([getattr(SDPBackend, backend)]):
+                    row[f"{backend.split('_')[0].lower()}_ms"] = _ms(lambda: F.scaled_dot_product_attention(q, k, v))
+            except RuntimeError as e:
+                row[f"{backend.split('_')[0].lower()}_ms"] = None
+                row.setdefault("refused", []).append(f"{backend}: {str(e).splitlines()[0][:80]}")
+        best = min((row[f"{s.split('_')[0].lower()}_ms"] for s in SDPA_BACKENDS
+                    if row[f"{s.split('_')[0].lower()}_ms"] is not None), default=None)
+        if "pyext_ms" in row and best:
+            row["best_sdpa_over_pyext"] = round(best / row["pyext_ms"], 3)  # >1: pyext faster
+            row["pyext_tflops"] = round(flops / row["pyext_ms"] / 1e9, 1)
+        if "pyext_err" in row:
+            row["err_vs_sdpa"] = round(row["pyext_err"] / max(row["sdpa_err"], 1e-12), 2)
+        rows.append(row)
+        print(row, flush=True)
+    return rows
+
+
+@torch.no_grad()
+def bench_fp8_linear(shapes=LINEAR_SHAPES) -> list[dict]:
+    from pyext.nn import FP8Linear
+    from pyext.ops import fp8_upcast
+
+    rows = []
+    for name, m, k, n in shapes:
+        torch.manual_seed(0)
+        lin = torch.nn.Linear(k, n).to("cuda", torch.bfloat16)
+        x = torch.randn(m, k, device="cuda", dtype=torch.bfloat16)
+        weight_only = FP8Linear.from_linear(lin)
+        dynamic = FP8Linear.from_linear(lin, gemm="dynamic")
+        codes, scale = weight_only.fp8_weight, weight_only.scale
+        ref = lin(x).float()
+        fns = {
+            "bf16": lambda: lin(x),
+            "weight_only": lambda: weight_only(x),
+            "weight_only_triton": lambda: torch.ops.pyext.fp8_linear(x, weight_only.weight, scale, lin.bias, "triton"),
+            "upcast_then_cublas": lambda: F.linear(x, fp8_upcast(codes, scale, torch.bfloat16), lin.bias),
+            "dynamic": lambda: dynamic(x),
+        }
+        row = dict(bench="fp8_linear", shape=name, M=m, K=k, N=n)
+        for key, fn in fns.items():
+            try:
+                row[f"{key}_ms"] = _ms(fn)
+                if key != "bf16":
+                    y = fn().float()
+                    row[f"{key}_sqnr_db"] = round((10 * torch.log10(ref.pow(2).sum() / (y - ref).pow(2).sum())).item(), 1)
+                    row[f"{key}_vs_bf16"] = round(row[f"{key}_ms"] / row["bf16_ms"], 3)
+            except Exception as e:
+                row[f"{key}_error"] = f"{type(e).__name__}: {e}"[:200]
+        row["bf16_tflops"] = round(2 * m * k * n / row["bf16_ms"] / 1e9, 1)
+        rows.append(row)
+        print(row, flush=True)
+    return rows
+
+
+def main(argv=None) -> None:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--json", help="write the rows here")
+    args = ap.parse_args(argv)
+    info = dict(device=torch.cuda.get_device_name(0), torch=torch.__version__)
+    rows = [dict(bench="machine", **info)]
+    for bench in (bench_attention, bench_fp8_linear):
+        try:
+            rows += bench()
+        except Exception as e:
+            rows.append(dict(bench=bench.__name__, error=f"{type(e).__name__}: {e}"[:300]))
+            print(rows[-1], flush=True)
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump(rows, f, indent=1)
+
+
+if __name__ == "__main__":
+    main()
