@@ -28,6 +28,7 @@ END = "<!-- end of rendered table -->"
 def _renderers() -> dict[str, Callable[[dict], str]]:
     from bench.dispatch import render_overhead
     from bench.fp8_accuracy import render as render_fp8_accuracy
+    from bench.gpu_check import render as render_gpu_check
     from bench.parallel import render as render_parallel
     from bench.planner_peaks import render_result as render_planner_peaks
     from bench.vae import render_runs
@@ -39,7 +40,8 @@ def _renderers() -> dict[str, Callable[[dict], str]]:
             "parallel_cpu_1": render_parallel,
             "parallel_cpu_2": render_parallel,
             "parallel_vae_cpu_1": render_parallel,
-            "parallel_vae_cpu_2": render_parallel}
+            "parallel_vae_cpu_2": render_parallel,
+            "gpu_check_h200": render_gpu_check}
 
 
 def _provenance(result: dict) -> str:

@@ -232,6 +232,12 @@ def _linear_cpp(x, w, scale, bias):
     return torch.ops.pyext_C.fp8_linear(x, w, scale, bias)
 
 
+def _linear_upcast_cublas(x, w, scale, bias):
+    weight = torch.empty(w.shape, dtype=x.dtype, device=w.device)  # the caching allocator: no page faults
+    _upcast_ext(w, scale, weight)
+    return F.linear(x, weight, bias)
+
+
 # (rows of x, in features, out features, per-channel scale, bias) the op tests run every backend on.
 LINEAR_TEST_SHAPES = ((5, 40, 7, True, True), (1, 33, 70, False, False), (70, 96, 48, True, False))
 
@@ -241,6 +247,11 @@ dispatch.register("fp8_linear", Backend(
     doc="C++: bf16 on AVX512_BF16 CPUs: a GEMM that decodes fp8 in its packing step; small layers: "
         "a plain loop over the upcast weight; otherwise weight tiles upcast into a cache-sized buffer, "
         "torch GEMM per tile"))
+dispatch.register("fp8_linear", Backend(
+    "upcast_cublas", _linear_upcast_cublas, unavailable=partial(cuda_kernel_missing, "fp8_upcast_out"),
+    devices=("cuda",), dtypes=COMPUTE_DTYPES, test_shapes=LINEAR_TEST_SHAPES,
+    doc="the CUDA upcast kernel into a fresh weight, then cuBLAS: ahead of the Triton GEMM on an H200 "
+        "(docs/benchmarks.md)"))
 dispatch.register("fp8_linear", Backend(
     "triton", _linear_triton, unavailable=triton_unavailable, advisory=interpreter_advisory,
     devices=triton_devices(), dtypes=triton_dtypes((torch.bfloat16, torch.float16)), test_shapes=LINEAR_TEST_SHAPES,
