@@ -287,6 +287,17 @@ def test_kernel_configs_checked_against_a_reference_each_on_their_own(monkeypatc
     assert "max error" in decision["rejected"][wrong.label]
 
 
+def test_kernel_outputs_agree_where_both_hold_the_same_nan_or_inf():
+    from pyext.kernels import relative_close
+
+    ref = torch.tensor([1.0, float("nan"), float("inf"), -2.0])
+    assert relative_close(ref.clone(), ref) is None
+    assert relative_close(ref + torch.tensor([0.005, 0, 0, 0]), ref) is None
+    assert relative_close(torch.tensor([1.0, 0.0, float("inf"), -2.0]), ref) == "max error nan"
+    assert relative_close(torch.tensor([1.0, float("nan"), 5.0, -2.0]), ref) == "max error inf"
+    assert "max error 0.5" == relative_close(ref + torch.tensor([0.5, 0, 0, 0]), ref)
+
+
 def test_slower_is_followed_statically_and_measured_otherwise(monkeypatch):
     make_op(Backend("fast_but_flagged", lambda x: x + x, slower=lambda x: ["slower than good (measured)"]),
             Backend("good", lambda x: x * 2))

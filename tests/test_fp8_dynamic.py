@@ -39,6 +39,18 @@ def test_rows_are_scaled_to_their_own_amax_and_rounded_to_e4m3():
     assert ((back - x).abs() <= 2.0 ** -4 * x.abs() + sx * 2.0 ** -10).all()  # half an e4m3 step
 
 
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16, torch.float32])
+def test_row_quantization_is_the_fp32_formula_bit_for_bit(dtype):
+    x = (torch.randn(67, 300) * torch.logspace(-8, 8, 67)[:, None]).to(dtype)
+    x[3, 5], x[4, 9], x[5, 1], x[6] = float("nan"), float("inf"), -float("inf"), 0.0
+    xf = x.float()
+    want_sx = (xf.abs().amax(-1, keepdim=True) / 448.0).clamp_min(torch.finfo(torch.float32).tiny)
+    want_q = (xf / want_sx).clamp(-448.0, 448.0).to(torch.float8_e4m3fn)
+    q, sx = quantize_rows(x)
+    assert torch.equal(sx.nan_to_num(), want_sx.nan_to_num()) and torch.equal(sx.isnan(), want_sx.isnan())
+    assert torch.equal(q.view(torch.uint8), want_q.view(torch.uint8))
+
+
 def test_zero_and_non_finite_rows():
     w, s = fp8_quantize(torch.randn(32, 16))
     x = torch.randn(4, 16).bfloat16()

@@ -58,9 +58,15 @@ def config(num_warps: int, num_stages: int, **blocks: int) -> Config:
 
 
 def relative_close(out, ref, rel: float = 1e-2) -> str | None:
-    """None when out is within rel of ref's largest magnitude (at least 1), else the error."""
-    err = (out.float() - ref.float()).abs().max().item()
-    return None if err <= rel * max(1.0, ref.float().abs().max().item()) else f"max error {err:.3g}"
+    """None when out is within rel of ref's largest finite magnitude (at least 1), else the error.
+    Equal values, infinities and NaNs included, agree; a NaN against a number does not."""
+    import torch
+
+    o, r = out.float(), ref.float()
+    err = torch.where((o == r) | (o.isnan() & r.isnan()), 0.0, (o - r).abs()).max().item()
+    finite = r[r.isfinite()]
+    scale = max(1.0, finite.abs().max().item() if finite.numel() else 0.0)
+    return None if err <= rel * scale else f"max error {err:.3g}"
 
 
 def tune(kernel: str, key: str, device, configs: list[Config], launch, check=None) -> Config:
