@@ -81,3 +81,24 @@ def test_head_dim_parts_cover_exactly():
         assert sum(used) >= d and sum(used[:-1]) < d, (d, parts)  # only the last part may stick out
     assert waste(40) == pytest.approx(8 / 48) and waste(128) == 0
     assert head_dim_parts(0) is None and head_dim_parts(257) is None
+
+
+def test_launch_configs_are_judged_against_a_float64_slice_reference():
+    """What measured dispatch checks each Triton launch config against: right outputs pass, NaN
+    rows and fully masked rows included; a wrong output does not."""
+    import torch
+
+    from pyext.kernels.attention import _slice_problem
+    from pyext.ops.attention import attention_reference, mask_as_bias
+
+    torch.manual_seed(0)
+    for dtype in (torch.bfloat16, torch.float32):
+        q, k, v = (torch.randn(2, 4, 300, 40, dtype=dtype) for _ in range(3))
+        q[0, 0, 3, 0] = float("nan")
+        keep = torch.rand(2, 1, 1, 300) < 0.5
+        keep[0] = False  # the first sample: no key left
+        out = attention_reference(q, k, v, attn_mask=keep)
+        bias = mask_as_bias(keep).float()
+        assert _slice_problem(out, q, k, v, 40 ** -0.5, bias) is None
+        assert _slice_problem(attention_reference(q, k, v), q, k, v, 40 ** -0.5, None) is None
+        assert "max error" in _slice_problem(out + 0.1, q, k, v, 40 ** -0.5, bias)

@@ -37,3 +37,25 @@ def test_the_sources_hash_follows_the_sources(tmp_path, monkeypatch):
     assert gpu_check.sources_hash(["csrc"]) == before
     (tmp_path / "csrc" / "a.cpp").write_text("int b;")
     assert gpu_check.sources_hash(["csrc"]) != before
+
+
+def test_a_step_past_its_limit_is_stopped_with_the_processes_it_started(tmp_path):
+    import os
+    import time
+
+    pid_file = tmp_path / "child.pid"
+    script = ("import subprocess, sys, time; p = subprocess.Popen([sys.executable, '-c', 'import time; time.sleep(60)']);"
+              f"open({str(pid_file)!r}, 'w').write(str(p.pid)); time.sleep(60)")
+    with open(tmp_path / "log", "w") as log:
+        t = time.monotonic()
+        assert gpu_check._run_step([sys.executable, "-c", script], dict(os.environ), log, timeout=3) == 124
+    assert time.monotonic() - t < 30
+    child = int(pid_file.read_text())
+    for _ in range(50):  # the grandchild got SIGTERM with its group; give it a moment to go
+        try:
+            os.kill(child, 0)
+        except ProcessLookupError:
+            break
+        time.sleep(0.1)
+    else:
+        raise AssertionError("the step's own child process outlived the step")

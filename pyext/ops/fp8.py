@@ -250,8 +250,8 @@ dispatch.register("fp8_linear", Backend(
 dispatch.register("fp8_linear", Backend(
     "upcast_cublas", _linear_upcast_cublas, unavailable=partial(cuda_kernel_missing, "fp8_upcast_out"),
     devices=("cuda",), dtypes=COMPUTE_DTYPES, test_shapes=LINEAR_TEST_SHAPES,
-    doc="the CUDA upcast kernel into a fresh weight, then cuBLAS: ahead of the Triton GEMM on an H200 "
-        "(docs/benchmarks.md)"))
+    doc="the CUDA upcast kernel into a fresh weight, then cuBLAS (the same two calls, made by hand, "
+        "beat the Triton GEMM on an H200: docs/benchmarks.md)"))
 dispatch.register("fp8_linear", Backend(
     "triton", _linear_triton, unavailable=triton_unavailable, advisory=interpreter_advisory,
     devices=triton_devices(), dtypes=triton_dtypes((torch.bfloat16, torch.float16)), test_shapes=LINEAR_TEST_SHAPES,

@@ -43,8 +43,8 @@ def check_dynamic(x, w, scale, bias) -> None:
 
 def quantize_rows(x2d: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """(e4m3 codes of x2d / sx, sx as an (M, 1) float32 column): each row scaled to its own amax."""
-    # Three passes over the activations (the max-norm, the division into fp32 by type promotion,
-    # the clamp and cast) and no fp32 copy of x: on a GPU, quantizing is memory traffic.
+    # No fp32 copy of x before the division (type promotion makes the quotient fp32), and the
+    # clamp in place: on a GPU, quantizing is memory traffic, so fewer passes over x matter.
     sx = torch.linalg.vector_norm(x2d, float("inf"), dim=-1, keepdim=True, dtype=torch.float32)
     sx = sx.div_(FP8_MAX).clamp_min_(TINY)  # NaN stays NaN
     return torch.div(x2d, sx).clamp_(-FP8_MAX, FP8_MAX).to(FP8), sx
