@@ -515,11 +515,11 @@ def time_call(fn: Callable[[], Any], device: torch.device, warmup: int = 1, runs
 
 
 def measured_choice(what: str, key: str, device: torch.device, runs: dict[str, Callable[[], Any]],
-                    close: Callable | None = None, check_first: bool = False) -> dict:
+                    close: Callable | None = None, check: Callable | None = None) -> dict:
     """The decision {op, key, backend, timings[, rejected]} for the fastest of `runs` on `device`,
-    measured on the first call for (what, key) and cached. A run that raises, or (with `close`)
-    whose output misses the first run's, is rejected with its reason and not timed; with
-    check_first, close(out, None) judges every run, the first too, on its own."""
+    measured on the first call for (what, key) and cached. A run that raises, whose output misses
+    the first run's (`close(out, first)`), or that fails `check(out)` on its own (the first too),
+    is rejected with its reason and not timed."""
     cache = _cache(device)
     full_key = f"{what}|{key}"
     with _LOCK:
@@ -530,11 +530,16 @@ def measured_choice(what: str, key: str, device: torch.device, runs: dict[str, C
         for label, fn in runs.items():
             try:
                 out = fn()
-                problem = None if close is None or (first is None and not check_first) else \
-                    close(out, first[1] if first else None)
+                if check is not None:
+                    problem = check(out)
+                elif close is not None and first is not None:
+                    differs = close(out, first[1])
+                    problem = differs and f"output differs from {first[0]}'s: {differs}"
+                else:
+                    problem = None
                 first = first or (label, out)
                 if problem:
-                    rejected[label] = problem if check_first else f"output differs from {first[0]}'s: {problem}"
+                    rejected[label] = problem
                     continue
                 timings[label] = time_call(fn, device)
             except (PyextError, torch.OutOfMemoryError):

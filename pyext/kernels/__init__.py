@@ -81,6 +81,5 @@ def tune(kernel: str, key: str, device, configs: list[Config], launch, check=Non
         return configs[0]
     by_label = {c.label: c for c in configs}
     runs = {c.label: (lambda c=c: launch(c)) for c in configs}
-    close = relative_close if check is None else (lambda out, first: check(out))
-    return by_label[dispatch.measured_choice(f"{kernel} config", key, device, runs, close, check_first=check is not None)
-                    ["backend"]]
+    decision = dispatch.measured_choice(f"{kernel} config", key, device, runs, relative_close, check=check)
+    return by_label[decision["backend"]]

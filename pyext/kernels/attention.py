@@ -256,13 +256,11 @@ def _slice_problem(out, q, k, v, scale, bias) -> str | None:
     whatever the user's matmul settings): each launch config is judged on its own, since a
     compiler can miscompile some, the default among them."""
     from pyext.kernels import relative_close
+    from pyext.ops.attention import attention_reference
 
     rows = min(q.shape[2], 128)
-    s = torch.matmul(q[:1, :1, :rows].double(), k[:1, :1].double().transpose(-1, -2)) * scale
-    if bias is not None:
-        s = s + bias[:1, :1, :rows].double()
-    hidden = torch.isneginf(s).all(-1, keepdim=True)  # every key masked: 0, as the kernel gives; NaN stays NaN
-    ref = torch.matmul(torch.where(hidden, 0.0, torch.softmax(s, dim=-1)), v[:1, :1].double())
+    ref = attention_reference(q[:1, :1, :rows].double(), k[:1, :1].double(), v[:1, :1].double(), scale,
+                              None if bias is None else bias[:1, :1, :rows])
     return relative_close(out[:1, :1, :rows], ref, rel=2e-2 if q.dtype != torch.float32 else 1e-4)
 
 

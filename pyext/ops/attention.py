@@ -101,17 +101,18 @@ def _grouped(k: torch.Tensor, heads: int) -> torch.Tensor:
 
 
 def attention_reference(q, k, v, scale: Optional[float] = None, attn_mask=None, return_lse: bool = False):
-    """Naive attention in fp32 (materialises the scores): the oracle, not a fast path. Returns
-    the output, or (output, log-sum-exp) with return_lse."""
+    """Naive attention in fp32, or float64 for float64 inputs (materialises the scores): the
+    oracle, not a fast path. Returns the output, or (output, log-sum-exp) with return_lse."""
     scale = q.shape[-1] ** -0.5 if scale is None else scale
-    s = torch.matmul(q.float(), _grouped(k, q.shape[1]).float().transpose(-1, -2)) * scale
+    ct = torch.promote_types(q.dtype, torch.float32)
+    s = torch.matmul(q.to(ct), _grouped(k, q.shape[1]).to(ct).transpose(-1, -2)) * scale
     if attn_mask is not None:
         s = s + mask_as_bias(attn_mask)
     lse = torch.logsumexp(s, dim=-1)
     p = torch.exp(s - lse[..., None])
     if attn_mask is not None:  # every key masked: 0 (without a mask, all -inf is fp32 overflow: NaN)
         p.masked_fill_(torch.isneginf(lse)[..., None], 0.0)
-    out = torch.matmul(p, _grouped(v, q.shape[1]).float()).to(q.dtype)
+    out = torch.matmul(p, _grouped(v, q.shape[1]).to(ct)).to(q.dtype)
     return (out, lse) if return_lse else out
 
 
