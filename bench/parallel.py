@@ -5,8 +5,10 @@
     torchrun --nproc-per-node N -m bench.parallel --vae PIXELS [--arch flux] [--size tiny] [--out FILE]
 
 Each rank builds the same pipeline (random weights from the config, one seed), turns on
-`enable_parallelism` with `ContextParallelConfig(ulysses_degree=N)` or `(ring_degree=N)` when
-N > 1, and calls `pyext.optimize` before or after that: one pipeline per split and order. With
+`enable_parallelism` with `ContextParallelConfig(ulysses_degree=N)`, `(ring_degree=N)` or, for
+"ulysses+ring", `(ring_degree=2, ulysses_degree=N/2)` when N > 1, with the model's sharding
+(`pyext.context_parallel_plan`: its class's, else pyext's, as for SD3), and calls
+`pyext.optimize` before or after that: one pipeline per split and order. With
 --compile, the denoiser is then compiled with that torch.compile backend (calls inside the
 compiled graph are not counted). Per pipeline and rank: the time of one generation after a
 warm-up, the process's peak resident memory so far, and the attention calls pyext computed and
@@ -55,8 +57,10 @@ def _run(split: str, order: str, arch: str, size: str, steps: int, world: int, d
     if order == "before":
         pyext.optimize(pipe, dtype="keep")
     if world > 1:
-        degree = {"ulysses": "ulysses_degree", "ring": "ring_degree"}[split]
-        pipe.transformer.enable_parallelism(config=ContextParallelConfig(**{degree: world}))
+        degrees = {"ulysses": {"ulysses_degree": world}, "ring": {"ring_degree": world},
+                   "ulysses+ring": {"ring_degree": 2, "ulysses_degree": world // 2}}[split]
+        pipe.transformer.enable_parallelism(config=ContextParallelConfig(**degrees),
+                                            cp_plan=pyext.context_parallel_plan(pipe.transformer))
     if order == "after":
         pyext.optimize(pipe, dtype="keep")
     if compile_backend:
@@ -125,7 +129,8 @@ def render(result: dict) -> str:
              "from one plain process |", "|---|---|---:|---:|---:|---:|---:|"]
     diffs = {(r["split"], r["order"]): r["max_abs_diff"] for r in result["runs"]}
     for r in sorted(result["ranks"], key=lambda r: (r["split"], r["order"], r["rank"])):
-        split = f"{r['split'].capitalize()}-{world}" if world > 1 else "none"
+        split = "none" if world == 1 else f"Ulysses-{world // 2} + ring-2" if r["split"] == "ulysses+ring" else \
+            f"{r['split'].capitalize()}-{world}"
         when = f"{r['order']} enable_parallelism" if world > 1 else "alone"
         lines.append(f"| {split} | {when} | {r['rank']} | {r['seconds']:.3f} | {r['peak_rss_mib']:.0f} MiB | "
                      f"{r['pyext_calls']} / {r['torch_calls']} | {diffs[r['split'], r['order']]:.1e} |")
@@ -137,7 +142,8 @@ def main(argv=None) -> dict | None:
     p.add_argument("--arch", default="flux")
     p.add_argument("--size", default="tiny")
     p.add_argument("--steps", type=int, default=2)
-    p.add_argument("--splits", default="ulysses", help="how the sequence is split: ulysses, ring or ulysses,ring")
+    p.add_argument("--splits", default="ulysses",
+                   help="how the sequence is split, comma-separated: ulysses, ring, ulysses+ring (4, 6, ... processes)")
     p.add_argument("--orders", default="after", help="when pyext.optimize runs: before, after or before,after")
     p.add_argument("--compile", help="a torch.compile backend for the denoiser, after optimize (e.g. aot_eager)")
     p.add_argument("--vae", type=int, metavar="PIXELS", help="decode a PIXELS x PIXELS image split across the ranks")

@@ -32,6 +32,7 @@ CONV_PADDING = "_reversed_padding_repeated_twice"  # nn.Conv2d's cached padding
 VAE_TILED_ENCODE = "_tiled_encode"  # AutoencoderKL's tiled encoder, called by _encode
 PARALLEL_CONFIG = "_parallel_config"  # what enable_parallelism sets on a model and its attention processors
 RING_MESH = "_ring_mesh"  # ContextParallelConfig's device mesh of the ring
+ULYSSES_MESH = "_ulysses_mesh"  # ContextParallelConfig's device mesh of Ulysses
 CP_PLAN = "_cp_plan"  # the inputs a diffusers model class splits along the sequence for context parallelism
 
 # Private functions and constants, as "module:name".
@@ -41,6 +42,8 @@ _NAMES = {
     "lazy_prefetch_hook": "diffusers.hooks.group_offloading:_LAZY_PREFETCH_GROUP_OFFLOADING",
     "apply_group_offload_config": "diffusers.hooks.group_offloading:_apply_group_offloading",
     "attention_backend_registry": "diffusers.models.attention_dispatch:_AttentionBackendRegistry",
+    "context_parallel_input": "diffusers.models._modeling_parallel:ContextParallelInput",
+    "context_parallel_output": "diffusers.models._modeling_parallel:ContextParallelOutput",
 }
 
 
@@ -127,13 +130,33 @@ def _context_parallel_config(obj):
     return getattr(getattr(obj, PARALLEL_CONFIG, None), "context_parallel_config", None)
 
 
-def ring_group(processor):
-    """The process group of the ring when the processor's context parallelism is a ring alone
-    (ring degree above 1, Ulysses degree 1, chunks of equal length), else None."""
-    cp = _context_parallel_config(processor)
-    if cp is None or (cp.ring_degree or 1) <= 1 or (cp.ulysses_degree or 1) > 1 or cp.ring_anything:
+def knows_context_parallelism(processor) -> bool:
+    """Whether enable_parallelism gives the processor its config (it splits its own attention)."""
+    return hasattr(processor, PARALLEL_CONFIG)
+
+
+def context_parallel_groups(obj) -> tuple | None:
+    """(ring group, Ulysses group), each None at degree 1, of the context parallelism
+    enable_parallelism left on a model or processor; None without one, or with the uneven chunks
+    of ring_anything / ulysses_anything."""
+    cp = _context_parallel_config(obj)
+    if cp is None or getattr(cp, "ring_anything", False) or getattr(cp, "ulysses_anything", False):
         return None
-    return getattr(cp, RING_MESH).get_group()
+    ring = getattr(cp, RING_MESH).get_group() if (cp.ring_degree or 1) > 1 else None
+    ulysses = getattr(cp, ULYSSES_MESH).get_group() if (cp.ulysses_degree or 1) > 1 else None
+    return ring, ulysses
+
+
+def diffusers_cp_plan(split_inputs, gather_outputs) -> dict:
+    """A cp_plan for enable_parallelism: each (module path, argument) split, each module's output
+    gathered, along dim 1 of (batch, tokens, channels)."""
+    split, gather = _resolve("context_parallel_input"), _resolve("context_parallel_output")
+    plan: dict = {}
+    for path, argument in split_inputs:
+        plan.setdefault(path, {})[argument] = split(split_dim=1, expected_dims=3, split_output=False)
+    for path in gather_outputs:
+        plan[path] = gather(gather_dim=1, expected_dims=3)
+    return plan
 
 
 def context_parallel_degrees(model) -> tuple[int, int] | None:

@@ -32,9 +32,12 @@ Why this way:
   tensor subclass, or an input the op or a forced backend refuses) runs torch's SDPA unchanged
   and is counted with its reason.
 - diffusers' ring attention (context parallelism) asks its backend for a log-sum-exp that its
-  native SDPA backend cannot give. For the forward of a layer whose processor holds a ring config, the pre-hook lifts
-  the config off the processor (diffusers then calls SDPA on the local chunks) and pyext computes
-  that call as the ring (`pyext.ring`); the exit hook puts the config back.
+  native SDPA backend cannot give. For the forward of a layer whose processor holds a ring config
+  (with or without Ulysses), the pre-hook lifts the config off the processor (diffusers then
+  calls SDPA on the local chunks) and pyext computes that call across the ranks (`pyext.ring`:
+  Ulysses, then the ring); the exit hook puts the config back. Processors that call SDPA
+  directly know nothing of context parallelism (SD3's): in a model whose sharding is pyext's
+  (`pyext.parallel`), pyext computes their calls across the ranks the model's config names.
 
 Cost: in eager mode every torch call inside a patched layer passes through the mode's Python
 handler (~20 calls per AttnProcessor2_0 layer; see docs/optimize.md for the measured overhead).
@@ -47,13 +50,14 @@ from __future__ import annotations
 import functools
 import inspect
 import threading
+import weakref
 from collections import Counter
 from dataclasses import asdict, dataclass, field
 
 import torch
 from torch.overrides import TorchFunctionMode
 
-from pyext import _compat, _state, dispatch, ops, ring
+from pyext import _compat, _state, dispatch, ops, parallel, ring
 from pyext.dispatch import PyextError
 
 _SDPA = _compat.SDPA  # what F.scaled_dot_product_attention is
@@ -99,22 +103,24 @@ class _RouteSDPA(TorchFunctionMode):
         super().__init__()
         self.layer = layer
         self.sdpa_calls = 0
-        self.ring_group = None  # the process group when this forward's attention is a ring
-        self.restore = None  # puts back the processor's parallel config the ring took
+        self.groups = None  # (ring group, Ulysses group) when pyext computes this forward across ranks
+        self.whole = 0  # then: how many last tokens every rank holds whole (pyext.ring.split_attention)
+        self.restore = None  # puts back the processor's parallel config pyext took
 
     def __torch_function__(self, func, types, args=(), kwargs=None):
         kwargs = kwargs or {}
         if func is not _SDPA:
             return func(*args, **kwargs)
         self.sdpa_calls += 1
-        return self.layer.attention(args, kwargs, self.ring_group)
+        return self.layer.attention(args, kwargs, self.groups, self.whole)
 
 
 class _Layer:
     """pyext's state on one attention module: the backend, the hooks and the call counters."""
 
-    def __init__(self, module: torch.nn.Module, backend: str | None):
+    def __init__(self, module: torch.nn.Module, backend: str | None, model: torch.nn.Module):
         self.backend = backend
+        self.model = weakref.ref(model)  # the component the layer is in: its context parallelism
         self.calls = 0  # forwards of the layer
         self.pyext_calls = 0  # SDPA calls that pyext computed
         self.fallbacks = Counter()  # reason -> attention computations left to torch
@@ -131,12 +137,17 @@ class _Layer:
         self.local = threading.local()  # .modes: the modes this thread entered on this layer
 
     # A Lock and a thread-local cannot be copied or pickled: deepcopy/torch.save of a patched
-    # model get fresh ones (the hooks and handles are copied with the model by torch).
+    # model get fresh ones (the hooks and handles are copied with the model by torch). The model
+    # goes as itself, so that a copy of the model refers to the copy.
     def __getstate__(self):
-        return {k: v for k, v in self.__dict__.items() if k not in ("lock", "local")}
+        state = {k: v for k, v in self.__dict__.items() if k not in ("lock", "local")}
+        state["model"] = self.model()
+        return state
 
     def __setstate__(self, state):
+        model = state.pop("model")
         self.__dict__.update(state)
+        self.model = weakref.ref(model) if model is not None else lambda: None
         self._fresh()
 
     def _modes(self) -> list:
@@ -147,14 +158,41 @@ class _Layer:
     def _enter(self, module, args, kwargs):
         mode = _RouteSDPA(self)
         processor = getattr(module, "processor", None)
-        group = _compat.ring_group(processor)
-        if group is not None and route_problem(module) is None and not _local_call(processor, args, kwargs):
-            # diffusers' ring needs a forward that returns the log-sum-exp, which its native SDPA
-            # backend lacks: for this forward the processor runs without its parallel config
-            # (plain SDPA on the local chunks), and pyext computes that call as the ring.
-            mode.ring_group, mode.restore = group, _compat.take_parallel_config(processor)
+        aware = _compat.knows_context_parallelism(processor)
+        # Without context parallelism both lookups are two attribute reads, so that a compiled
+        # forward traces nothing else.
+        if aware:
+            groups, whole = _compat.context_parallel_groups(processor), 0
+        else:
+            groups, whole = self._split_by_pyext(module, args, kwargs)
+        if aware and groups is not None and groups[0] is None:
+            groups = None  # without a ring, diffusers' own Ulysses calls SDPA on the gathered tokens: routed as usual
+        if groups is not None and route_problem(module) is None and not _local_call(processor, args, kwargs):
+            mode.groups, mode.whole = groups, whole
+            if aware:
+                # diffusers' ring needs a forward that returns the log-sum-exp, which its native
+                # SDPA backend lacks: for this forward the processor runs without its parallel
+                # config (plain SDPA on the local chunks), and pyext computes that call across
+                # the ranks.
+                mode.restore = _compat.take_parallel_config(processor)
         mode.__enter__()
         self._modes().append(mode)
+
+    def _split_by_pyext(self, module, args, kwargs) -> tuple:
+        """(groups, whole tokens) for a processor that knows no context parallelism, in a model
+        whose sharding is pyext's: its calls then run across the ranks the model's config names."""
+        model = self.model()
+        groups = None if model is None else _compat.context_parallel_groups(model)
+        plan = None if groups is None else parallel.own_plan(model)
+        if plan is None:
+            return None, 0
+        whole = 0
+        if plan.whole_tail is not None:
+            names = _forward_parameters(type(module))
+            position = names.index(plan.whole_tail) if plan.whole_tail in names else len(args)
+            tail = kwargs.get(plan.whole_tail, args[position] if position < len(args) else None)
+            whole = 0 if tail is None else tail.shape[1]
+        return groups, whole
 
     def _exit(self, module, args, output):
         modes = self._modes()
@@ -178,14 +216,14 @@ class _Layer:
             if fallback:
                 self.fallbacks[fallback] += 1
 
-    def attention(self, args, kwargs, ring_group=None):
+    def attention(self, args, kwargs, groups=None, whole: int = 0):
         q, k, v, attn_mask, dropout_p, is_causal, scale, enable_gqa = _sdpa_args(*args, **kwargs)
         reason = _needs_torch(q, k, v, attn_mask, dropout_p, is_causal, enable_gqa)
-        if ring_group is not None:
+        if groups is not None:
             if reason is not None:
-                raise PyextError(f"pyext ring attention: {reason} is not supported; supported: inference without "
-                                 "dropout, causal masks or autocast")
-            return self._ring(q, k, v, scale, attn_mask, ring_group)
+                raise PyextError(f"pyext context-parallel attention: {reason} is not supported; supported: "
+                                 "inference without dropout, causal masks or autocast")
+            return self._across(q, k, v, scale, attn_mask, groups, whole)
         if reason is None:
             try:  # PyextError comes from validation/backend selection, before any work is done
                 out = _pyext_attention(q, k, v, scale=scale, backend=self.backend, attn_mask=attn_mask)
@@ -197,19 +235,21 @@ class _Layer:
         self.count(reason)
         return _SDPA(*args, **kwargs)
 
-    def _ring(self, q, k, v, scale, attn_mask, group):
+    def _across(self, q, k, v, scale, attn_mask, groups, whole):
+        ring_group, ulysses_group = groups
+
         def attend(q, k, v, mask):
             return _pyext_attention(q, k, v, scale=scale, backend=self.backend, attn_mask=mask, return_lse=True)
 
         def reference(q, k, v, mask):
             return ops.attention_reference(q, k, v, scale=scale, attn_mask=mask, return_lse=True)
 
-        ring.mask_travels(attn_mask, k.shape[-2])  # a mask the ring cannot take is an error, not a fallback
+        ring.check_split(q, k, attn_mask, ring_group, ulysses_group, whole)  # an error, not a fallback
         try:
-            out = ring.ring_attention(q, k, v, group, attend, attn_mask)
-        except PyextError as e:  # the op refused these inputs: every rank does, so the ring restarts
+            out = ring.split_attention(q, k, v, attend, ring_group, ulysses_group, attn_mask, whole)
+        except PyextError as e:  # the op refused these inputs: every rank does, so the split starts over
             self.count(str(e).splitlines()[0])
-            return ring.ring_attention(q, k, v, group, reference, attn_mask)
+            return ring.split_attention(q, k, v, reference, ring_group, ulysses_group, attn_mask, whole)
         self.count(pyext=1)
         return out
 
@@ -224,6 +264,11 @@ def _attention_classes() -> tuple:
     from diffusers.models.attention_processor import Attention
 
     return (Attention, AttentionModuleMixin)
+
+
+@functools.lru_cache(maxsize=None)
+def _forward_parameters(cls: type) -> list[str]:
+    return list(inspect.signature(cls.forward).parameters)[1:]  # without self
 
 
 @functools.lru_cache(maxsize=None)
@@ -358,7 +403,7 @@ def apply(pipe_or_model, backend: str | None = None) -> AttentionReport:
         for module in attention_layers(model).values():
             layer = _state.get(module, STATE)
             if layer is None:
-                _state.put(module, STATE, _Layer(module, backend))
+                _state.put(module, STATE, _Layer(module, backend, model))
             else:
                 layer.backend = backend
     return _report(pipe_or_model)

@@ -20,6 +20,24 @@ ROLES = ("denoiser", "text_encoder", "vae", "controlnet", "other")
 
 
 @dataclass(frozen=True)
+class SequenceSplitPlan:
+    """Where a denoiser's tokens are split across context-parallel ranks and gathered back, for a
+    model class that declares no sharding of its own (diffusers' `_cp_plan`). Tensors are
+    (batch, tokens, channels) and split or gathered along the tokens.
+
+    split_inputs: (module path, forward argument) pairs split on the way in.
+    gather_outputs: module paths whose output is gathered.
+    whole_tail: the attention layers' forward argument whose tokens stay whole on every rank, and
+        which their processors append after the split tokens (joint attention's text); pyext runs
+        each of their attention calls across the ranks, attending to those tokens once.
+    """
+
+    split_inputs: tuple[tuple[str, str], ...]
+    gather_outputs: tuple[str, ...]
+    whole_tail: str | None = None
+
+
+@dataclass(frozen=True)
 class Family:
     """What one denoiser family needs from pyext.
 
@@ -27,6 +45,8 @@ class Family:
         least a third of the model's).
     trace: torch.jit.trace of the denoiser is supported (the memory guide's traced UNet).
     activation: the planner's rule for peak activations, "unet" (feature maps) or "tokens".
+    sequence_split: pyext's sharding for context parallelism where diffusers' model class has none
+        (`pyext.context_parallel_plan`).
     """
 
     name: str
@@ -34,11 +54,17 @@ class Family:
     channels_last: bool = False
     trace: bool = False
     activation: str = "tokens"
+    sequence_split: SequenceSplitPlan | None = None
 
 
 # Only what differs from what `_derived` reads off a model.
 FAMILIES = (
     Family("stable-diffusion-unet", ("UNet2DConditionModel",), trace=True),
+    # The image tokens split after their embedding (the first block's input); the text stays whole,
+    # so any prompt length works: the joint attention appends it to the image tokens.
+    Family("stable-diffusion-3", ("SD3Transformer2DModel",), sequence_split=SequenceSplitPlan(
+        split_inputs=(("transformer_blocks.0", "hidden_states"),), gather_outputs=("proj_out",),
+        whole_tail="encoder_hidden_states")),
 )
 _BY_CLASS = MappingProxyType({cls: fam for fam in FAMILIES for cls in fam.classes})
 

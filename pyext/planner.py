@@ -14,7 +14,8 @@ from typing import Literal
 
 import torch.nn as nn
 
-from pyext import _compat
+from pyext import _compat, parallel
+from pyext.dispatch import PyextError
 from pyext.families import Components, family_of, full_resolution_width, vae_family_of, vae_kind
 from pyext.nn.fp8 import DEFAULT_SKIP, layer_rules, skip_patterns
 from pyext.options import GB
@@ -300,7 +301,12 @@ def sequence_split(denoiser: nn.Module, geo: Geometry, devices: int, latents: in
     denoiser at this geometry (`latents`: the VAE's latent channels), Ulysses where the heads
     divide, else pyext's ring (which needs pyext's attention: `pyext_attention`)."""
     split = _sequence_split(denoiser, geo, devices, latents)
-    if "ring" in split.split and not pyext_attention:
+    if split.split == "none" or pyext_attention:
+        return split
+    if parallel.own_plan(denoiser) is not None:
+        return SequenceSplit(devices, "none", f"{type(denoiser).__name__}'s processors split no attention themselves; "
+                                              "with attention='off' pyext does not either")
+    if "ring" in split.split:
         return replace(split, reason=f"{split.reason}; with attention='off' pyext does not compute the ring, and "
                                      "diffusers' native backend refuses it")
     return split
@@ -312,14 +318,13 @@ def _sequence_split(denoiser: nn.Module, geo: Geometry, devices: int, latents: i
     enabled = _compat.context_parallel_degrees(denoiser)
     if enabled is not None:
         ring, ulysses = enabled
-        if ring > 1 and ulysses > 1:
-            return SequenceSplit(devices, "ulysses+ring", "as enable_parallelism set it on the denoiser; pyext does "
-                                                          "not compute Ulysses and ring together")
-        return SequenceSplit(devices, "ring" if ring > 1 else "ulysses", "as enable_parallelism set it on the denoiser")
-    cp_plan = _compat.context_parallel_plan(denoiser)
-    if not cp_plan:
+        split = "ulysses+ring" if ring > 1 and ulysses > 1 else "ring" if ring > 1 else "ulysses"
+        return SequenceSplit(devices, split, "as enable_parallelism set it on the denoiser")
+    try:
+        cp_plan = parallel.context_parallel_plan(denoiser)
+    except PyextError:
         return SequenceSplit(devices, "none", f"{type(denoiser).__name__} declares no sequence split (diffusers' "
-                                              "_cp_plan): each device would run the whole model")
+                                              "_cp_plan) and pyext has none: each device would run the whole model")
     config = _config(denoiser)
     inputs = {name for split in cp_plan.values() if isinstance(split, dict) for name in split}
     tokens = _image_tokens(config, geo) // _packing(config, latents)

@@ -360,6 +360,25 @@ def test_deepcopy_of_a_patched_model_is_patched_independently(spy):
     assert pa.status(attn)["pyext_calls"] == 1 and len(spy) == 2
 
 
+def test_a_copied_model_s_layers_know_the_copy():
+    """Each layer keeps the model it is in (its context parallelism is the model's): a deepcopy
+    or a pickle of the model refers to itself, not to the original."""
+    import copy
+    import io
+
+    model = offline.build_pipeline("sd3", "tiny").transformer
+    pa.apply(model)
+    name = next(iter(_layers(model)))
+    assert _state.get(_layers(model)[name], pa.STATE).model() is model
+    twin = copy.deepcopy(model)
+    assert _state.get(_layers(twin)[name], pa.STATE).model() is twin
+    buffer = io.BytesIO()
+    torch.save(model, buffer)
+    buffer.seek(0)
+    loaded = torch.load(buffer, weights_only=False)
+    assert _state.get(_layers(loaded)[name], pa.STATE).model() is loaded
+
+
 def test_torch_compile_traces_the_pyext_op_in_one_graph():
     attn = _attention_layer()
     x, ctx = torch.randn(1, 4, 32), torch.randn(1, 3, 16)

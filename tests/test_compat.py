@@ -52,8 +52,13 @@ def test_context_parallel_attributes_are_where_pyext_reads_them():
     assert "hidden_states" in _compat.context_parallel_plan(model)[""]
     assert hasattr(model, _compat.PARALLEL_CONFIG) and _compat.context_parallel_degrees(model) is None
     processor = FluxAttnProcessor()
-    assert hasattr(processor, _compat.PARALLEL_CONFIG) and _compat.ring_group(processor) is None
-    assert _compat.RING_MESH in ContextParallelConfig.__dataclass_fields__
+    assert _compat.knows_context_parallelism(processor) and _compat.context_parallel_groups(processor) is None
+    assert {_compat.RING_MESH, _compat.ULYSSES_MESH} <= set(ContextParallelConfig.__dataclass_fields__)
+    # SD3's joint attention calls SDPA itself: enable_parallelism gives it no config
+    from diffusers.models.attention_processor import JointAttnProcessor2_0
+    assert not _compat.knows_context_parallelism(JointAttnProcessor2_0())
+    plan = _compat.diffusers_cp_plan([("transformer_blocks.0", "hidden_states")], ["proj_out"])
+    assert plan["transformer_blocks.0"]["hidden_states"].split_dim == 1 and plan["proj_out"].gather_dim == 1
     config = object()
     setattr(processor, _compat.PARALLEL_CONFIG, config)
     restore = _compat.take_parallel_config(processor)

@@ -77,8 +77,9 @@ def test_plan_refuses_what_optimize_refuses_and_sees_an_earlier_optimize():
 
 
 # Tiny configs: Flux and Wan split their sequence without a mask (Ulysses where their heads
-# divide), LTX's text mask takes the ring, a UNet declares no split.
-@pytest.mark.parametrize("arch,split", [("flux", "ulysses"), ("wan21", "ulysses"), ("ltx", "ring"), ("sd15", "none")])
+# divide), LTX's text mask takes the ring, SD3 splits by pyext's plan, a UNet has no split.
+@pytest.mark.parametrize("arch,split", [("flux", "ulysses"), ("wan21", "ulysses"), ("ltx", "ring"), ("sd3", "ulysses"),
+                                        ("sd15", "none")])
 def test_a_plan_for_two_devices_says_how_the_sequence_splits_and_counts_one_device(arch, split):
     from pyext import planner
 
@@ -91,8 +92,14 @@ def test_a_plan_for_two_devices_says_how_the_sequence_splits_and_counts_one_devi
     for a, b in zip(whole, shared):  # each device holds every weight and half the denoiser's tokens
         assert a.weight_bytes == b.weight_bytes
         assert b.activation_bytes == (a.activation_bytes // 2 if a.role == "denoiser" else a.activation_bytes)
-    if split == "ring":  # pyext computes the ring: without its attention, diffusers' refuses it
-        assert "attention='off'" in pyext.plan(pipe, devices=2, attention="off").decision.sequence.reason
+    if split == "ring" or arch == "sd3":  # pyext computes the ring, and SD3's split attention
+        off = pyext.plan(pipe, devices=2, attention="off").decision.sequence
+        assert "attention='off'" in off.reason and (off.split == "none") == (arch == "sd3")
+    if split == "none":
+        with pytest.raises(PyextError, match="declares no sequence split .* supported: .*SD3Transformer2DModel"):
+            pyext.context_parallel_plan(pipe.unet)
+    else:
+        assert pyext.context_parallel_plan(pipe.transformer)
     if split == "none":
         assert two.plan.peak_bytes == one.plan.peak_bytes
     else:

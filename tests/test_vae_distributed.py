@@ -1,14 +1,15 @@
 """The exact tiled run split across ranks (TilingConfig(distributed=True)), in 2 gloo processes on
 the CPU: every rank returns the whole output, bit for bit one process's exact run, while each
-rank runs only its share of the tiles."""
+rank runs only its share of the tiles and of the mid block's query bands."""
+import contextlib
 from datetime import timedelta
 
 import pytest
 import torch
 
 from bench.parallel import counting_tiles
-from pyext import PyextError
-from pyext.vae import TilingConfig, exact, tile_vae, tiled_run
+from pyext import PyextError, ops
+from pyext.vae import TilingConfig, exact, stages, tile_vae, tiled_run
 from tests.test_vae_exact import _full, _smooth, _vae, psnr
 
 pytest.importorskip("diffusers")
@@ -22,6 +23,24 @@ CASES = {
     "decode, compact state": ("decode", "3 blocks, 8 groups", {"compact_state": True}),
     "encode": ("encode", "2 blocks, 4 groups, 2 layers", {}),
 }
+
+
+# Queries per band of the mid block's whole-image attention: a few rows of the small latents, so
+# that there are several bands to deal out.
+QUERY_BAND = 64
+
+
+@contextlib.contextmanager
+def _counting_bands():
+    """Short query bands (in this process and in the one-process oracle alike), and the calls of
+    the attention op, one per band this process runs."""
+    calls, real, chunk = [], ops.attention, stages.QUERY_CHUNK
+    ops.attention = lambda *a, **k: calls.append(1) or real(*a, **k)
+    stages.QUERY_CHUNK = QUERY_BAND
+    try:
+        yield calls
+    finally:
+        ops.attention, stages.QUERY_CHUNK = real, chunk
 
 
 def _input(kind, vae, seed):
@@ -48,9 +67,9 @@ def _worker(rank: int, world: int, store_path: str, out_dir: str) -> None:
     results = {}
     for name, (kind, shape, options) in CASES.items():
         vae = _vae(shape)
-        with counting_tiles() as calls:
+        with counting_tiles() as calls, _counting_bands() as bands:
             out = _run(kind, vae, _input(kind, vae, 1), TilingConfig(distributed=True, state_dir=None, **options))
-        results[name] = {"out": out, "tiles": len(calls)}
+        results[name] = {"out": out, "tiles": len(calls), "bands": len(bands)}
     # a tile that raises on rank 1 raises on both ranks, instead of leaving rank 0 waiting
     vae = _vae("2 blocks, 4 groups, 2 layers")
     real = exact._run_tile
@@ -77,13 +96,14 @@ def test_ranks_share_the_tiles_and_each_returns_one_process_run(tmp_path):
     for name, (kind, shape, options) in CASES.items():
         vae = _vae(shape)
         x = _input(kind, vae, 1)
-        with counting_tiles() as calls:
+        with counting_tiles() as calls, _counting_bands() as bands:
             one = _run(kind, vae, x, TilingConfig(state_dir=None, **options))
         for rank, results in enumerate(ranks):
             assert torch.equal(results[name]["out"], one), (name, rank)
-        # every tile ran once, on one rank, and both ranks ran some
-        assert sum(r[name]["tiles"] for r in ranks) == len(calls), name
-        assert all(0 < r[name]["tiles"] < len(calls) for r in ranks), name
+        # every tile and query band ran once, on one rank, and both ranks ran some of each
+        for part, count in (("tiles", len(calls)), ("bands", len(bands))):
+            assert sum(r[name][part] for r in ranks) == count, (name, part)
+            assert all(0 < r[name][part] < count for r in ranks), (name, part)
         if not options:
             assert psnr(one, _full(vae, kind, x)) >= 100, name
 

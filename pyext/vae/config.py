@@ -61,8 +61,8 @@ class TilingConfig:
       default process group, which every rank must have initialized (torchrun), each rank calling
       the decode with the same input. The ranks exchange the GroupNorm moments and the tiles'
       outputs, so each returns the whole output, that of one process's run bit for bit
-      (pyext.vae.distributed). The whole-image attention runs on every rank; state_dir "auto"
-      keeps the state in memory. Each rank holds the whole state, as one process does, and
+      (pyext.vae.distributed). The whole-image attention's query bands are dealt out as the
+      tiles are; state_dir "auto" keeps the state in memory. Each rank holds the whole state, as one process does, and
       its share of a row of tile outputs until the row is exchanged.
     enable: also turn the VAE's use_tiling on.
     """

@@ -1,6 +1,7 @@
 """The ranks that share an exact tiled run (TilingConfig(distributed=True)).
 
-Each segment's tiles are dealt out in turn (tile i to rank i mod world size). What a tile
+Each segment's tiles are dealt out in turn (tile i to rank i mod world size), and so are the
+query bands of the whole-image attention. What a tile
 gives the others goes to every rank: after each row of tiles, the outputs of that row's tiles
 (broadcast by their owners), and after each pass, every tile's moments, which each rank then
 merges in tile order, as one process does. So every rank holds the whole-image state and its

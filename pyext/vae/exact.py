@@ -274,7 +274,8 @@ def _in_order(parts: dict[int, Moments]) -> Moments:
     return merged
 
 
-def _attend(attn, state, batch: int, device, new_state, first: Moments, gather: bool, elements: int) -> tuple:
+def _attend(attn, state, batch: int, device, new_state, first: Moments, gather: bool, elements: int,
+            ranks: Ranks = Ranks()) -> tuple:
     """A whole-image self-attention (Step.attends_whole) over the state: each output pixel
     reads every input pixel, so it is not tiled. Its GroupNorm is applied with the whole
     image's statistics, band by band of rows, into the normed tokens of the whole image (the
@@ -283,7 +284,8 @@ def _attend(attn, state, batch: int, device, new_state, first: Moments, gather: 
     as a segment's tiles are. first: the per-channel moments of the state, which the previous
     segment gathered (the step's input_norm is its GroupNorm). elements bounds the bands of rows
     read. The attention op's own copy of the keys stays small however many there are (the C++
-    kernel packs long keys a chunk at a time)."""
+    kernel packs long keys a chunk at a time). ranks: the query bands are dealt out as tiles are
+    (every rank norms all the tokens, which is cheap), and each band's output goes to every rank."""
     H, W = state.height, state.width
     norm, c = attn.group_norm, attn.group_norm.num_channels
     # bands of at most stages.QUERY_CHUNK queries, as the untiled lean attention runs them (an
@@ -297,16 +299,31 @@ def _attend(attn, state, batch: int, device, new_state, first: Moments, gather: 
         x, = state.read((a, b), xs, device)
         normed[:, a * W:b * W] = normalize(x, norm.num_groups, norm.weight, norm.bias, norm.eps, mean, var).flatten(2).mT
     keys = normed[:, None]  # (batch, one head, tokens, channels): the keys and the values
-    out, written = new_state(rows, W), Moments() if gather else None
+    out, written = new_state(rows, W), {}
     for r, ((a, b), xs) in enumerate(bands):
         x, = state.read((a, b), xs, device)
-        mixed = ops.attention(stages.fold_query(attn, normed[:, a * W:b * W])[:, None], keys, keys, scale=attn.scale)
-        y = stages.unfold_output(attn, mixed[:, 0], x)
-        out.write(r, xs, (y,))
-        if written is not None:
-            written.add(y, c)
+        outputs, failed = {}, None
+        if ranks.owns(r):
+            try:
+                mixed = ops.attention(stages.fold_query(attn, normed[:, a * W:b * W])[:, None], keys, keys,
+                                      scale=attn.scale)
+                y = stages.unfold_output(attn, mixed[:, 0], x)
+            except Exception as err:  # with ranks, raised on every rank once the band is shared
+                if ranks.size == 1:
+                    raise
+                failed = err
+            else:
+                if gather:
+                    written[r] = Moments()
+                    written[r].add(y, c)
+                if ranks.size == 1:
+                    out.write(r, xs, (y,))
+                else:
+                    outputs[0] = (y.contiguous(),)
+        if ranks.size > 1:
+            _share_row(ranks, r, (a, b), [xs], outputs, failed, out)
         state.free_above(b)
-    return out, written
+    return out, (_in_order(ranks.gather_moments(written)) if gather else None)
 
 
 def largest_state(segs: list[Segment], x: torch.Tensor) -> int:
@@ -373,7 +390,8 @@ def _run(segs: list[Segment], x: torch.Tensor, tile: int, elements: int, new_sta
             state = Bands.of(x, rows)
         keep = seg.steps[-1].passes_input  # a resnet's first half: its second half adds this state
         if seg.steps[0].attends_whole:
-            done, moments = _attend(seg.steps[0].module, state, batch, x.device, new_state, moments, gather, elements)
+            done, moments = _attend(seg.steps[0].module, state, batch, x.device, new_state, moments, gather, elements,
+                                    ranks)
         else:
             cols = seg.grid(state.width, at, batch, elements)
             done, moments = _run_segment(seg, state, rows, cols, x.device, new_state, moments, gather, keep, ranks)
