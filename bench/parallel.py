@@ -117,8 +117,9 @@ def render(result: dict) -> str:
     """A results file as a markdown table: a row per split, order and rank (per rank for --vae)."""
     world = result["world_size"]
     if "vae_pixels" in result:
+        threads = result["machine"].get("torch_threads")
         lines = [f"{result['arch']} ({result['size']}) VAE, exact decode of {result['vae_pixels']}x"
-                 f"{result['vae_pixels']}, {world} process(es)", "",
+                 f"{result['vae_pixels']}, {world} process(es) of {threads} thread(s)", "",
                  "| rank | seconds | peak RSS | tiles run | max abs diff from one process |", "|---:|---:|---:|---:|---:|"]
         for r in sorted(result["ranks"], key=lambda r: r["rank"]):
             lines.append(f"| {r['rank']} | {r['seconds']:.3f} | {r['peak_rss_mib']:.0f} MiB | {r['tiles']} | "

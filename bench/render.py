@@ -39,7 +39,10 @@ def _renderers() -> dict[str, Callable[[dict], str]]:
             "planner_peaks_cpu": render_planner_peaks,
             "parallel_cpu_1": render_parallel,
             "parallel_cpu_2": render_parallel,
+            "parallel_sd3_cpu_2": render_parallel,
+            "parallel_sd3_cpu_4": render_parallel,
             "parallel_vae_cpu_1": render_parallel,
+            "parallel_vae_cpu_1_thread": render_parallel,
             "parallel_vae_cpu_2": render_parallel,
             "gpu_check_h200": render_gpu_check}
 
