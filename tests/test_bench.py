@@ -184,12 +184,11 @@ def test_cpu_runtimes_pairs_rounds_and_checks_outputs(tmp_path):
     dtype = str(auto_dtype(torch.device("cpu"))).removeprefix("torch.")
     tolerance = 1e-4 if dtype == "float32" else 5e-2  # bf16 where the CPU has it natively
     assert set(rows) == {"eager", "pyext"}
-    for row in rows.values():
-        for c in ("unet", "vae"):
-            assert len(row[c]["times_s"]) == 2 and all(t > 0 for t in row[c]["times_s"])
-            assert row[c]["vs"]["eager"]["min"] <= row[c]["vs"]["eager"]["median"] <= row[c]["vs"]["eager"]["max"]
-            assert row[c]["max_rel_err_vs_eager"] < tolerance  # pyext computes what eager does
-    assert rows["eager"]["unet"]["vs"]["eager"]["median"] == 1.0
+    for c in ("unet", "vae"):
+        assert all(len(row[c]["times_s"]) == 2 and all(t > 0 for t in row[c]["times_s"]) for row in rows.values())
+        versus = rows["pyext"][c]["vs"]["eager"]
+        assert versus["min"] <= versus["median"] <= versus["max"]
+        assert rows["pyext"][c]["max_rel_err_vs_eager"] < tolerance  # pyext computes what eager does
     assert f"| pyext | {dtype} |" in (tmp_path / "cpu_runtimes.md").read_text()
     fake = {"spec": {"components": ["unet"]}, "rows": {"openvino": {"reason": "openvino not installed"}}}
     assert "| openvino | n/a: openvino not installed |" in cpu_runtimes.markdown(fake)

@@ -1,7 +1,6 @@
 """make gpu-check's driver: its plan fits the lease, and a rerun skips what passed (run here on
 its CPU-safe step)."""
 import json
-import subprocess
 import sys
 
 from bench import gpu_check
@@ -14,17 +13,16 @@ def test_the_plan_fits_its_budget_and_names_every_part():
     assert {"tests", "capture", "sync_debug", "kernels", "latency", "dispatch_overhead"} <= {s.name for s in plan}
 
 
-def test_a_rerun_skips_the_steps_that_passed_on_the_same_sources(tmp_path):
+def test_a_rerun_skips_the_steps_that_passed_on_the_same_sources(tmp_path, capsys):
     first_out, second_out = tmp_path / "first", tmp_path / "second"
-    cmd = [sys.executable, "-m", "bench.gpu_check", "--only", "info"]
-    first = subprocess.run([*cmd, "--out", str(first_out), "--resume", str(tmp_path / "none")],
-                           capture_output=True, text=True, cwd=gpu_check.ROOT)
-    assert first.returncode == 0, first.stdout + first.stderr
+    args = ["--only", "info"]
+    assert gpu_check.main([*args, "--out", str(first_out), "--resume", str(tmp_path / "none")]) == 0
     record = json.loads((first_out / "gpu_check.json").read_text())
     assert record["steps"]["info"]["rc"] == 0 and "==== info" in (first_out / "gpu_check.log").read_text()
-    again = subprocess.run([*cmd, "--out", str(second_out), "--resume", str(first_out)],
-                           capture_output=True, text=True, cwd=gpu_check.ROOT)
-    assert "skipped" in again.stdout and "== info" not in again.stdout
+    capsys.readouterr()
+    assert gpu_check.main([*args, "--out", str(second_out), "--resume", str(first_out)]) == 0
+    again = capsys.readouterr().out
+    assert "skipped" in again and "== info" not in again
     assert json.loads((second_out / "gpu_check.json").read_text())["steps"]["info"]["rc"] == 0
 
 

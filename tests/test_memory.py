@@ -169,7 +169,7 @@ def _decode_tiled(pipe):
 
     tile_vae(pipe.vae, TilingConfig(method="exact", tile_size=16))
     with torch.no_grad():
-        return pipe.vae.decode(torch.randn(1, 4, 24, 24)).sample
+        return pipe.vae.decode(torch.randn(1, 4, 12, 12)).sample
 
 
 def test_the_defaults_leave_allocator_heap_and_mappings_alone(monkeypatch):
