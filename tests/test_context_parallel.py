@@ -67,6 +67,12 @@ def _split_worker(rank: int, world: int, store_path: str, out_dir: str) -> None:
         elif mask_kind == "queries":  # broadcast over the keys: a masked query row is masked in every chunk
             mask_all = torch.rand(2, 4, 7 * n, 1, generator=g) > 0.2
         q, k, v = (t.chunk(n, dim=2)[index] for t in (q_all, k_all, v_all))
+        whole = 0
+        if mask_kind == "whole tail":  # 5 tokens every rank holds whole, after its own (SD3's text)
+            tail = [torch.randn(2, 4, 5, 40, generator=g).to(dtype) for _ in range(3)]
+            q, k, v = (torch.cat([t, w], dim=2) for t, w in zip((q, k, v), tail))
+            k_all, v_all = (torch.cat([t, w], dim=2) for t, w in zip((k_all, v_all), tail[1:]))
+            whole, mask_all = 5, None
         mask = mask_all
         if mask_kind in ("keys", "key bias"):
             mask = mask_all.chunk(n, dim=-1)[index]
@@ -76,7 +82,7 @@ def _split_worker(rank: int, world: int, store_path: str, out_dir: str) -> None:
         def attend(q, k, v, m):
             return ops.attention(q, k, v, attn_mask=m, return_lse=True)
 
-        out = ring.split_attention(q, k, v, attend, *groups, attn_mask=mask)
+        out = ring.split_attention(q, k, v, attend, *groups, attn_mask=mask, replicated=whole)
         whole_mask = mask_all if mask_kind in ("keys", "key bias") else mask
         whole = ops.attention(q, k_all, v_all, attn_mask=whole_mask)
         if mask_kind == "key bias":
@@ -104,7 +110,10 @@ SPLIT_CASES = {"ring fp32": ("ring", torch.float32, None), "ring fp32 key paddin
                "ulysses fp16 key padding": ("ulysses", torch.float16, "keys"),
                "ulysses+ring fp32": ("ulysses+ring", torch.float32, None),
                "ulysses+ring fp32 key bias": ("ulysses+ring", torch.float32, "key bias"),
-               "ulysses+ring fp16 key padding": ("ulysses+ring", torch.float16, "keys")}
+               "ulysses+ring fp16 key padding": ("ulysses+ring", torch.float16, "keys"),
+               "ring fp32 whole tail": ("ring", torch.float32, "whole tail"),
+               "ulysses fp16 whole tail": ("ulysses", torch.float16, "whole tail"),
+               "ulysses+ring fp32 whole tail": ("ulysses+ring", torch.float32, "whole tail")}
 
 
 @pytest.mark.slow
