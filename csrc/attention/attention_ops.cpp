@@ -2,7 +2,9 @@
 // attention_paths; and attention_value_bounds, what the value check before torch's CPU SDPA
 // reads. User-facing validation lives in pyext/ops/attention.py; the TORCH_CHECKs here guard
 // the raw-pointer kernels against any caller.
-#include <ATen/ATen.h>
+#include <ATen/core/Tensor.h>
+#include <ATen/ops/empty.h>
+#include <ATen/ops/aminmax.h>
 #include <ATen/Parallel.h>
 #include <torch/library.h>
 

@@ -3,7 +3,10 @@
 // the CPU kernel of the public pyext::fp8_linear for the call signatures pyext's dispatch armed
 // (fp8_linear_entry, at the end). Input validation with user-facing messages lives in
 // pyext/ops/fp8.py; the TORCH_CHECKs here only guard the raw-pointer kernels.
-#include <ATen/ATen.h>
+#include <ATen/core/Tensor.h>
+#include <ATen/ops/empty.h>
+#include <ATen/ops/mm.h>
+#include <ATen/ops/addmm.h>
 #include <ATen/MemoryOverlap.h>
 #include <ATen/Parallel.h>
 #include <ATen/core/dispatch/Dispatcher.h>

@@ -1,7 +1,9 @@
 // Torch glue for GroupNorm (+ shift, + SiLU): schema of torch.ops.pyext_C.group_norm and its CPU
 // implementation. User-facing validation lives in pyext/ops/group_norm.py; the TORCH_CHECKs here
 // only keep the raw-pointer kernels inside their buffers.
-#include <ATen/ATen.h>
+#include <ATen/core/Tensor.h>
+#include <ATen/ops/empty.h>
+#include <ATen/ops/empty_like.h>
 #include <ATen/Parallel.h>
 #include <torch/library.h>
 

@@ -1,7 +1,7 @@
 // Torch glue for the fused tile blend: schema of torch.ops.pyext_C.tile_blend and
 // its CPU implementation. User-facing validation lives in pyext/ops/tile_blend.py;
 // the TORCH_CHECKs here only keep the raw-pointer kernels inside their buffers.
-#include <ATen/ATen.h>
+#include <ATen/core/Tensor.h>
 #include <ATen/Parallel.h>
 #include <torch/library.h>
 

@@ -5,7 +5,11 @@
 // copy of the weights is kept.
 // User-facing validation lives in pyext/ops/winograd.py; the TORCH_CHECKs here only keep the
 // raw-pointer kernels inside their buffers.
-#include <ATen/ATen.h>
+#include <ATen/core/Tensor.h>
+#include <ATen/ops/empty.h>
+#include <ATen/ops/from_blob.h>
+#include <ATen/ops/conv2d.h>
+#include <ATen/ops/bmm.h>
 #include <ATen/Parallel.h>
 #include <torch/library.h>
 
