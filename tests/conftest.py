@@ -49,6 +49,16 @@ def _seed():
     torch.manual_seed(0)
 
 
+def run_ranks(fn, args: tuple, nprocs: int) -> None:
+    """fn(rank, *args) in nprocs processes, as torch.multiprocessing.spawn runs it, but forked from
+    a server that imported torch, diffusers and pyext once: a spawned process imports them again,
+    which costs seconds each."""
+    import multiprocessing
+
+    multiprocessing.get_context("forkserver").set_forkserver_preload(["torch", "diffusers", "pyext"])
+    torch.multiprocessing.start_processes(fn, args=args, nprocs=nprocs, start_method="forkserver")
+
+
 def run_in_triton_interpreter(script: str, timeout: int = 900) -> dict:
     """Runs `script` in a fresh interpreter with TRITON_INTERPRET=1 (it must be set before triton is
     imported, and other test modules may have imported it already); returns the JSON of its last line."""

@@ -18,6 +18,8 @@ from types import SimpleNamespace
 import pytest
 import torch
 
+from tests.conftest import run_ranks
+
 pytest.importorskip("diffusers")
 if not torch.distributed.is_available():
     pytest.skip("torch.distributed is not available", allow_module_level=True)
@@ -118,7 +120,7 @@ SPLIT_CASES = {"ring fp32": ("ring", torch.float32, None), "ring fp32 key paddin
 
 @pytest.mark.slow
 def test_ring_and_ulysses_attention_equal_one_call_over_all_keys(tmp_path):
-    torch.multiprocessing.spawn(_split_worker, args=(4, str(tmp_path / "store"), str(tmp_path)), nprocs=4)
+    run_ranks(_split_worker, (4, str(tmp_path / "store"), str(tmp_path)), 4)
     for rank in range(4):
         results = torch.load(tmp_path / f"{rank}.pt")
         assert "ring attention: a mask with both query and key" in results.pop("refused: ring")
@@ -177,6 +179,23 @@ def test_the_routing_lifts_a_ring_config_for_the_forward_and_puts_it_back(tmp_pa
         dist.destroy_process_group()
 
 
+def _bench_rank(rank: int, world: int, port: int, argv: list) -> None:
+    """One rank of bench.parallel, with the environment torchrun would give it."""
+    os.environ.update(RANK=str(rank), LOCAL_RANK=str(rank), WORLD_SIZE=str(world), LOCAL_WORLD_SIZE=str(world),
+                      MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+    from bench import parallel
+
+    parallel.main(argv)
+
+
+def _free_port() -> int:
+    import socket
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
 # Flux, Wan and LTX declare their sharding (`_cp_plan`); SD3 takes pyext's
 # (`pyext.context_parallel_plan`: its text stays whole, and pyext runs its joint attention across
 # the ranks). Ulysses: the tiny pipelines plain diffusers runs with Ulysses-2 here (LTX's text
@@ -185,6 +204,8 @@ def test_the_routing_lifts_a_ring_config_for_the_forward_and_puts_it_back(tmp_pa
 # Ulysses and ring together: 4 processes, Ulysses-2 in each ring of 2. Wan's denoiser is compiled
 # by the user after optimize (the images then show that the ring ran: each rank alone would
 # attend to half the tokens). The order of optimize and enable_parallelism: both for Flux and SD3.
+# Flux runs under torchrun itself; the others' ranks are forked with torchrun's environment
+# (a fresh interpreter per rank imports diffusers again: seconds each).
 @pytest.mark.slow
 @pytest.mark.parametrize("arch,processes,splits,orders,compile_backend", [
     ("flux", 2, "ulysses,ring", "before,after", None),
@@ -196,10 +217,14 @@ def test_context_parallel_with_optimize_before_or_after_equals_one_process(arch,
                                                                            compile_backend, tmp_path):
     out = tmp_path / "parallel.json"
     compiled = ["--compile", compile_backend] if compile_backend else []
-    proc = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", str(processes),
-                           "-m", "bench.parallel", "--arch", arch, "--splits", splits, "--orders", orders,
-                           *compiled, "--out", str(out)], cwd=ROOT, capture_output=True, text=True, timeout=600)
-    assert proc.returncode == 0, proc.stderr[-3000:]
+    argv = ["--arch", arch, "--splits", splits, "--orders", orders, *compiled, "--out", str(out)]
+    if arch == "flux":
+        proc = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node",
+                               str(processes), "-m", "bench.parallel", *argv], cwd=ROOT, capture_output=True,
+                              text=True, timeout=600)
+        assert proc.returncode == 0, proc.stderr[-3000:]
+    else:
+        run_ranks(_bench_rank, (processes, _free_port(), argv), processes)
     result = json.loads(out.read_text())
     runs = [(split, order) for split in splits.split(",") for order in orders.split(",")]
     assert result["world_size"] == processes and sorted((r["split"], r["order"]) for r in result["runs"]) == sorted(runs)

@@ -10,6 +10,7 @@ import torch
 from bench.parallel import counting_tiles
 from pyext import PyextError, ops
 from pyext.vae import TilingConfig, exact, stages, tile_vae, tiled_run
+from tests.conftest import run_ranks
 from tests.test_vae_exact import _full, _smooth, _vae, psnr
 
 pytest.importorskip("diffusers")
@@ -88,7 +89,7 @@ def _worker(rank: int, world: int, store_path: str, out_dir: str) -> None:
 @pytest.mark.slow
 @torch.no_grad()
 def test_ranks_share_the_tiles_and_each_returns_one_process_run(tmp_path):
-    torch.multiprocessing.spawn(_worker, args=(2, str(tmp_path / "store"), str(tmp_path)), nprocs=2)
+    run_ranks(_worker, (2, str(tmp_path / "store"), str(tmp_path)), 2)
     ranks = [torch.load(tmp_path / f"{rank}.pt") for rank in range(2)]
     assert ranks[1].pop("raised") == "ValueError: a broken tile"
     assert "a tile raised on rank 1: ValueError: a broken tile" in ranks[0].pop("raised")
