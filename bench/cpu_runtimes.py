@@ -20,7 +20,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import multiprocessing
 import os
 import resource
 import statistics
@@ -178,10 +177,9 @@ def _err(out, ref) -> float:
 
 
 def run(spec: dict) -> dict:
-    # Forked from a server that imported these once and never computed (no thread pools): every
-    # runtime's process starts clean without paying the imports again.
-    ctx = multiprocessing.get_context("forkserver")
-    ctx.set_forkserver_preload(["torch", "diffusers", "transformers", "pyext", "pyext.offline", "bench.cpu_runtimes",
+    from bench.latency import preloaded_forkserver
+
+    ctx = preloaded_forkserver(["torch", "diffusers", "transformers", "pyext", "pyext.offline", "bench.cpu_runtimes",
                                 "diffusers.pipelines.stable_diffusion.pipeline_stable_diffusion",
                                 "transformers.models.clip.modeling_clip"])
     workers, results = {}, {}

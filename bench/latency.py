@@ -539,6 +539,16 @@ def _row_process(name, spec_path, result_path, log_path):
     _worker(name, spec_path, result_path)
 
 
+def preloaded_forkserver(modules: list[str]):
+    """A multiprocessing context whose processes are forked from a server that imported `modules`
+    once and never computed (no thread pools): each starts clean without paying the imports again
+    (seconds each on a busy machine). One server per process: what it preloads is set by the
+    first use."""
+    ctx = multiprocessing.get_context("forkserver")
+    ctx.set_forkserver_preload(modules)
+    return ctx
+
+
 def _row_context(device: str):
     """Where rows' processes come from. On CPU, forked from a server process that imported torch and
     diffusers once and never computed (no thread pools): each row starts clean without paying the
@@ -548,12 +558,10 @@ def _row_context(device: str):
     as unable to use CUDA."""
     if device == "cuda":
         return multiprocessing.get_context("spawn")
-    ctx = multiprocessing.get_context("forkserver")
-    ctx.set_forkserver_preload(["torch", "diffusers", "transformers", "pyext", "bench.latency",
-                                "diffusers.pipelines.stable_diffusion.pipeline_stable_diffusion",
-                                "transformers.models.clip.modeling_clip",
-                                "transformers.models.clip.tokenization_clip"])
-    return ctx
+    return preloaded_forkserver(["torch", "diffusers", "transformers", "pyext", "bench.latency",
+                                 "diffusers.pipelines.stable_diffusion.pipeline_stable_diffusion",
+                                 "transformers.models.clip.modeling_clip",
+                                 "transformers.models.clip.tokenization_clip"])
 
 
 def _run_in_subprocess(ctx, name, spec_path, workdir, out, timeout_s) -> dict:

@@ -200,10 +200,9 @@ def measure(spec: dict, malloc: str = "live") -> dict:
 
 
 def _measure_forked(spec: dict) -> dict:
-    import multiprocessing
+    from bench.latency import preloaded_forkserver
 
-    ctx = multiprocessing.get_context("forkserver")
-    ctx.set_forkserver_preload(["torch", "diffusers", "pyext", "bench.vae", "diffusers.models.autoencoders"])
+    ctx = preloaded_forkserver(["torch", "diffusers", "pyext", "bench.vae", "diffusers.models.autoencoders"])
     parent, child = ctx.Pipe(duplex=False)
     proc = ctx.Process(target=_forked_child, args=(spec, child))
     proc.start()

@@ -12,7 +12,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import multiprocessing
 import os
 import shutil
 import signal
@@ -218,9 +217,8 @@ def run(preset_name: str, out: str, rows: list[str] | None = None, repeats: int 
     }
     # diffusers imports the pipeline's module lazily, and with it torch._dynamo and T5: seconds
     # per row unless the server that rows are forked from imports it once.
-    ctx = multiprocessing.get_context("forkserver")
-    ctx.set_forkserver_preload(["torch", "diffusers", "transformers", "pyext", "bench.latency",
-                                "diffusers.pipelines.cogvideo.pipeline_cogvideox"])
+    ctx = latency.preloaded_forkserver(["torch", "diffusers", "transformers", "pyext", "bench.latency",
+                                        "diffusers.pipelines.cogvideo.pipeline_cogvideox"])
     workdir = tempfile.mkdtemp(prefix="bench_video_")
     try:
         spec_path = os.path.join(workdir, "spec.json")

@@ -94,6 +94,12 @@ def eager(module: nn.Module) -> nn.Module:
     return module.unet if isinstance(module, TracedUNet) else module
 
 
+def sequence_split_of(model: nn.Module) -> SequenceSplitPlan | None:
+    """pyext's sharding of the model's class (a descriptor's; nothing is derived from the model)."""
+    known = _BY_CLASS.get(type(eager(model)).__name__)
+    return None if known is None else known.sequence_split
+
+
 def family_of(denoiser: nn.Module) -> Family:
     """The denoiser's family: derived from the model, with a descriptor's settings on top."""
     denoiser = eager(denoiser)

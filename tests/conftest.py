@@ -53,9 +53,9 @@ def run_ranks(fn, args: tuple, nprocs: int) -> None:
     """fn(rank, *args) in nprocs processes, as torch.multiprocessing.spawn runs it, but forked from
     a server that imported torch, diffusers and pyext once: a spawned process imports them again,
     which costs seconds each."""
-    import multiprocessing
+    from bench.latency import preloaded_forkserver
 
-    multiprocessing.get_context("forkserver").set_forkserver_preload(["torch", "diffusers", "pyext"])
+    preloaded_forkserver(["torch", "diffusers", "pyext"])
     torch.multiprocessing.start_processes(fn, args=args, nprocs=nprocs, start_method="forkserver")
 
 
