@@ -7,7 +7,8 @@
 (`torch.ops.pyext.*`: validation, the cached choice, the backend) against PyTorch's own call for
 the same work (SDPA; F.linear on the dequantized weight; F.group_norm + SiLU; F.conv2d), against
 that call made through `torch.ops.aten.*` (what any op called through `torch.ops` pays, custom
-or not), and against the chosen backend called bare. Rounds interleave the calls (A, B, A, B, ...); each
+or not), and against the chosen backend called bare. For fp8_linear also the call pyext's fp8
+layers make (`pyext.ops.fp8.call_linear`: the op through the extension, without torch.ops). Rounds interleave the calls (A, B, A, B, ...); each
 ratio is the median of the per-round ratios, with its range. The results, with the machine,
 the commit and the versions, go to FILE (JSON) when given.
 
@@ -55,12 +56,13 @@ def _child(device: str) -> list[dict]:
 
 
 def _tiny_calls(device: str) -> dict:
-    """{op: (raw op call, PyTorch's call for the same work, the same through torch.ops.aten, dispatch args)}
-    on tiny inputs."""
+    """{op: (raw op call, PyTorch's call for the same work, the same through torch.ops.aten, dispatch args,
+    the layers' call or None)} on tiny inputs."""
     import torch
     import torch.nn.functional as F
 
     from pyext.ops import fp8_quantize
+    from pyext.ops.fp8 import call_linear
 
     g = torch.Generator().manual_seed(0)
 
@@ -76,15 +78,16 @@ def _tiny_calls(device: str) -> dict:
     P, A = torch.ops.pyext, torch.ops.aten
     return {
         "attention": (lambda: P.attention(q, q, q, None, None), lambda: F.scaled_dot_product_attention(q, q, q),
-                      lambda: A.scaled_dot_product_attention.default(q, q, q), (q, q, q, None, None, False)),
+                      lambda: A.scaled_dot_product_attention.default(q, q, q), (q, q, q, None, None, False), None),
         "fp8_linear": (lambda: P.fp8_linear(x, codes, s, None, None), lambda: F.linear(x, dense),
-                       lambda: A.linear.default(x, dense), (x, codes, s, None)),
+                       lambda: A.linear.default(x, dense), (x, codes, s, None),
+                       lambda: call_linear("fp8_linear", x, codes, s, None)),
         "group_norm": (lambda: P.group_norm(h, 4, gamma, beta, None, 1e-5, True, None),
                        lambda: F.silu(F.group_norm(h, 4, gamma, beta, 1e-5)),
                        lambda: A.silu.default(A.group_norm.default(h, 4, gamma, beta, 1e-5)),
-                       (h, 4, gamma, beta, None, 1e-5, True)),
+                       (h, 4, gamma, beta, None, 1e-5, True), None),
         "winograd_conv3x3": (lambda: P.winograd_conv3x3(c, wc, None, None), lambda: F.conv2d(c, wc, None, padding=1),
-                             lambda: A.conv2d.default(c, wc, None, [1, 1], [1, 1]), (c, wc, None)),
+                             lambda: A.conv2d.default(c, wc, None, [1, 1], [1, 1]), (c, wc, None), None),
     }
 
 
@@ -107,10 +110,12 @@ def overhead(device: str, rounds: int, calls: int) -> list[dict]:
 
     rows = []
     with torch.no_grad():
-        for op, (raw, torch_call, torch_op, args) in _tiny_calls(device).items():
+        for op, (raw, torch_call, torch_op, args, layer) in _tiny_calls(device).items():
             backend = dispatch.select(op, args)
             calls_of = {"raw": raw, "torch": torch_call, "torch_op": torch_op,
                         "bare": lambda b=backend, a=args: b.run(*a)}
+            if layer is not None:
+                calls_of["layer"] = layer
             if backend.guard is not None and device == "cpu":  # a value check that runs on CPU inputs only
                 calls_of["guard"] = lambda b=backend, a=args: b.guard(*a)
             for fn in calls_of.values():
@@ -122,12 +127,17 @@ def overhead(device: str, rounds: int, calls: int) -> list[dict]:
             vs_torch = sorted(r / t for r, t in zip(times["raw"], times["torch"]))
             vs_torch_op = sorted(r / t for r, t in zip(times["raw"], times["torch_op"]))
             vs_bare = sorted(r / b for r, b in zip(times["raw"], times["bare"]))
+            layer = {}
+            if "layer" in times:
+                vs = sorted(r / t for r, t in zip(times["layer"], times["torch"]))
+                layer = {"layer_vs_torch": statistics.median(vs), "layer_vs_torch_range": [vs[0], vs[-1]]}
             rows.append({"op": op, "backend": backend.name,
                          **{f"{name}_us": statistics.median(t) * 1e6 for name, t in times.items()},
                          "raw_vs_torch": statistics.median(vs_torch), "raw_vs_torch_range": [vs_torch[0], vs_torch[-1]],
                          "raw_vs_torch_op": statistics.median(vs_torch_op),
                          "raw_vs_torch_op_range": [vs_torch_op[0], vs_torch_op[-1]],
-                         "raw_vs_bare": statistics.median(vs_bare), "raw_vs_bare_range": [vs_bare[0], vs_bare[-1]]})
+                         "raw_vs_bare": statistics.median(vs_bare), "raw_vs_bare_range": [vs_bare[0], vs_bare[-1]],
+                         **layer})
     return rows
 
 
@@ -138,15 +148,18 @@ def _ratio(r: dict, name: str) -> str:
 
 def render_overhead(rows: list[dict]) -> str:
     lines = ["| op | backend | raw op | PyTorch's call | the same via torch.ops.aten | backend bare | its CPU value guard "
-             "| raw / PyTorch (range) | raw / torch.ops.aten (range) | raw / bare (range) |",
-             "|---|---|---:|---:|---:|---:|---:|---:|---:|---:|"]
+             "| raw / PyTorch (range) | raw / torch.ops.aten (range) | raw / bare (range) "
+             "| the layers' call | layers' call / PyTorch (range) |",
+             "|---|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|"]
     for r in rows:
         guard = f"{r['guard_us']:.1f} us" if "guard_us" in r else "none"
         torch_op = f"{r['torch_op_us']:.1f} us" if "torch_op_us" in r else "-"
         vs_torch_op = _ratio(r, "raw_vs_torch_op") if "raw_vs_torch_op" in r else "-"
+        layer = f"{r['layer_us']:.1f} us" if "layer_us" in r else "-"
+        vs_layer = _ratio(r, "layer_vs_torch") if "layer_vs_torch" in r else "-"
         lines.append(f"| `{r['op']}` | {r['backend']} | {r['raw_us']:.1f} us | {r['torch_us']:.1f} us | {torch_op} | "
                      f"{r['bare_us']:.1f} us | {guard} | {_ratio(r, 'raw_vs_torch')} | {vs_torch_op} | "
-                     f"{_ratio(r, 'raw_vs_bare')} |")
+                     f"{_ratio(r, 'raw_vs_bare')} | {layer} | {vs_layer} |")
     return "\n".join(lines)
 
 

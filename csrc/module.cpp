@@ -1,6 +1,7 @@
 // The Python module pyext._C: build facts for `python -m pyext info` and the block pool's scope.
 // The kernels are registered as torch.ops.pyext_C.* by each family's file
-// (TORCH_LIBRARY_FRAGMENT), so this file needs Python's C API only, not torch's headers.
+// (TORCH_LIBRARY_FRAGMENT), so this file needs Python's C API only, not torch's headers; the
+// functions that call ops from Python live with their family (fp8/fp8_python.cpp).
 #define PY_SSIZE_T_CLEAN
 #include <Python.h>
 
@@ -9,6 +10,7 @@
 #include "common/block_pool.h"
 #include "common/cpu_features.h"
 #include "fp8/fp8_gemm_cpu.h"
+#include "fp8/fp8_python.h"
 
 namespace {
 
@@ -66,6 +68,13 @@ PyMethodDef methods[] = {
     {"pool_close", pool_close, METH_NOARGS, "Closes a block pool scope."},
     {"pool_stats", pool_stats, METH_NOARGS, "The block pool's state: open, cached_bytes, hits, misses."},
     {"built_with_cuda", built_with_cuda, METH_NOARGS, "Whether the CUDA kernels were built."},
+    {"fp8_linear", reinterpret_cast<PyCFunction>(reinterpret_cast<void (*)()>(pyext::fp8_linear_call)), METH_FASTCALL,
+     "fp8_linear(x, w, scale, bias): torch.ops.pyext.fp8_linear without torch.ops; None where a "
+     "__torch_function__ needs torch.ops."},
+    {"fp8_linear_dynamic", reinterpret_cast<PyCFunction>(reinterpret_cast<void (*)()>(pyext::fp8_linear_dynamic_call)),
+     METH_FASTCALL,
+     "fp8_linear_dynamic(x, w, scale, bias): torch.ops.pyext.fp8_linear_dynamic without torch.ops; None where a "
+     "__torch_function__ needs torch.ops."},
     {nullptr, nullptr, 0, nullptr}};
 
 PyModuleDef module = {PyModuleDef_HEAD_INIT, "_C", "pyext's compiled kernels (torch.ops.pyext_C).", -1, methods};

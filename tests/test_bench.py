@@ -245,9 +245,12 @@ def test_dispatch_overhead_times_every_op_through_its_chosen_backend():
 
     rows = overhead("cpu", rounds=2, calls=3)
     assert [r["op"] for r in rows] == list(_tiny_calls("cpu"))
-    for r, (raw, torch_call, torch_op, args) in zip(rows, _tiny_calls("cpu").values()):
+    for r, (raw, torch_call, torch_op, args, layer) in zip(rows, _tiny_calls("cpu").values()):
         assert r["backend"] == dispatch.select(r["op"], args).name
         assert min(r["raw_us"], r["torch_us"], r["torch_op_us"], r["bare_us"]) > 0
         assert r["raw_vs_torch_range"][0] <= r["raw_vs_torch"] and r["raw_vs_torch_op_range"][0] <= r["raw_vs_torch_op"]
         torch.testing.assert_close(raw(), torch_call(), atol=1e-3, rtol=1e-3)  # the same work on every side
         torch.testing.assert_close(torch_op(), torch_call(), atol=1e-6, rtol=1e-6)
+        assert (layer is None) == ("layer_us" not in r) == (r["op"] != "fp8_linear")
+        if layer is not None:
+            assert r["layer_vs_torch_range"][0] <= r["layer_vs_torch"] and torch.equal(layer(), raw())

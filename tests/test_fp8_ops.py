@@ -1,5 +1,6 @@
 """fp8 ops: exactness against the reference, errors, dispatch and opcheck."""
 import math
+from concurrent.futures import ThreadPoolExecutor
 
 import pytest
 import torch
@@ -7,8 +8,9 @@ import torch.nn.functional as F
 
 from pyext import PyextError, dispatch
 from pyext.ops import fp8_linear, fp8_quantize, fp8_upcast
-from pyext.ops.fp8 import FP8, fp8_linear_reference, fp8_upcast_reference, scales_fuse_exactly
-from pyext._ext import EXT
+from pyext.ops.fp8 import FP8, call_linear, fp8_linear_reference, fp8_upcast_reference, scales_fuse_exactly
+from pyext._ext import EXT, cuda_kernel_missing
+from torch.overrides import TorchFunctionMode
 from tests.conftest import needs_ext, run_in_triton_interpreter
 
 DTYPES = [torch.bfloat16, torch.float16, torch.float32]
@@ -194,26 +196,31 @@ def test_linear_cpp_matches_reference(simd, x_shape, n, dtype, bias):
     assert rel_err(y, exact) <= 2 * rel_err(ref, exact) + tol
 
 
-@needs_ext
-def test_kept_cpp_choice_runs_without_the_python_dispatch(monkeypatch):
-    """Once dispatch keeps the C++ kernel as the automatic choice for a call signature, later
-    calls with that signature run from torch's dispatcher alone, with the same result. Any other
-    call goes through pyext.dispatch: another shape or strides, a forced backend, inputs that need
+@pytest.mark.parametrize("device,kept", [pytest.param("cpu", "cpp", marks=needs_ext),
+                                          pytest.param("cuda", "upcast_cublas", marks=pytest.mark.cuda)])
+def test_kept_choice_runs_without_the_python_dispatch(monkeypatch, device, kept):
+    """Once dispatch keeps a backend the extension's kernel also runs (the C++ kernel on CPU, the
+    upcast kernel and cuBLAS on CUDA) as the automatic choice for a call signature, later calls
+    with that signature run from torch's dispatcher alone, with the same result. Any other call
+    goes through pyext.dispatch: another shape or strides, a forced backend, inputs that need
     autograd, and every call after the kept choices are dropped."""
+    if device == "cuda" and (not torch.cuda.is_available() or cuda_kernel_missing("fp8_upcast_out")):
+        pytest.skip("needs a GPU and the CUDA kernels")
+    monkeypatch.setenv("PYEXT_DISPATCH", "static")  # the backends' order: the CUDA one comes before Triton
     entered = []
     select = dispatch.select
     monkeypatch.setattr(dispatch, "select", lambda *args, **kw: entered.append(args[0]) or select(*args, **kw))
     dispatch.reset()
-    w, s = fp8_quantize(torch.randn(24, 40))
-    codes, x, b = w.view(torch.uint8), torch.randn(3, 40), torch.randn(24)
+    w, s = fp8_quantize(torch.randn(24, 40, device=device))
+    codes, x, b = w.view(torch.uint8), torch.randn(3, 40, device=device), torch.randn(24, device=device)
     op = torch.ops.pyext.fp8_linear
     with torch.no_grad():
         first = op(x, codes, s, b, None)
         again = op(x, codes, s, b, None)
         assert entered == ["fp8_linear"]
-        assert torch.equal(again, first)
-        assert torch.equal(op(x, codes, s, b, "cpp"), first)
-        op(torch.randn(40, 3).t(), codes, s, b, None)  # the same shape, other strides
+        assert torch.equal(again, first) and torch.equal(op(x, codes, s, b, kept), first)
+        assert rel_err(first, fp8_linear_reference(x, w, s, b)) <= 1e-5
+        op(torch.randn(40, 3, device=device).t(), codes, s, b, None)  # the same shape, other strides
         op(x, codes, s, None, None)  # no bias
         assert len(entered) == 4
         dispatch.reset()
@@ -223,6 +230,58 @@ def test_kept_cpp_choice_runs_without_the_python_dispatch(monkeypatch):
     assert len(entered) == 6
     with pytest.raises(PyextError, match="has no backward"):
         y.sum().backward()
+    dispatch.reset()
+
+
+class _Subclass(torch.Tensor):
+    pass
+
+
+class _SeenCalls(TorchFunctionMode):
+    def __init__(self):
+        super().__init__()
+        self.seen = []
+
+    def __torch_function__(self, func, types, args=(), kwargs=None):
+        self.seen.append(func)
+        return func(*args, **(kwargs or {}))
+
+
+@needs_ext
+@pytest.mark.parametrize("op", ["fp8_linear", "fp8_linear_dynamic"])
+def test_layers_typed_call_is_the_torch_ops_call(op):
+    """The fp8 layers call their op through the extension (call_linear), not torch.ops: the same
+    op through torch's dispatcher, so the same bits (before and after dispatch keeps a choice),
+    the op's own errors, the refusal of a backward; from several threads at once too. A call
+    that needs a __torch_function__ (a tensor subclass, a mode) is left to torch.ops."""
+    typed, torch_op = getattr(EXT, op), getattr(torch.ops.pyext, op)
+    w, s = fp8_quantize(torch.randn(32, 48))
+    codes = w.view(torch.uint8)
+    bf16 = torch.bfloat16
+    cases = [(torch.randn(3, 48, dtype=bf16), torch.randn(32, dtype=bf16)), (torch.randn(2, 5, 48), None),
+             (torch.randn(48, 3, dtype=bf16).t(), None), (torch.randn(0, 48), torch.randn(32))]
+    dispatch.reset()
+    with torch.no_grad():
+        for x, b in cases:
+            for _ in range(2):  # the second call finds dispatch's kept choice
+                assert torch.equal(typed(x, codes, s, b), torch_op(x, codes, s, b, None))
+        with ThreadPoolExecutor(2) as pool:  # the call lets go of the GIL; a kernel in Python takes it back
+            outs = list(pool.map(lambda c: typed(c[0], codes, s, c[1]), cases * 8))
+        assert all(torch.equal(o, torch_op(x, codes, s, b, None)) for o, (x, b) in zip(outs, cases * 8))
+    with pytest.raises(PyextError, match=rf"pyext.{op}: x.shape\[-1\] must equal weight.shape\[1\]"):
+        typed(torch.randn(2, 47), codes, s, None)
+    with pytest.raises(TypeError, match=r"takes \(x, w, scale, bias\), got 3 arguments"):
+        typed(cases[0][0], codes, s)
+    y = typed(torch.randn(3, 48, requires_grad=True), codes, s, None)
+    with pytest.raises(PyextError, match="has no backward"):
+        y.sum().backward()
+
+    x = cases[1][0]
+    assert typed(x.as_subclass(_Subclass), codes, s, None) is None
+    with _SeenCalls() as mode:
+        assert typed(x, codes, s, None) is None
+        y = call_linear(op, x, codes, s, None)
+    assert torch.equal(y, torch_op(x, codes, s, None, None)) and mode.seen
     dispatch.reset()
 
 

@@ -1,13 +1,18 @@
 // Torch glue for the CUDA fp8 upcast: registers the CUDA implementation of
-// torch.ops.pyext_C.fp8_upcast_out. Built only when torch has CUDA. It uses the
+// torch.ops.pyext_C.fp8_upcast_out, and pyext::fp8_linear's CUDA kernel, which runs the
+// upcast_cublas backend for the signatures pyext's dispatch armed (fp8_linear_entry.h). Built
+// only when torch has CUDA. It uses the
 // device-generic c10 stream API (no c10/cuda headers) so it also compiles, for a
 // syntax check, against a CPU-only torch.
 #include <ATen/MemoryOverlap.h>
+#include <ATen/ops/empty.h>
+#include <ATen/ops/linear.h>
 #include <c10/core/DeviceGuard.h>
 #include <c10/core/impl/DeviceGuardImplInterface.h>
 #include <torch/library.h>
 
 #include "common/dtype_codes_torch.h"
+#include "fp8/fp8_linear_entry.h"
 #include "fp8/fp8_upcast_cuda.h"
 
 namespace {
@@ -33,6 +38,23 @@ void fp8_upcast_out_cuda(const at::Tensor& w, const at::Tensor& scale, at::Tenso
   TORCH_CHECK(err == cudaSuccess, "pyext fp8_upcast (CUDA): kernel launch failed: ", cudaGetErrorString(err));
 }
 
+// pyext/ops/fp8.py's upcast_cublas backend: the weight upcast into a fresh tensor (from the caching
+// allocator, so a captured CUDA graph can replay it), then torch's linear (cuBLAS).
+at::Tensor fp8_linear_upcast_cublas(const at::Tensor& x, const at::Tensor& w, const at::Tensor& scale,
+                                    const std::optional<at::Tensor>& bias) {
+  at::Tensor weight = at::empty(w.sizes(), x.options());
+  fp8_upcast_out_cuda(w, scale, weight);
+  return at::linear(x, weight, bias);
+}
+
+at::Tensor fp8_linear_entry_cuda(const at::Tensor& x, const at::Tensor& w, const at::Tensor& scale,
+                                 const std::optional<at::Tensor>& bias, std::optional<c10::string_view> backend) {
+  return pyext::fp8_linear_entry(fp8_linear_upcast_cublas, x, w, scale, bias, backend);
+}
+
 }  // namespace
 
 TORCH_LIBRARY_IMPL(pyext_C, CUDA, m) { m.impl("fp8_upcast_out", fp8_upcast_out_cuda); }
+
+// pyext::fp8_linear is defined in Python (pyext/ops/fp8.py), which works without this extension.
+TORCH_LIBRARY_IMPL(pyext, CUDA, m) { m.impl("fp8_linear", fp8_linear_entry_cuda); }

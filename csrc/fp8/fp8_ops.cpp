@@ -1,7 +1,7 @@
 // Torch glue for the fp8 CPU kernels: schemas of the private ops
 // torch.ops.pyext_C.fp8_upcast_out / fp8_linear / fp8_conv2d and their CPU implementations, and
-// the CPU kernel of the public pyext::fp8_linear for the call signatures pyext's dispatch armed
-// (fp8_linear_entry, at the end). Input validation with user-facing messages lives in
+// the kernel of the public pyext::fp8_linear for the call signatures pyext's dispatch armed
+// (fp8_linear_entry, at the end; fp8_linear_entry.h). Input validation with user-facing messages lives in
 // pyext/ops/fp8.py; the TORCH_CHECKs here only guard the raw-pointer kernels.
 #include <ATen/core/Tensor.h>
 #include <ATen/ops/empty.h>
@@ -25,6 +25,7 @@
 #include "common/half_rounding.h"
 #include "fp8/fp8_convert_cpu.h"
 #include "fp8/fp8_gemm_cpu.h"
+#include "fp8/fp8_linear_entry.h"
 
 namespace pyext::cpu {
 namespace {
@@ -276,12 +277,7 @@ at::Tensor fp8_conv2d_cpu(const at::Tensor& x, const at::Tensor& w, const at::Te
   return y;
 }
 
-// ---- pyext::fp8_linear on CPU without entering Python
-// pyext's dispatch (Python) chooses a backend per call signature: the dtype, device, sizes and
-// strides of every argument. Once it keeps this kernel as the automatic choice for a signature,
-// it arms that signature here (fp8_linear_arm), and later calls with it run the kernel straight
-// from torch's dispatcher. Every other call (a forced backend, a signature not armed, inputs that
-// need autograd) goes to the Python dispatch, registered as pyext_C::fp8_linear_dispatch.
+// ---- pyext::fp8_linear without entering Python (fp8_linear_entry.h)
 class ArmedSignatures {
  public:
   using Key = std::vector<int64_t>;
@@ -347,29 +343,14 @@ void fp8_linear_arm(const at::Tensor& x, const at::Tensor& w, const at::Tensor& 
 
 void fp8_linear_disarm() { armed_linear().clear(); }
 
-at::Tensor fp8_linear_entry(const at::Tensor& x, const at::Tensor& w, const at::Tensor& scale,
-                            const std::optional<at::Tensor>& bias, std::optional<c10::string_view> backend) {
-  const bool autograd = c10::GradMode::is_enabled() &&
-                        (x.requires_grad() || scale.requires_grad() || (bias && bias->requires_grad()));
-  if (!backend && !autograd) {
-    thread_local ArmedSignatures::Key key;  // reused: no allocation per call
-    ArmedSignatures::key_of(x, w, scale, bias, key);
-    if (armed_linear().contains(key)) {
-      try {
-        return fp8_linear_cpu(x, w, scale, bias, 0);
-      } catch (const c10::OutOfMemoryError&) {
-        throw;
-      } catch (const std::exception&) {
-        armed_linear().erase(key);  // the Python dispatch runs the call again, warns, and moves on
-      }
-    }
-  }
-  static const auto dispatch =
-      c10::Dispatcher::singleton()
-          .findSchemaOrThrow("pyext_C::fp8_linear_dispatch", "")
-          .typed<at::Tensor(const at::Tensor&, const at::Tensor&, const at::Tensor&, const std::optional<at::Tensor>&,
-                            std::optional<c10::string_view>)>();
-  return dispatch.call(x, w, scale, bias, backend);
+at::Tensor fp8_linear_cpp(const at::Tensor& x, const at::Tensor& w, const at::Tensor& scale,
+                          const std::optional<at::Tensor>& bias) {
+  return fp8_linear_cpu(x, w, scale, bias, 0);
+}
+
+at::Tensor fp8_linear_entry_cpu(const at::Tensor& x, const at::Tensor& w, const at::Tensor& scale,
+                                const std::optional<at::Tensor>& bias, std::optional<c10::string_view> backend) {
+  return pyext::fp8_linear_entry(fp8_linear_cpp, x, w, scale, bias, backend);
 }
 
 }  // namespace
@@ -390,6 +371,33 @@ TORCH_LIBRARY_IMPL(pyext_C, CPU, m) {
 }
 
 // pyext::fp8_linear is defined in Python (pyext/ops/fp8.py), which works without this extension.
-TORCH_LIBRARY_IMPL(pyext, CPU, m) { m.impl("fp8_linear", fp8_linear_entry); }
+TORCH_LIBRARY_IMPL(pyext, CPU, m) { m.impl("fp8_linear", fp8_linear_entry_cpu); }
 
 }  // namespace pyext::cpu
+
+at::Tensor pyext::fp8_linear_entry(Fp8LinearFn armed, const at::Tensor& x, const at::Tensor& w,
+                                   const at::Tensor& scale, const std::optional<at::Tensor>& bias,
+                                   std::optional<c10::string_view> backend) {
+  using cpu::ArmedSignatures;
+  const bool autograd = c10::GradMode::is_enabled() &&
+                        (x.requires_grad() || scale.requires_grad() || (bias && bias->requires_grad()));
+  if (!backend && !autograd) {
+    thread_local ArmedSignatures::Key key;  // reused: no allocation per call
+    ArmedSignatures::key_of(x, w, scale, bias, key);
+    if (cpu::armed_linear().contains(key)) {
+      try {
+        return armed(x, w, scale, bias);
+      } catch (const c10::OutOfMemoryError&) {
+        throw;
+      } catch (const std::exception&) {
+        cpu::armed_linear().erase(key);
+      }
+    }
+  }
+  static const auto dispatch =
+      c10::Dispatcher::singleton()
+          .findSchemaOrThrow("pyext_C::fp8_linear_dispatch", "")
+          .typed<at::Tensor(const at::Tensor&, const at::Tensor&, const at::Tensor&, const std::optional<at::Tensor>&,
+                            std::optional<c10::string_view>)>();
+  return dispatch.call(x, w, scale, bias, backend);
+}

@@ -21,7 +21,7 @@ import torch.nn as nn
 
 from pyext import _state, dispatch
 from pyext.dispatch import PyextError
-from pyext.ops.fp8 import FP8, fp8_quantize, fp8_upcast
+from pyext.ops.fp8 import FP8, call_linear, fp8_quantize, fp8_upcast
 from pyext.ops.fp8_conv import _cpp_reasons as _fp8_conv_cpp_reasons
 from pyext.ops.fp8_conv import _cpp_unavailable as _fp8_conv_cpp_unavailable
 
@@ -184,9 +184,8 @@ class FP8Linear(_FP8Storage, nn.Linear):
             bias = bias.to(x.dtype)
         # The layer's own tensors are valid by construction: skip the public function's
         # checks and the fp8 <-> uint8 view round trip on this hot path.
-        if self.gemm != "weight_only" and self._dynamic(x, bias):
-            return torch.ops.pyext.fp8_linear_dynamic(x, self.weight, self.scale, bias, None)
-        return torch.ops.pyext.fp8_linear(x, self.weight, self.scale, bias, None)
+        op = "fp8_linear_dynamic" if self.gemm != "weight_only" and self._dynamic(x, bias) else "fp8_linear"
+        return call_linear(op, x, self.weight, self.scale, bias)
 
     def extra_repr(self) -> str:
         return super().extra_repr() + ", " + self._fp8_extra_repr() + f", gemm={self.gemm}"

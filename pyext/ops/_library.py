@@ -33,13 +33,13 @@ class _NoBackward(torch.autograd.Function):
                          "or on tensors that do not require grad)")
 
 
-def define(schema: str, kernel: Callable, fake: Callable, cpu_entry: str | None = None) -> None:
+def define(schema: str, kernel: Callable, fake: Callable, entry: str | None = None) -> None:
     """Define pyext::<schema>: `kernel` runs it on every device, without autograd (backends may
     write into out= buffers), `fake` gives its outputs' metadata. Outputs of a call on inputs that
     require grad raise on backward.
 
-    cpu_entry: the pyext_C op through which the extension's C++ CPU kernel of this op hands the
-    calls it does not run itself to `kernel` (see csrc/fp8/fp8_ops.cpp); registered when the
+    entry: the pyext_C op through which the extension's C++ kernels of this op hands the calls
+    they do not run themselves to `kernel` (see csrc/fp8/fp8_linear_entry.h); registered when the
     extension defines it."""
     name = schema.split("(", 1)[0]
 
@@ -58,8 +58,8 @@ def define(schema: str, kernel: Callable, fake: Callable, cpu_entry: str | None 
     LIBRARY.define(schema)
     LIBRARY.impl(name, run, "CompositeExplicitAutograd")
     torch.library.register_fake(f"pyext::{name}", fake, lib=LIBRARY)
-    if cpu_entry is not None and has_kernel(cpu_entry):
-        EXTENSION.impl(cpu_entry, run, "CompositeExplicitAutograd")
+    if entry is not None and has_kernel(entry):
+        EXTENSION.impl(entry, run, "CompositeExplicitAutograd")
 
 
 _LIKE: dict[tuple, tuple[int, ...]] = {}  # (shape, strides) -> empty_like's strides

@@ -14,7 +14,7 @@ import torch
 import torch.nn.functional as F
 
 from pyext import dispatch
-from pyext._ext import cuda_kernel_missing, has_kernel, kernel_missing
+from pyext._ext import EXT, cuda_kernel_missing, has_kernel, kernel_missing
 from pyext.dispatch import Backend, PyextError
 from pyext.ops._alias import apart_from
 from pyext.ops._library import define
@@ -369,11 +369,16 @@ def _upcast_fake(w, scale, dtype, backend=None):
     return out
 
 
+# Backends the extension's kernel of pyext::fp8_linear also runs (csrc/fp8/fp8_linear_entry.h):
+# the C++ CPU kernel, and on CUDA the upcast kernel followed by torch's linear.
+_RUN_BY_THE_EXTENSION = ("cpp", "upcast_cublas")
+
+
 def _linear_kernel(x, w, scale, bias=None, backend=None):
     args = (x, w, scale, bias)
     chosen = dispatch.select("fp8_linear", args, backend)
     out = chosen.run(*args)
-    if backend is None and chosen.name == "cpp":  # later calls like this one skip Python
+    if backend is None and chosen.name in _RUN_BY_THE_EXTENSION:  # later calls like this one skip Python
         dispatch.when_kept("fp8_linear", args, chosen, lambda: torch.ops.pyext_C.fp8_linear_arm(*args))
     return out
 
@@ -388,9 +393,28 @@ define("fp8_upcast_out(Tensor w, Tensor scale, Tensor(a2!) out, str? backend=Non
 define("fp8_upcast(Tensor w, Tensor scale, ScalarType dtype, str? backend=None) -> Tensor", _upcast_kernel,
        _upcast_fake)
 define("fp8_linear(Tensor x, Tensor w, Tensor scale, Tensor? bias=None, str? backend=None) -> Tensor",
-       _linear_kernel, _linear_fake, cpu_entry="fp8_linear_dispatch")
+       _linear_kernel, _linear_fake, entry="fp8_linear_dispatch")
 if has_kernel("fp8_linear_disarm"):
     dispatch.on_forget(torch.ops.pyext_C.fp8_linear_disarm)
+
+
+# ----------------------------------------------------------------------------- the layers' call
+# The extension calls the linear ops through torch's dispatcher from C++ (csrc/fp8/fp8_python.cpp):
+# torch.ops' boxed call from Python costs about as much as a small layer's GEMM. torch.compile
+# cannot trace that C function, and it leaves calls that need a __torch_function__ to torch.ops.
+_TYPED_CALLS = {name: getattr(EXT, name, None) for name in ("fp8_linear", "fp8_linear_dynamic")}
+
+
+def call_linear(op: str, x: torch.Tensor, w: torch.Tensor, scale: torch.Tensor,
+                bias: Optional[torch.Tensor]) -> torch.Tensor:
+    """torch.ops.pyext.<op>(x, w, scale, bias) for op "fp8_linear" or "fp8_linear_dynamic", the
+    same call made through the extension where it is built and torch.compile is not tracing."""
+    typed = _TYPED_CALLS[op]
+    if typed is not None and not torch.compiler.is_compiling():
+        out = typed(x, w, scale, bias)
+        if out is not None:
+            return out
+    return getattr(torch.ops.pyext, op)(x, w, scale, bias, None)
 
 
 # ----------------------------------------------------------------------------- public API
@@ -427,4 +451,6 @@ def fp8_linear(x: torch.Tensor, w: torch.Tensor, scale: torch.Tensor, bias: Opti
     an upcast path for other scales.
     """
     check_public("fp8_linear", x, w, scale, bias)
+    if backend is None:
+        return call_linear("fp8_linear", x, w.view(torch.uint8), scale, bias)
     return torch.ops.pyext.fp8_linear(x, w.view(torch.uint8), scale, bias, backend)

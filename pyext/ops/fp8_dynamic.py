@@ -26,8 +26,8 @@ import torch
 from pyext import dispatch
 from pyext.dispatch import Backend
 from pyext.ops._library import define
-from pyext.ops.fp8 import (FP8, FP8_MAX, LINEAR_TOLERANCE, _fail, check_linear, check_public, decode_codes,
-                           example_linear, relative_close, sample_codes, sample_scale)
+from pyext.ops.fp8 import (FP8, FP8_MAX, LINEAR_TOLERANCE, _fail, call_linear, check_linear, check_public,
+                           decode_codes, example_linear, relative_close, sample_codes, sample_scale)
 
 OP = "fp8_linear_dynamic"
 TINY = torch.finfo(torch.float32).tiny
@@ -149,4 +149,6 @@ def fp8_linear_dynamic(x: torch.Tensor, w: torch.Tensor, scale: torch.Tensor, bi
     """x @ (w * scale)^T + bias with x quantized to e4m3 per row on the fly (module docstring).
     `w` is a float8_e4m3fn weight from fp8_quantize, `scale` its float32 scales."""
     check_public(OP, x, w, scale, bias)
+    if backend is None:
+        return call_linear(OP, x, w.view(torch.uint8), scale, bias)
     return torch.ops.pyext.fp8_linear_dynamic(x, w.view(torch.uint8), scale, bias, backend)
