@@ -114,7 +114,12 @@ def bench_fp8_linear(shapes=LINEAR_SHAPES) -> list[dict]:
             "weight_only_triton": lambda: torch.ops.pyext.fp8_linear(x, weight_only.weight, scale, lin.bias, "triton"),
             "triton_kernel": lambda: fp8_linear_triton(x, weight_only.weight, scale, lin.bias),
             "upcast_then_cublas": lambda: F.linear(x, fp8_upcast(codes, scale, torch.bfloat16), lin.bias),
+            "upcast_cublas": lambda: torch.ops.pyext.fp8_linear(x, weight_only.weight, scale, lin.bias, "upcast_cublas"),
             "dynamic": lambda: dynamic(x),
+            "dynamic_torch_quantize": lambda: torch.ops.pyext.fp8_linear_dynamic(x, weight_only.weight, scale, lin.bias,
+                                                                                 "scaled_mm"),
+            "dynamic_triton_quantize": lambda: torch.ops.pyext.fp8_linear_dynamic(x, weight_only.weight, scale,
+                                                                                  lin.bias, "triton_scaled_mm"),
         }
         row = dict(bench="fp8_linear", shape=name, M=m, K=k, N=n)
         for key, fn in fns.items():

@@ -58,8 +58,9 @@ def triton_specs(everything: bool = False) -> list[Spec]:
     plain and with all three (the most registers, and every feature's code), and every fp16 config
     plain at the widest head dims; bf16 compiles to the same registers as fp16. GroupNorm:
     the stats and apply kernels' fp16 and fp32 defaults in both layouts and every fp16
-    channels-last config (the more index math), the merge once (it reads float32 moments only)."""
-    from pyext.kernels import attention, fp8_linear, group_norm
+    channels-last config (the more index math), the merge once (it reads float32 moments only). The
+    fp8 row quantization: every config, for bfloat16, the one dtype its op takes."""
+    from pyext.kernels import attention, fp8_linear, fp8_quantize_rows, group_norm
 
     def spec(module, function, variant, cfg, default, sig_const):
         return Spec(module.__name__, function, variant, cfg, default, *sig_const)
@@ -103,6 +104,9 @@ def triton_specs(everything: bool = False) -> list[Spec]:
     merge = group_norm.MERGE_CONFIG
     specs.append(spec(group_norm, "_gn_merge", "fp64", merge, True,
                       group_norm.signature("_gn_merge", torch.float32, merge, False)))
+    for i, cfg in enumerate(fp8_quantize_rows.configs()):  # its op takes bfloat16 activations only
+        specs.append(spec(fp8_quantize_rows, "_quantize_rows_kernel", "bf16", cfg, i == 0,
+                          fp8_quantize_rows.signature(torch.bfloat16, cfg)))
     return specs
 
 

@@ -14,7 +14,8 @@ The fast backend takes bfloat16 (what cuBLASLt's row-wise scaled GEMM writes); t
 takes every compute dtype. A row holding NaN or inf gives a NaN output row. Weight scales are
 finite where they come from fp8_quantize; for a non-finite one the GPU's answer may differ
 from the reference's (on CPU inputs the reference then runs). Quantizing the activations is a few elementwise
-and reduction kernels, none of which reads a value on the host.
+and reduction kernels, or one Triton kernel (pyext.kernels.fp8_quantize_rows) with the same codes; none reads
+a value on the host.
 """
 from __future__ import annotations
 
@@ -25,6 +26,7 @@ import torch
 
 from pyext import dispatch
 from pyext.dispatch import Backend
+from pyext.kernels import interpreter_advisory, triton_devices, triton_unavailable
 from pyext.ops._library import define
 from pyext.ops.fp8 import (FP8, FP8_MAX, LINEAR_TOLERANCE, _fail, call_linear, check_linear, check_public,
                            decode_codes, example_linear, relative_close, sample_codes, sample_scale)
@@ -64,11 +66,11 @@ def fp8_linear_dynamic_reference(x, w, scale, bias=None):
     return y.to(x.dtype).reshape(*x.shape[:-1], w.shape[0])
 
 
-def _scaled_mm(x, w, scale, bias):
+def _scaled_mm(x, w, scale, bias, quantize=quantize_rows):
     n = w.shape[0]
     if x.numel() == 0:  # no rows: nothing for the GEMM to do
         return x.new_empty((*x.shape[:-1], n))
-    xq, sx = quantize_rows(_rows(x).contiguous())
+    xq, sx = quantize(_rows(x).contiguous())
     sw = scale.reshape(1, -1).expand(1, n).contiguous()  # row-wise scaling takes one scale per column
     y = torch._scaled_mm(xq, w.view(FP8).t(), scale_a=sx, scale_b=sw, bias=bias, out_dtype=x.dtype)
     return y.reshape(*x.shape[:-1], n)
@@ -83,6 +85,12 @@ def fp8_tensor_cores(device: torch.device) -> bool:
     """Whether `device` is a GPU with fp8 tensor cores (compute capability 8.9 or newer)."""
     return device.type == "cuda" and _capability(device.index if device.index is not None else
                                                  torch.cuda.current_device()) >= (8, 9)
+
+
+def _triton_scaled_mm(x, w, scale, bias):
+    from pyext.kernels.fp8_quantize_rows import quantize_rows_triton
+
+    return _scaled_mm(x, w, scale, bias, quantize_rows_triton)
 
 
 def _scaled_mm_reasons(x, w, scale, bias):
@@ -112,6 +120,12 @@ dispatch.register(OP, Backend(
     test_shapes=TEST_SHAPES,
     notes={dt: "cuBLASLt's row-wise scaled fp8 GEMM writes bfloat16 only" for dt in (torch.float16, torch.float32)},
     doc="torch._scaled_mm (cuBLASLt fp8 tensor cores on a GPU), row-wise activation scales"))
+dispatch.register(OP, Backend(
+    "triton_scaled_mm", _triton_scaled_mm, unavailable=triton_unavailable, advisory=interpreter_advisory,
+    reasons=_scaled_mm_reasons, guard=_scaled_mm_guard, devices=triton_devices(), dtypes=(torch.bfloat16,),
+    test_shapes=TEST_SHAPES,
+    notes={dt: "cuBLASLt's row-wise scaled fp8 GEMM writes bfloat16 only" for dt in (torch.float16, torch.float32)},
+    doc="a Triton kernel quantizes the activations' rows in one launch (the same codes), then torch._scaled_mm"))
 dispatch.register(OP, Backend(
     "reference", fp8_linear_dynamic_reference, dtypes=(torch.bfloat16, torch.float16, torch.float32),
     test_shapes=TEST_SHAPES + ((3, 7, 5, True, True),), doc="fp32 math on the decoded codes; the semantics"))
