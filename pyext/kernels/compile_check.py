@@ -14,6 +14,7 @@ import contextlib
 import glob
 import itertools
 import io
+import multiprocessing
 import os
 import re
 import shutil
@@ -201,7 +202,9 @@ def check_all(archs=ARCHS, everything: bool = False, jobs: int | None = None) ->
     with tempfile.TemporaryDirectory() as cache:
         os.environ.update(TRITON_CACHE_DIR=cache, TRITON_DUMP_PTXAS_LOG="1")  # the workers inherit them
         try:
-            with ProcessPoolExecutor(jobs) as pool:
+            # Spawned, not forked: a fork of a process with threads (a test runner's, a pipeline's)
+            # can copy a lock that another thread holds, and the worker then waits forever.
+            with ProcessPoolExecutor(jobs, mp_context=multiprocessing.get_context("spawn")) as pool:
                 entries = list(pool.map(_triton_job, work))
         finally:
             for key, value in saved.items():
