@@ -45,7 +45,8 @@ def test_row_quantization_is_the_fp32_formula_bit_for_bit(dtype):
     x = (torch.randn(67, 300) * torch.logspace(-8, 8, 67)[:, None]).to(dtype)
     x[3, 5], x[4, 9], x[5, 1], x[6] = float("nan"), float("inf"), -float("inf"), 0.0
     xf = x.float()
-    want_sx = (xf.abs().amax(-1, keepdim=True) / 448.0).clamp_min(torch.finfo(torch.float32).tiny)
+    inverse = torch.tensor(1 / 448.0, dtype=torch.float32)  # the fp32 reciprocal, as a GPU's division by a number
+    want_sx = (xf.abs().amax(-1, keepdim=True) * inverse).clamp_min(torch.finfo(torch.float32).tiny)
     want_q = (xf / want_sx).clamp(-448.0, 448.0).to(torch.float8_e4m3fn)
     q, sx = quantize_rows(x)
     assert torch.equal(sx.nan_to_num(), want_sx.nan_to_num()) and torch.equal(sx.isnan(), want_sx.isnan())
@@ -85,6 +86,9 @@ for dtype in (torch.bfloat16, torch.float16, torch.float32):
     bad[0, 3], bad[1, 0], bad[2, 7], bad[3] = float("nan"), float("inf"), -float("inf"), 0.0
     bad[4] = -0.0
     compare(bad, f"{dtype} NaN, inf, zero rows")
+    # the dtype's subnormals, in a row whose amax is one of them
+    tiny = torch.finfo(dtype).tiny
+    compare((torch.linspace(-1, 1, 37) * tiny).to(dtype)[None], f"{dtype} subnormals")
 # every finite e4m3 value at scale 1 (the row's amax is 448), the midpoints between neighbours
 # (ties to even) and the fp32 values next to each midpoint, subnormals included
 values = torch.arange(256, dtype=torch.uint8).view(torch.float8_e4m3fn).float()
@@ -104,10 +108,10 @@ print(json.dumps(dict(cases=cases, differ=differ, same_gemm=same_gemm)))
 @pytest.mark.slow
 def test_triton_row_quantization_is_quantize_rows_bit_for_bit():
     """The Triton kernel's codes and scales are PyTorch's (quantize_rows), in Triton's interpreter:
-    every dtype, odd row lengths, magnitudes over 60 decades, NaN/inf/zero rows, fp32 subnormal
-    amaxes, and every rounding tie of e4m3; so the op's GEMM is the same bit for bit."""
+    every dtype, odd row lengths, magnitudes over 60 decades, NaN/inf/zero rows, rows of each
+    dtype's subnormals, and every rounding tie of e4m3; so the op's GEMM is the same bit for bit."""
     result = run_in_triton_interpreter(TRITON_QUANTIZE)
-    assert result["cases"] == 17 and result["differ"] == [] and result["same_gemm"]
+    assert result["cases"] == 20 and result["differ"] == [] and result["same_gemm"]
 
 
 @pytest.mark.parametrize("lead", [(1,), (7,), (2, 5), (0,)])

@@ -281,8 +281,30 @@ def test_layers_typed_call_is_the_torch_ops_call(op):
     with _SeenCalls() as mode:
         assert typed(x, codes, s, None) is None
         y = call_linear(op, x, codes, s, None)
-    assert torch.equal(y, torch_op(x, codes, s, None, None)) and mode.seen
+    assert torch.equal(y, torch_op(x, codes, s, None, None)) and torch_op in mode.seen
     dispatch.reset()
+
+
+@needs_ext
+def test_fp8_layers_and_public_functions_take_the_typed_call(monkeypatch):
+    import pyext.ops.fp8 as fp8_ops
+    from pyext.nn import FP8Linear
+    from pyext.ops import fp8_linear_dynamic
+
+    made = []
+    for op in ("fp8_linear", "fp8_linear_dynamic"):
+        typed = fp8_ops._TYPED_CALLS[op]
+        monkeypatch.setitem(fp8_ops._TYPED_CALLS, op, lambda *a, op=op, typed=typed: made.append(op) or typed(*a))
+    plain = torch.nn.Linear(32, 16).bfloat16()
+    w, s = fp8_quantize(plain.weight.detach())
+    x = torch.randn(3, 32, dtype=torch.bfloat16)
+    with torch.no_grad():
+        FP8Linear.from_linear(plain)(x)
+        FP8Linear.from_linear(plain, gemm="dynamic")(x)
+        fp8_linear(x, w, s)
+        fp8_linear_dynamic(x, w, s)
+        fp8_linear(x, w, s, backend="reference")  # a forced backend: torch.ops
+    assert made == ["fp8_linear", "fp8_linear_dynamic", "fp8_linear", "fp8_linear_dynamic"]
 
 
 @needs_ext

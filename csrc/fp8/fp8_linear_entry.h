@@ -17,8 +17,9 @@ namespace pyext {
 using Fp8LinearFn = at::Tensor (*)(const at::Tensor& x, const at::Tensor& w, const at::Tensor& scale,
                                    const std::optional<at::Tensor>& bias);
 
-// `armed` for an armed signature (if it throws other than out of memory, the signature is disarmed
-// and the Python dispatch runs the call again, warns, and moves on), else the Python dispatch.
+// `armed` for an armed signature, else the Python dispatch. If `armed` throws (other than out of
+// memory), the signature is disarmed and the Python dispatch runs the call: its backend makes the
+// same kernel calls, and a failure there is handled as any backend's (marked, warned, passed on).
 at::Tensor fp8_linear_entry(Fp8LinearFn armed, const at::Tensor& x, const at::Tensor& w, const at::Tensor& scale,
                             const std::optional<at::Tensor>& bias, std::optional<c10::string_view> backend);
 

@@ -292,6 +292,7 @@ class ArmedSignatures {
       }
       key.push_back(static_cast<int64_t>(t->scalar_type()));
       key.push_back(static_cast<int64_t>(t->device().type()));
+      key.push_back(t->device().index());  // each GPU's choice is its own
       key.push_back(t->dim());
       key.insert(key.end(), t->sizes().begin(), t->sizes().end());
       key.insert(key.end(), t->strides().begin(), t->strides().end());

@@ -34,12 +34,14 @@ PyObject* call_linear(const c10::TypedOperatorHandle<LinearOp>& (*op)(), const c
   if (at::impl::torch_function_mode_enabled() || !plain_tensor(args[0]) || !plain_tensor(args[1]) ||
       !plain_tensor(args[2]) || (has_bias && !plain_tensor(args[3])))
     Py_RETURN_NONE;
+  // Owned references, taken with the GIL held: another thread may swap a tensor's contents
+  // (torch.utils.swap_tensors) while this call runs without it.
+  const at::Tensor x = THPVariable_Unpack(args[0]), w = THPVariable_Unpack(args[1]), scale = THPVariable_Unpack(args[2]);
   const std::optional<at::Tensor> bias = has_bias ? std::optional<at::Tensor>(THPVariable_Unpack(args[3])) : std::nullopt;
   at::Tensor out;
   {
     pybind11::gil_scoped_release no_gil;  // as torch's own functions: a kernel in Python takes it back
-    out = op().call(THPVariable_Unpack(args[0]), THPVariable_Unpack(args[1]), THPVariable_Unpack(args[2]), bias,
-                    std::nullopt);
+    out = op().call(x, w, scale, bias, std::nullopt);
   }
   return THPVariable_Wrap(std::move(out));
   END_HANDLE_TH_ERRORS

@@ -2,10 +2,12 @@
 
 Each program reads its row twice (its amax, then its codes) and writes one byte per value and
 one fp32 scale, where PyTorch's ops (pyext.ops.fp8_dynamic.quantize_rows) make four passes over
-x and write an fp32 copy of it. The results are quantize_rows' bit for bit: the scale and the
-quotients are divided with IEEE rounding (`div_rn`; Triton's `/` is approximate on a GPU), and
-the quotients are rounded to e4m3 in integer arithmetic, nearest even, as PyTorch's cast does
-(Triton's own fp8 cast truncates in its interpreter). The one difference: in a row holding NaN
+x and write an fp32 copy of it. The results are quantize_rows' bit for bit: the scale is the
+amax times the fp32 reciprocal of 448, the quotients are divided with IEEE rounding (`div_rn`;
+Triton's `/` is approximate on a GPU) and rounded to e4m3 in integer arithmetic, nearest even,
+as PyTorch's cast does (Triton's own fp8 cast truncates in its interpreter). bfloat16 rows are
+read as their bits and widened by a shift (the interpreter's own bf16 conversion mangles
+subnormals). The one difference: in a row holding NaN
 every code is NaN, and the sign of those NaNs follows the device's division, as in PyTorch.
 
 Offsets within a row are 32-bit; rows are addressed in 64-bit. Launch configurations (`configs`):
@@ -20,6 +22,7 @@ import triton.language as tl
 from pyext.kernels import Config, config, interpreting, tune
 
 FP8_MAX = tl.constexpr(448.0)
+INV_FP8_MAX = tl.constexpr(1.0 / 448.0)  # rounded to fp32 where it multiplies, as in quantize_rows
 TINY = tl.constexpr(1.1754943508222875e-38)  # fp32's smallest normal: the least scale, as quantize_rows clamps it
 
 
@@ -41,7 +44,16 @@ def _e4m3_codes(q):
 
 
 @triton.jit
-def _quantize_rows_kernel(x_ptr, q_ptr, s_ptr, K, stride_xm, BLOCK_K: tl.constexpr):
+def _load_row(x_row, offsets, mask, BF16_BITS: tl.constexpr):
+    """fp32 values of a row's elements; BF16_BITS: the row holds bfloat16 bits as int16."""
+    v = tl.load(x_row + offsets, mask=mask, other=0)
+    if BF16_BITS:
+        return (v.to(tl.int32) << 16).to(tl.float32, bitcast=True)
+    return v.to(tl.float32)
+
+
+@triton.jit
+def _quantize_rows_kernel(x_ptr, q_ptr, s_ptr, K, stride_xm, BF16_BITS: tl.constexpr, BLOCK_K: tl.constexpr):
     row = tl.program_id(0).to(tl.int64)
     x_row = x_ptr + row * stride_xm
     q_row = q_ptr + row * K
@@ -49,15 +61,15 @@ def _quantize_rows_kernel(x_ptr, q_ptr, s_ptr, K, stride_xm, BLOCK_K: tl.constex
     amax = tl.zeros((BLOCK_K,), dtype=tl.float32)
     nans = tl.zeros((BLOCK_K,), dtype=tl.int32)
     for k0 in range(0, K, BLOCK_K):
-        v = tl.load(x_row + k0 + lanes, mask=k0 + lanes < K, other=0.0).to(tl.float32)
+        v = _load_row(x_row, k0 + lanes, k0 + lanes < K, BF16_BITS)
         amax = tl.maximum(amax, tl.abs(v))
         nans |= (v != v).to(tl.int32)  # a GPU's max drops NaN; the row's scale must be NaN
-    scale = tl.maximum(tl.math.div_rn(tl.max(amax, 0), FP8_MAX), TINY)
+    scale = tl.maximum(tl.max(amax, 0) * INV_FP8_MAX, TINY)
     scale = tl.where(tl.max(nans, 0) > 0, float("nan"), scale)
     tl.store(s_ptr + row, scale)
     for k0 in range(0, K, BLOCK_K):
         mask = k0 + lanes < K
-        v = tl.load(x_row + k0 + lanes, mask=mask, other=0.0).to(tl.float32)
+        v = _load_row(x_row, k0 + lanes, mask, BF16_BITS)
         q = tl.math.div_rn(v, scale)
         q = tl.where(q > FP8_MAX, FP8_MAX, tl.where(q < -FP8_MAX, -FP8_MAX, q))  # NaN stays NaN
         tl.store(q_row + k0 + lanes, _e4m3_codes(q), mask=mask)
@@ -81,8 +93,11 @@ def quantize_rows_triton(x2d: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]
     if M == 0:
         return codes.view(torch.float8_e4m3fn), scales
 
+    bf16 = x2d.dtype == torch.bfloat16
+    x_in = x2d.view(torch.int16) if bf16 else x2d
+
     def launch(cfg: Config):
-        _quantize_rows_kernel[(M,)](x2d, codes, scales, K, x2d.stride(0), **cfg.launch_kwargs())
+        _quantize_rows_kernel[(M,)](x_in, codes, scales, K, x2d.stride(0), BF16_BITS=bf16, **cfg.launch_kwargs())
         return codes, scales
 
     key = f"{str(x2d.dtype).removeprefix('torch.')} k{K}"
@@ -113,7 +128,7 @@ def _problem(out, x2d) -> str | None:
 
 def signature(dtype: torch.dtype, cfg: Config) -> tuple[dict, dict]:
     """(signature, constexprs) of _quantize_rows_kernel to compile it without a GPU."""
-    ty = {torch.float16: "*fp16", torch.bfloat16: "*bf16", torch.float32: "*fp32"}[dtype]
+    ty = {torch.float16: "*fp16", torch.bfloat16: "*i16", torch.float32: "*fp32"}[dtype]
     sig = {"x_ptr": ty, "q_ptr": "*u8", "s_ptr": "*fp32", "K": "i32", "stride_xm": "i32"}
-    constexprs = dict(cfg.blocks)
+    constexprs = dict(BF16_BITS=dtype == torch.bfloat16, **dict(cfg.blocks))
     return {**sig, **{name: "constexpr" for name in constexprs}}, constexprs

@@ -2,7 +2,7 @@
 
     y = round_to_x.dtype( (q(x) * sx) @ (w * sw)^T + bias )
 
-where, for each row of x (a token), sx = max(amax(|x_row|) / 448, fp32's smallest normal) and
+where, for each row of x (a token), sx = max(amax(|x_row|) * fl32(1/448), fp32's smallest normal) and
 q(x) = e4m3(x / sx), saturated at +-448; w are the layer's e4m3 codes with their fp32 scales sw
 (per channel or per tensor). The products accumulate in fp32. This is the "dynamic" fp8 mode:
 both operands of the GEMM are fp8, so it runs on fp8 tensor cores (sm_89 and newer) through
@@ -33,6 +33,7 @@ from pyext.ops.fp8 import (FP8, FP8_MAX, LINEAR_TOLERANCE, _fail, call_linear, c
 
 OP = "fp8_linear_dynamic"
 TINY = torch.finfo(torch.float32).tiny
+INV_FP8_MAX = 1.0 / FP8_MAX  # rounded to fp32 where it multiplies an fp32 tensor, on every device
 ALIGN = 16  # cuBLASLt's fp8 GEMM takes in- and out-features in multiples of 16
 
 
@@ -48,7 +49,9 @@ def quantize_rows(x2d: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     # No fp32 copy of x before the division (type promotion makes the quotient fp32), and the
     # clamp in place: on a GPU, quantizing is memory traffic, so fewer passes over x matter.
     sx = torch.linalg.vector_norm(x2d, float("inf"), dim=-1, keepdim=True, dtype=torch.float32)
-    sx = sx.div_(FP8_MAX).clamp_min_(TINY)  # NaN stays NaN
+    # Times the fp32 reciprocal, not divided by 448: PyTorch's GPU division by a number multiplies
+    # by its reciprocal, its CPU division does not; a product is the same on every device.
+    sx = sx.mul_(INV_FP8_MAX).clamp_min_(TINY)  # NaN stays NaN
     return torch.div(x2d, sx).clamp_(-FP8_MAX, FP8_MAX).to(FP8), sx
 
 
