@@ -7,8 +7,8 @@ amax times the fp32 reciprocal of 448, the quotients are divided with IEEE round
 Triton's `/` is approximate on a GPU) and rounded to e4m3 in integer arithmetic, nearest even,
 as PyTorch's cast does (Triton's own fp8 cast truncates in its interpreter). bfloat16 rows are
 read as their bits and widened by a shift (the interpreter's own bf16 conversion mangles
-subnormals). The one difference: in a row holding NaN
-every code is NaN, and the sign of those NaNs follows the device's division, as in PyTorch.
+subnormals). The one difference: in a row holding NaN every code is NaN, and the sign of those
+NaNs follows the device's division, as in PyTorch.
 
 Offsets within a row are 32-bit; rows are addressed in 64-bit. Launch configurations (`configs`):
 the default first; every one is compiled for sm_80 and sm_90 by `python -m pyext kernels`.

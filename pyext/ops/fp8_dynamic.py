@@ -118,16 +118,17 @@ def _scaled_mm_guard(x, w, scale, bias):
 # (the GEMM's), rows of any count.
 TEST_SHAPES = ((5, 48, 32, True, True), (1, 16, 80, False, False), (70, 96, 48, True, False))
 
+_BF16_ONLY = {dt: "cuBLASLt's row-wise scaled fp8 GEMM writes bfloat16 only" for dt in (torch.float16, torch.float32)}
+
 dispatch.register(OP, Backend(
     "scaled_mm", _scaled_mm, reasons=_scaled_mm_reasons, guard=_scaled_mm_guard, dtypes=(torch.bfloat16,),
     test_shapes=TEST_SHAPES,
-    notes={dt: "cuBLASLt's row-wise scaled fp8 GEMM writes bfloat16 only" for dt in (torch.float16, torch.float32)},
-    doc="torch._scaled_mm (cuBLASLt fp8 tensor cores on a GPU), row-wise activation scales"))
+    notes=_BF16_ONLY, doc="torch._scaled_mm (cuBLASLt fp8 tensor cores on a GPU), row-wise activation scales"))
 dispatch.register(OP, Backend(
     "triton_scaled_mm", _triton_scaled_mm, unavailable=triton_unavailable, advisory=interpreter_advisory,
     reasons=_scaled_mm_reasons, guard=_scaled_mm_guard, devices=triton_devices(), dtypes=(torch.bfloat16,),
     test_shapes=TEST_SHAPES,
-    notes={dt: "cuBLASLt's row-wise scaled fp8 GEMM writes bfloat16 only" for dt in (torch.float16, torch.float32)},
+    notes=_BF16_ONLY,
     doc="a Triton kernel quantizes the activations' rows in one launch (the same codes), then torch._scaled_mm"))
 dispatch.register(OP, Backend(
     "reference", fp8_linear_dynamic_reference, dtypes=(torch.bfloat16, torch.float16, torch.float32),
