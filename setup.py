@@ -12,6 +12,7 @@ import glob
 import os
 import platform
 import shutil
+import subprocess
 
 from setuptools import find_packages, setup
 
@@ -20,6 +21,27 @@ ROOT = os.path.dirname(os.path.abspath(__file__))
 
 def _flag(name):
     return os.environ.get(name, "0").lower() in ("1", "true", "yes", "on")
+
+
+def _set_cuda_home():
+    """With no CUDA_HOME set, torch takes the folder above the `nvcc` on the PATH, which is wrong
+    when that nvcc is a link or a script calling the toolkit's (/usr/local/bin/nvcc): the build then
+    finds no CUDA headers. nvcc names its toolkit's folder itself (TOP in its dry run). Runs before
+    torch reads the variable."""
+    nvcc = shutil.which("nvcc")
+    if os.environ.get("CUDA_HOME") or os.environ.get("CUDA_PATH") or nvcc is None:
+        return
+    try:
+        dry = subprocess.run([nvcc, "--dryrun", "-x", "cu", "-c", os.devnull, "-o", os.devnull],
+                             capture_output=True, text=True, timeout=60)
+    except (OSError, subprocess.TimeoutExpired):
+        return
+    for line in (dry.stdout + dry.stderr).splitlines():
+        if line.startswith("#$ TOP="):
+            home = os.path.realpath(line[len("#$ TOP="):].strip())
+            if os.path.exists(os.path.join(home, "include", "cuda_runtime_api.h")):
+                os.environ["CUDA_HOME"] = home
+            return
 
 
 def _cuda_reason(torch):
@@ -63,6 +85,7 @@ def _sources():
 def _extensions():
     if _flag("PYEXT_SKIP_BUILD"):
         return [], {}
+    _set_cuda_home()
     import torch
     from torch.utils.cpp_extension import BuildExtension, CppExtension, CUDAExtension
 
@@ -85,16 +108,18 @@ def _extensions():
     return [ext], {"build_ext": BuildExtension.with_options(use_ninja=shutil.which("ninja") is not None)}
 
 
-ext_modules, cmdclass = _extensions()
+# Guarded so that tests can load the helpers above; pip runs this file as __main__ too.
+if __name__ == "__main__":
+    ext_modules, cmdclass = _extensions()
 
-setup(
-    name="pyext",
-    version="0.1.0",
-    description="Compiled kernels and a one-call optimizer for Hugging Face diffusers pipelines",
-    packages=find_packages(include=["pyext", "pyext.*"]),
-    package_data={"pyext": ["configs/*.json"]},
-    python_requires=">=3.10",
-    install_requires=["torch>=2.4", "diffusers>=0.32", "accelerate", "transformers", "safetensors"],
-    ext_modules=ext_modules,
-    cmdclass=cmdclass,
-)
+    setup(
+        name="pyext",
+        version="0.1.0",
+        description="Compiled kernels and a one-call optimizer for Hugging Face diffusers pipelines",
+        packages=find_packages(include=["pyext", "pyext.*"]),
+        package_data={"pyext": ["configs/*.json"]},
+        python_requires=">=3.10",
+        install_requires=["torch>=2.4", "diffusers>=0.32", "accelerate", "transformers", "safetensors"],
+        ext_modules=ext_modules,
+        cmdclass=cmdclass,
+    )

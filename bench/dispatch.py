@@ -187,9 +187,10 @@ def main(argv=None) -> dict:
         return {}
     results = {}
     for mode in ("static", "measured"):
-        env = dict(os.environ, PYEXT_DISPATCH=mode, PYEXT_CACHE_DIR=tempfile.mkdtemp(prefix="pyext_dispatch_"))
-        out = subprocess.run([sys.executable, "-m", "bench.dispatch", "--device", args.device, "--child", mode],
-                             env=env, capture_output=True, text=True, check=True)
+        with tempfile.TemporaryDirectory(prefix="pyext_dispatch_") as cache:
+            env = dict(os.environ, PYEXT_DISPATCH=mode, PYEXT_CACHE_DIR=cache)
+            out = subprocess.run([sys.executable, "-m", "bench.dispatch", "--device", args.device, "--child", mode],
+                                 env=env, capture_output=True, text=True, check=True)
         results[mode] = json.loads(out.stdout.strip().splitlines()[-1])
     print("| shape (B, H, Sq, Skv, D) | mode | backend | first call | steady call |")
     print("|---|---|---|---:|---:|")

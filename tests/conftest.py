@@ -1,4 +1,6 @@
+import atexit
 import os
+import shutil
 import tempfile
 
 import pytest
@@ -7,8 +9,11 @@ import torch
 from pyext._ext import EXT
 
 # Dispatch's choices and marks go to a directory of this test run's own, never to the user's
-# (~/.cache/pyext): tests register made-up broken backends on purpose. Subprocesses inherit it.
-os.environ.setdefault("PYEXT_CACHE_DIR", tempfile.mkdtemp(prefix="pyext_test_dispatch_"))
+# (~/.cache/pyext): tests register made-up broken backends on purpose. Subprocesses (the xdist
+# workers among them) inherit it; the process that made it removes it when it exits.
+if "PYEXT_CACHE_DIR" not in os.environ:
+    os.environ["PYEXT_CACHE_DIR"] = tempfile.mkdtemp(prefix="pyext_test_dispatch_")
+    atexit.register(shutil.rmtree, os.environ["PYEXT_CACHE_DIR"], ignore_errors=True)
 
 # Under pytest-xdist (`make test` runs one worker per core), each worker computes on one thread:
 # workers with torch's default of a thread per core would oversubscribe the cores, and OpenMP's
