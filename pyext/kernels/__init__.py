@@ -49,8 +49,13 @@ class Config:
     def label(self) -> str:
         return "_".join(f"{k}{v}" for k, v in self.blocks) + f"_w{self.num_warps}_s{self.num_stages}"
 
+    def launch_options(self) -> dict:
+        """Triton's compile options. FMA contraction is asked for, not left to Triton's default,
+        which newer releases turn off: the kernels then compile alike on every Triton."""
+        return {"num_warps": self.num_warps, "num_stages": self.num_stages, "enable_fp_fusion": True}
+
     def launch_kwargs(self) -> dict:
-        return {**dict(self.blocks), "num_warps": self.num_warps, "num_stages": self.num_stages}
+        return {**dict(self.blocks), **self.launch_options()}
 
 
 def config(num_warps: int, num_stages: int, **blocks: int) -> Config:

@@ -145,8 +145,7 @@ def compile_triton(spec: Spec, arch: int) -> dict:
         source = ASTSource(fn, spec.signature, constexprs={(index[k],): v for k, v in spec.constexprs.items()})
         log = io.StringIO()
         with contextlib.redirect_stdout(log):  # Triton prints its own ptxas -v log (TRITON_DUMP_PTXAS_LOG)
-            kernel = triton.compile(source, target=GPUTarget("cuda", arch, 32),
-                                    options={"num_warps": spec.config.num_warps, "num_stages": spec.config.num_stages})
+            kernel = triton.compile(source, target=GPUTarget("cuda", arch, 32), options=spec.config.launch_options())
         if not _PTXAS_LINE.search(log.getvalue()):
             raise RuntimeError("Triton printed no ptxas log (a cached kernel?); run with a fresh TRITON_CACHE_DIR")
         entry.update(_usage(log.getvalue()), shared_bytes=int(kernel.metadata.shared), compiled=True)

@@ -152,7 +152,7 @@ def group_norm_triton(x: torch.Tensor, num_groups: int, weight, bias, shift, eps
         _gn_stats[(N * G, chunks)](x, x if shift is None else shift, parts, C, S, G, CG, group_len, chunk_len,
                                    **flags, **cfg.launch_kwargs())
         _gn_merge[(N * G,)](parts, stats[0], stats[1], stats[2], chunks, eps,
-                            SPLIT=triton.next_power_of_2(chunks), num_warps=1)
+                            SPLIT=triton.next_power_of_2(chunks), **MERGE_CONFIG.launch_options())
         _gn_apply[(triton.cdiv(C * S, block), N)](
             x, y, x if weight is None else weight, x if bias is None else bias, x if shift is None else shift,
             stats[0], stats[1], stats[2], C, S, G, CG, HAS_WEIGHT=weight is not None, HAS_BIAS=bias is not None,
