@@ -55,11 +55,13 @@ def print_text(info: dict) -> None:
     print(f"cuda: {info['cuda_device'] or 'not available'}")
     for dev, ops in info["ops"].items():
         print(f"\nbackends on {dev} (in order of preference):")
+        op_width = max(map(len, ops), default=0)
+        backend_width = max((len(row["backend"]) for rows in ops.values() for row in rows), default=0)
         for op, rows in ops.items():
             for row in rows:
                 mark = "yes" if row["available"] else "no "
                 why = f"  ({row['reason']})" if row["reason"] else ""
-                print(f"  {op:<14} {row['backend']:<10} {mark}{why}")
+                print(f"  {op:<{op_width}} {row['backend']:<{backend_width}} {mark}{why}")
     print(f"\ndispatch: {', '.join(f'{d} {m}' for d, m in info['dispatch_mode'].items())} "
           f"(PYEXT_DISPATCH); cache {info['dispatch_cache']}")
     for d in info["decisions"]:
