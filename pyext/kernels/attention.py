@@ -53,10 +53,12 @@ _CONFIGS_FP32 = {
     192: [config(8, 2, BLOCK_M=32, BLOCK_N=16), config(8, 2, BLOCK_M=32, BLOCK_N=32)],
     256: [config(8, 2, BLOCK_M=16, BLOCK_N=32), config(4, 2, BLOCK_M=16, BLOCK_N=32)],
 }
-# With a bias its fp32 (BLOCK_M, BLOCK_N) tile is live beside the scores; where the plain default
-# then spills on sm_80, the candidate at this index of the class is the default instead.
+# With a bias its fp32 (BLOCK_M, BLOCK_N) tile is live beside the scores, and with the log-sum-exp
+# (no bias) Triton 3.6 spills fp32's 64 x 32 tiles at width 128 on sm_90; where the plain default
+# spills so, the candidate at this index of the class is the default instead.
 _BIAS_DEFAULT_16BIT: dict[int, int] = {}
 _BIAS_DEFAULT_FP32 = {64: 1}
+_LSE_DEFAULT_FP32 = {128: 1}
 _INTERPRETER = [config(4, 1, BLOCK_M=32, BLOCK_N=32)]  # the interpreter runs each program in numpy
 
 
@@ -82,16 +84,19 @@ def head_dim_parts(d: int) -> tuple[int, int, int] | None:
     return tuple(parts + [0] * (MAX_PARTS - len(parts)))
 
 
-def configs(d: int, dtype: torch.dtype, has_bias: bool = False) -> list[Config]:
-    """Launch candidates for head dim d (1..256), the input dtype and whether a bias is added,
-    the default first."""
+def configs(d: int, dtype: torch.dtype, has_bias: bool = False, has_lse: bool = False) -> list[Config]:
+    """Launch candidates for head dim d (1..256), the input dtype and whether a bias is added and
+    the log-sum-exp returned, the default first."""
     if interpreting():
         return _INTERPRETER
     width = sum(head_dim_parts(d))
     fp32 = dtype == torch.float32
     table = _CONFIGS_FP32 if fp32 else _CONFIGS_16BIT
     cls = next(w for w in sorted(table) if width <= w)
-    first = (_BIAS_DEFAULT_FP32 if fp32 else _BIAS_DEFAULT_16BIT).get(cls, 0) if has_bias else 0
+    if has_bias:
+        first = (_BIAS_DEFAULT_FP32 if fp32 else _BIAS_DEFAULT_16BIT).get(cls, 0)
+    else:
+        first = _LSE_DEFAULT_FP32.get(cls, 0) if fp32 and has_lse else 0
     return [table[cls][first]] + table[cls][:first] + table[cls][first + 1:]
 
 
@@ -245,8 +250,9 @@ def attention_triton(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: f
         return out
 
     key = f"{str(q.dtype).removeprefix('torch.')} d{D} sq{triton.next_power_of_2(SQ)} skv{triton.next_power_of_2(SKV)}"
-    key += " bias" if bias is not None else ""
-    cfg = tune("attention:triton", key, q.device, configs(D, q.dtype, bias is not None), lambda c: launch(c).clone(),
+    key += " bias" * (bias is not None) + " lse" * return_lse
+    cfg = tune("attention:triton", key, q.device, configs(D, q.dtype, bias is not None, return_lse),
+               lambda c: launch(c).clone(),
                check=lambda out: _slice_problem(out, q, k, v, scale, bias))
     return launch(cfg), lse
 

@@ -57,7 +57,7 @@ def triton_specs(everything: bool = False) -> list[Spec]:
     Otherwise (the CI test, about a ninth of the compiles): attention's fp16 defaults at every head dim
     (spills depend on the head dim's parts) and fp32's at the widest head dim of each config class,
     plain and with all three (the most registers, and every feature's code), and with lse and grouped
-    heads where the bias has a default of its own; every fp16 config
+    heads where that default differs from the one with all three; every fp16 config
     plain at the widest head dims; bf16 compiles to the same registers as fp16. GroupNorm:
     the stats and apply kernels' fp16 and fp32 defaults in both layouts and every fp16
     channels-last config (the more index math), the merge once (it reads float32 moments only). The
@@ -75,14 +75,14 @@ def triton_specs(everything: bool = False) -> list[Spec]:
             if not everything and dtype == torch.float32 and d not in WIDEST:
                 continue
             widest = d in WIDEST and dtype == torch.float16
-            # where a bias makes another candidate the default, the check with every feature
-            # does not cover the plain default: it is compiled with the other two features
-            bias_default_differs = attention.configs(d, dtype, False)[0] != attention.configs(d, dtype, True)[0]
+            # where the default without a bias is not the one with every feature, it is compiled
+            # with the other two features as well
+            own_default = attention.configs(d, dtype, False, True)[0] != attention.configs(d, dtype, True, True)[0]
             for bias, lse, gqa in itertools.product((False, True), repeat=3):
-                candidates = attention.configs(d, dtype, bias)
+                candidates = attention.configs(d, dtype, bias, lse)
                 if everything or (widest and not (bias or lse or gqa)):
                     chosen = candidates
-                elif bias == lse == gqa or (lse and gqa and not bias and bias_default_differs):
+                elif bias == lse == gqa or (lse and gqa and not bias and own_default):
                     chosen = candidates[:1]  # the default only
                 else:
                     continue
