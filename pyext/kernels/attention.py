@@ -53,12 +53,10 @@ _CONFIGS_FP32 = {
     192: [config(8, 2, BLOCK_M=32, BLOCK_N=16), config(8, 2, BLOCK_M=32, BLOCK_N=32)],
     256: [config(8, 2, BLOCK_M=16, BLOCK_N=32), config(4, 2, BLOCK_M=16, BLOCK_N=32)],
 }
-# With a bias its fp32 (BLOCK_M, BLOCK_N) tile is live beside the scores, and with the log-sum-exp
-# (no bias) Triton 3.6 spills fp32's 64 x 32 tiles at width 128 on sm_90; where the plain default
-# spills so, the candidate at this index of the class is the default instead.
-_BIAS_DEFAULT_16BIT: dict[int, int] = {}
-_BIAS_DEFAULT_FP32 = {64: 1}
-_LSE_DEFAULT_FP32 = {128: 1}
+# Where the plain default spills with a feature, the candidate at this index of the class is the
+# default with it (fp32 only): a bias's fp32 (BLOCK_M, BLOCK_N) tile is live beside the scores, and
+# with the log-sum-exp (no bias) Triton 3.6 spills the 64 x 32 tiles at width 128 on sm_90.
+_FP32_DEFAULT_WITH = {"bias": {64: 1}, "lse": {128: 1}}
 _INTERPRETER = [config(4, 1, BLOCK_M=32, BLOCK_N=32)]  # the interpreter runs each program in numpy
 
 
@@ -93,10 +91,8 @@ def configs(d: int, dtype: torch.dtype, has_bias: bool = False, has_lse: bool = 
     fp32 = dtype == torch.float32
     table = _CONFIGS_FP32 if fp32 else _CONFIGS_16BIT
     cls = next(w for w in sorted(table) if width <= w)
-    if has_bias:
-        first = (_BIAS_DEFAULT_FP32 if fp32 else _BIAS_DEFAULT_16BIT).get(cls, 0)
-    else:
-        first = _LSE_DEFAULT_FP32.get(cls, 0) if fp32 and has_lse else 0
+    feature = "bias" if has_bias else "lse" if has_lse else None
+    first = _FP32_DEFAULT_WITH.get(feature, {}).get(cls, 0) if fp32 else 0
     return [table[cls][first]] + table[cls][:first] + table[cls][first + 1:]
 
 
