@@ -12,6 +12,7 @@ from __future__ import annotations
 import functools
 import importlib
 import inspect
+import types
 
 import torch
 
@@ -19,6 +20,16 @@ CHECKED = {"torch": "2.11-2.13", "diffusers": "0.35-0.42", "accelerate": "1.10-1
 
 # torch: the function F.scaled_dot_product_attention is (what a TorchFunctionMode sees).
 SDPA = torch._C._nn.scaled_dot_product_attention
+
+
+def call_as_method(func, args: tuple, kwargs: dict):
+    """func(*args, **kwargs) from a TorchFunctionMode's handler. A Tensor method written in Python
+    (torch/_tensor.py: unflatten, split, ...) reaches the handler as that function, which calls
+    super(); torch.compile (torch 2.11 to 2.13) cannot trace that super() call there and breaks the graph.
+    Called as a method of the tensor instead, it runs the same code, and compiles in place."""
+    if isinstance(func, types.FunctionType) and getattr(torch.Tensor, func.__name__, None) is func:
+        return getattr(args[0], func.__name__)(*args[1:], **kwargs)
+    return func(*args, **kwargs)
 
 # Attributes that upstream hooks and wrappers put on modules and pipelines.
 ACCELERATE_HOOK = "_hf_hook"  # accelerate's ModelHook on a module (offload, device maps)

@@ -193,6 +193,36 @@ def test_users_torch_compile_after_optimize(arch):
     assert_same(run(opt, arch, seed=1), run(twin, arch, seed=1))  # compiled again for nothing: same graphs
 
 
+@pytest.mark.parametrize("arch", ["sd15", "flux", "wan21", "sana"])  # sana: layers whose processor has no SDPA
+def test_torch_compile_finds_no_more_graph_breaks_than_in_plain_diffusers(arch):
+    """Each break splits the compiled denoiser and, with CUDA graphs, the captured step. prepack
+    off: prepacked CPU layers break the first compiled call once by design (they unpack)."""
+    den = DENOISER.get(arch, "transformer")
+    graphs = {}
+    for name, options in (("plain", None), ("pyext", dict(dtype="keep", fp8="denoiser", prepack="off"))):
+        pipe = build_pipeline(arch, "tiny")
+        if options:
+            pyext.optimize(pipe, **options)
+        calls = []
+        handle = getattr(pipe, den).register_forward_pre_hook(lambda m, a, kw: calls.append((a, kw)), with_kwargs=True)
+        run_example(pipe, arch, steps=1)
+        handle.remove()
+        graphs[name] = []
+        torch._dynamo.reset()
+
+        def record(gm, inputs, found=graphs[name]):
+            found.append([str(n.target) for n in gm.graph.nodes if n.op == "call_function"])
+            return gm.forward
+
+        with torch.no_grad():
+            torch.compile(getattr(pipe, den), backend=record)(*calls[0][0], **calls[0][1])
+    assert len(graphs["pyext"]) <= len(graphs["plain"]), (len(graphs["pyext"]), len(graphs["plain"]))
+    targets = [t for graph in graphs["pyext"] for t in graph]
+    assert "pyext.fp8_linear" in targets and not any("scaled_dot_product" in t for t in targets)
+    if arch != "sana":  # its tiny config has no SDPA layer
+        assert "pyext.attention" in targets
+
+
 @pytest.mark.parametrize("arch", ARCHS)
 def test_optimize_twice_equals_one_call_with_the_later_options(arch):
     once = pyext.optimize(build_pipeline(arch, "tiny"), **TECHNIQUES["fp8"])
