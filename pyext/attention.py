@@ -40,9 +40,10 @@ Why this way:
   (`pyext.parallel`), pyext computes their calls across the ranks the model's config names.
 
 Cost: in eager mode every torch call inside a patched layer passes through the mode's Python
-handler (~20 calls per AttnProcessor2_0 layer; see docs/optimize.md for the measured overhead).
-torch.compile traces hooks and mode: the graph holds torch.ops.pyext.attention and no break
-(fullgraph=True works); compiled calls are not counted in status().
+handler; a traced or compiled denoiser pays none of it. torch.compile traces hooks and mode: the
+graph holds torch.ops.pyext.attention and breaks no more often than plain diffusers' (the
+handler calls Tensor methods written in Python as methods, which dynamo traces in place);
+compiled calls are not counted in status().
 Do not call apply()/remove() on a model while it runs in another thread.
 """
 from __future__ import annotations
