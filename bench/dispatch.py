@@ -9,8 +9,10 @@ the same work (SDPA; F.linear on the dequantized weight; F.group_norm + SiLU; F.
 that call made through `torch.ops.aten.*` (what any op called through `torch.ops` pays, custom
 or not), and against the chosen backend called bare. For fp8_linear also the call pyext's fp8
 layers make (`pyext.ops.fp8.call_linear`: the op through the extension, without torch.ops). Rounds interleave the calls (A, B, A, B, ...); each
-ratio is the median of the per-round ratios, with its range. The results, with the machine,
-the commit and the versions, go to FILE (JSON) when given.
+ratio is the median of the per-round ratios, with its range. Also one tiny diffusers attention
+layer of each processor kind pyext routes, plain and routed (`pyext.attention.apply`): the routing's
+torch-function mode sees every torch call of a routed layer's forward, which an eager step pays per
+layer. The results, with the machine, the commit and the versions, go to FILE (JSON) when given.
 
 Without --overhead: attention in diffusers' layout at SD1.5 shapes. Each mode runs in its own
 process with an empty dispatch cache, so the first call pays for whatever the mode does once per
@@ -141,6 +143,74 @@ def overhead(device: str, rounds: int, calls: int) -> list[dict]:
     return rows
 
 
+def _attention_layers(device: str) -> dict:
+    """{processor kind: (layer, inputs)}: a tiny layer of each kind pyext routes, the one that calls
+    SDPA itself (SD's) and one that goes through diffusers' attention dispatcher (Flux's)."""
+    import torch
+    from diffusers.models.attention_processor import Attention
+    from diffusers.models.transformers.transformer_flux import FluxAttention
+
+    torch.manual_seed(0)
+    x, ctx = torch.randn(1, 64, 64, device=device), torch.randn(1, 8, 64, device=device)
+    sd = Attention(query_dim=64, cross_attention_dim=64, heads=2, dim_head=32)
+    flux = FluxAttention(query_dim=64, heads=2, dim_head=32, added_kv_proj_dim=64)
+    return {f"{type(layer.processor).__name__} ({name})": (layer.to(device).eval(), (x, ctx))
+            for name, layer in (("SD, SDXL", sd), ("Flux", flux))}
+
+
+def _torch_calls(fn) -> int:
+    """How many torch functions one call of fn makes (what a torch-function mode sees)."""
+    from torch.overrides import TorchFunctionMode
+
+    class Count(TorchFunctionMode):
+        calls = 0
+
+        def __torch_function__(self, func, types, args=(), kwargs=None):
+            Count.calls += 1
+            return func(*args, **(kwargs or {}))
+
+    with Count():
+        fn()
+    return Count.calls
+
+
+def routing_overhead(device: str, rounds: int, calls: int) -> list[dict]:
+    """Each layer of _attention_layers plain and routed to pyext, under torch.no_grad()."""
+    import copy
+
+    import torch
+
+    import pyext.attention
+
+    rows = []
+    with torch.no_grad():
+        for kind, (plain, args) in _attention_layers(device).items():
+            routed = copy.deepcopy(plain)
+            pyext.attention.apply(routed)
+            calls_of = {"plain": lambda m=plain, a=args: m(*a), "routed": lambda m=routed, a=args: m(*a)}
+            for fn in calls_of.values():
+                _per_call(fn, calls, device)
+            times = {name: [] for name in calls_of}
+            for _ in range(rounds):
+                for name, fn in calls_of.items():
+                    times[name].append(_per_call(fn, calls, device))
+            vs = sorted(r / p for r, p in zip(times["routed"], times["plain"]))
+            status = pyext.attention.status(routed)
+            rows.append({"layer": kind, "torch_calls": _torch_calls(calls_of["plain"]),
+                         **{f"{name}_us": statistics.median(t) * 1e6 for name, t in times.items()},
+                         "routed_vs_plain": statistics.median(vs), "routed_vs_plain_range": [vs[0], vs[-1]],
+                         "pyext_calls": status["pyext_calls"], "fallbacks": status["fallbacks"]})
+    return rows
+
+
+def render_routing(rows: list[dict]) -> str:
+    lines = ["| attention layer (tiny) | torch calls per forward | plain | routed to pyext | routed / plain (range) |",
+             "|---|---:|---:|---:|---:|"]
+    lines += [f"| {r['layer']} | {r['torch_calls']} | {r['plain_us']:.1f} us | {r['routed_us']:.1f} us | "
+              f"{_ratio(r, 'routed_vs_plain')} |" for r in rows]
+    return "\n".join(lines)
+
+
 def _ratio(r: dict, name: str) -> str:
     low, high = r[f"{name}_range"]
     return f"{r[name]:.2f}x ({low:.2f}-{high:.2f})"
@@ -180,8 +250,10 @@ def main(argv=None) -> dict:
         torch.set_num_threads(1)  # a tiny input: one thread, as the op's own cost is what is measured
         rows = overhead(args.device, args.rounds, args.calls)
         print(render_overhead(rows))
+        layers = routing_overhead(args.device, args.rounds, max(1, args.calls // 10))  # a layer is ~10 calls' work
+        print("\n" + render_routing(layers))
         return save_results("dispatch --overhead", args.device, args.out, rounds=args.rounds, calls=args.calls,
-                            rows=rows)
+                            rows=rows, layers=layers)
     if args.child:
         print(json.dumps(_child(args.device)))
         return {}

@@ -64,7 +64,7 @@ def steps(out: str) -> list[Step]:
              "every CUDA backend of every op captured in a CUDA graph and replayed, against its eager result"),
         Step("dispatch_overhead", 20, (py, "-m", "bench.dispatch", "--overhead", "--device", "cuda", "--rounds", "3",
                                        "--calls", "500", "--out", os.path.join(out, "dispatch_overhead.json")),
-             "each op's call against PyTorch's own call, tiny inputs"),
+             "each op's call against PyTorch's own call, and a routed attention layer against the plain one, tiny inputs"),
         Step("kernels", 35, (py, "-m", "bench.gpu_kernels", "--json", os.path.join(out, "kernels.json")),
              "attention against SDPA's flash, efficient and cuDNN backends; fp8 linears against cuBLAS bf16"),
         Step("sync_debug", 35, (*me, "--sync-debug"),
@@ -195,7 +195,7 @@ def capture() -> int:
 def render(result: dict) -> str:
     """docs/benchmarks.md's GPU tables from a gpu_check.json: the steps, attention against SDPA's
     backends, fp8 linears against cuBLAS bf16, the SD1.5 rows and the dispatch overhead."""
-    from bench.dispatch import render_overhead
+    from bench.dispatch import render_overhead, render_routing
 
     steps = result["steps"]
     out = ["| step | exit code | seconds |", "|---|---:|---:|"]
@@ -229,7 +229,8 @@ def render(result: dict) -> str:
             out += ["", f"{step}: {steps[step].get('reason') or 'not measured: it ran out of the budget'}."]
     overhead = next(iter(steps.get("dispatch_overhead", {}).get("results", {}).values()), None)
     if overhead:
-        out += ["", render_overhead(overhead["rows"])]
+        out += ["", render_overhead(overhead["rows"])] + (["", render_routing(overhead["layers"])]
+                                                          if "layers" in overhead else [])
     return "\n".join(out)
 
 

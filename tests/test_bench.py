@@ -239,6 +239,19 @@ def test_rendering_replaces_a_block_with_its_file(tmp_path):
     assert render.rendered(new) == new
 
 
+def test_routing_overhead_times_each_attention_layer_kind_plain_and_routed_to_pyext():
+    from bench.dispatch import _attention_layers, render_routing, routing_overhead
+
+    rows = routing_overhead("cpu", rounds=2, calls=2)
+    assert [r["layer"] for r in rows] == list(_attention_layers("cpu"))
+    for r in rows:
+        # routed: every timed forward's attention went to pyext's op, none to torch's SDPA
+        assert r["pyext_calls"] > 0 and r["fallbacks"] == 0
+        assert r["torch_calls"] > 1 and min(r["plain_us"], r["routed_us"]) > 0
+        assert r["routed_vs_plain_range"][0] <= r["routed_vs_plain"] <= r["routed_vs_plain_range"][1]
+    assert render_routing(rows).count("\n") == len(rows) + 1
+
+
 def test_dispatch_overhead_times_every_op_through_its_chosen_backend():
     from bench.dispatch import _tiny_calls, overhead
     from pyext import dispatch
