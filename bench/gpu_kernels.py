@@ -47,12 +47,24 @@ def _ms(fn) -> float:
     return do_bench(fn, warmup=25, rep=100, return_mode="median")
 
 
+def _ms_host(fn, runs: int = 3) -> float:
+    """The median of a few host-timed calls: the benches' logic on CPU tensors, in tests."""
+    import time
+
+    times = []
+    for _ in range(runs):
+        t = time.perf_counter()
+        fn()
+        times.append((time.perf_counter() - t) * 1e3)
+    return sorted(times)[runs // 2]
+
+
 def _rel(y: torch.Tensor, ref: torch.Tensor) -> float:
     return ((y.float() - ref).norm() / ref.norm()).item()
 
 
 @torch.no_grad()
-def bench_attention(shapes=ATTENTION_SHAPES, dtype=torch.bfloat16) -> list[dict]:
+def bench_attention(shapes=ATTENTION_SHAPES, dtype=torch.bfloat16, device="cuda", ms=_ms) -> list[dict]:
     from torch.nn.attention import SDPBackend, sdpa_kernel
 
     from pyext.kernels.attention import attention_triton
@@ -60,22 +72,22 @@ def bench_attention(shapes=ATTENTION_SHAPES, dtype=torch.bfloat16) -> list[dict]
 
     rows = []
     for name, b, h, sq, skv, d in shapes:
-        g = torch.Generator("cuda").manual_seed(0)
-        q, k, v = (torch.randn(b, h, s, d, device="cuda", dtype=dtype, generator=g) for s in (sq, skv, skv))
+        g = torch.Generator(device).manual_seed(0)
+        q, k, v = (torch.randn(b, h, s, d, device=device, dtype=dtype, generator=g) for s in (sq, skv, skv))
         ref = F.scaled_dot_product_attention(q.float(), k.float(), v.float())
         flops = 4 * b * h * sq * skv * d
         row = dict(bench="attention", shape=name, b=b, h=h, sq=sq, skv=skv, d=d, dtype=str(dtype)[6:])
         try:
-            row["pyext_ms"] = _ms(lambda: attention(q, k, v, backend="triton"))
+            row["pyext_ms"] = ms(lambda: attention(q, k, v, backend="triton"))
             row["pyext_err"] = _rel(attention(q, k, v, backend="triton"), ref)
-            row["pyext_kernel_ms"] = _ms(lambda: attention_triton(q, k, v, None))
+            row["pyext_kernel_ms"] = ms(lambda: attention_triton(q, k, v, None))
         except Exception as e:  # one backend's failure must not hide the others' rows
             row["pyext_error"] = f"{type(e).__name__}: {e}"[:200]
         row["sdpa_err"] = _rel(F.scaled_dot_product_attention(q, k, v), ref)
         for backend in SDPA_BACKENDS:
             try:
                 with sdpa_kernel([getattr(SDPBackend, backend)]):
-                    row[f"{backend.split('_')[0].lower()}_ms"] = _ms(lambda: F.scaled_dot_product_attention(q, k, v))
+                    row[f"{backend.split('_')[0].lower()}_ms"] = ms(lambda: F.scaled_dot_product_attention(q, k, v))
             except RuntimeError as e:
                 row[f"{backend.split('_')[0].lower()}_ms"] = None
                 row.setdefault("refused", []).append(f"{backend}: {str(e).splitlines()[0][:80]}")
@@ -94,7 +106,7 @@ def bench_attention(shapes=ATTENTION_SHAPES, dtype=torch.bfloat16) -> list[dict]
 
 
 @torch.no_grad()
-def bench_fp8_linear(shapes=LINEAR_SHAPES) -> list[dict]:
+def bench_fp8_linear(shapes=LINEAR_SHAPES, device="cuda", ms=_ms) -> list[dict]:
     from pyext.kernels.fp8_linear import fp8_linear_triton
     from pyext.nn import FP8Linear
     from pyext.ops import fp8_upcast
@@ -102,8 +114,8 @@ def bench_fp8_linear(shapes=LINEAR_SHAPES) -> list[dict]:
     rows = []
     for name, m, k, n in shapes:
         torch.manual_seed(0)
-        lin = torch.nn.Linear(k, n).to("cuda", torch.bfloat16)
-        x = torch.randn(m, k, device="cuda", dtype=torch.bfloat16)
+        lin = torch.nn.Linear(k, n).to(device, torch.bfloat16)
+        x = torch.randn(m, k, device=device, dtype=torch.bfloat16)
         weight_only = FP8Linear.from_linear(lin)
         dynamic = FP8Linear.from_linear(lin, gemm="dynamic")
         codes, scale = weight_only.fp8_weight, weight_only.scale
@@ -124,7 +136,7 @@ def bench_fp8_linear(shapes=LINEAR_SHAPES) -> list[dict]:
         row = dict(bench="fp8_linear", shape=name, M=m, K=k, N=n)
         for key, fn in fns.items():
             try:
-                row[f"{key}_ms"] = _ms(fn)
+                row[f"{key}_ms"] = ms(fn)
                 if key != "bf16":
                     y = fn().float()
                     row[f"{key}_sqnr_db"] = round((10 * torch.log10(ref.pow(2).sum() / (y - ref).pow(2).sum())).item(), 1)

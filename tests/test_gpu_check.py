@@ -4,6 +4,7 @@ import json
 import sys
 
 from bench import gpu_check
+from tests.conftest import run_in_triton_interpreter
 
 
 def test_the_plan_fits_its_budget_and_names_every_part():
@@ -57,3 +58,28 @@ def test_a_step_past_its_limit_is_stopped_with_the_processes_it_started(tmp_path
         time.sleep(0.1)
     else:
         raise AssertionError("the step's own child process outlived the step")
+
+
+def test_the_kernel_bench_builds_every_row_on_cpu_tensors():
+    """bench.gpu_kernels' own code, every variant it times, on tiny shapes on CPU (Triton's
+    interpreter runs the Triton kernels): on a GPU, a slip there costs a step of a short lease."""
+    attention, linear = run_in_triton_interpreter("""
+import json, torch
+from bench.gpu_kernels import bench_attention, bench_fp8_linear, _ms_host
+rows = bench_attention([("tiny", 1, 2, 20, 12, 40)], torch.float16, "cpu", _ms_host)  # (bf16 dots: wrong in the interpreter)
+rows += bench_fp8_linear([("tiny", 5, 32, 48)], "cpu", _ms_host)
+print(json.dumps(rows))
+""")
+    assert not [k for k in attention if k.endswith("error")], attention
+    assert attention["pyext_ms"] > 0 and attention["pyext_kernel_ms"] > 0 and attention["err_vs_sdpa"] <= 2.0
+    timed_sdpa = [name for name in ("flash", "efficient", "cudnn") if attention[f"{name}_ms"] is not None]
+    assert timed_sdpa and len(timed_sdpa) + len(attention.get("refused", [])) == 3  # each SDPA backend: timed or refused
+    assert "best_sdpa_over_pyext" in attention
+    # Refused here only: the CUDA upcast kernel (CUDA only), and the Triton backend in bf16 (the
+    # interpreter's bf16 dots are wrong; the bare kernel still runs, its answer unchecked).
+    assert {k for k in linear if k.endswith("error")} == {"upcast_cublas_error", "weight_only_triton_error"}
+    timed = ("weight_only", "triton_kernel", "upcast_then_cublas", "dynamic", "dynamic_torch_quantize",
+             "dynamic_triton_quantize")
+    assert all(linear[f"{key}_ms"] > 0 and linear[f"{key}_vs_bf16"] > 0 for key in timed)
+    assert linear["weight_only_sqnr_db"] > 25
+    assert linear["dynamic_torch_quantize_sqnr_db"] == linear["dynamic_triton_quantize_sqnr_db"] > 20  # the same codes
