@@ -31,6 +31,7 @@ def call_as_method(func, args: tuple, kwargs: dict):
         return getattr(args[0], func.__name__)(*args[1:], **kwargs)
     return func(*args, **kwargs)
 
+
 # Attributes that upstream hooks and wrappers put on modules and pipelines.
 ACCELERATE_HOOK = "_hf_hook"  # accelerate's ModelHook on a module (offload, device maps)
 ACCELERATE_OLD_FORWARD = "_old_forward"  # the forward accelerate's wrapper calls at call time
