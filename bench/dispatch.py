@@ -162,16 +162,16 @@ def _torch_calls(fn) -> int:
     """How many torch functions one call of fn makes (what a torch-function mode sees)."""
     from torch.overrides import TorchFunctionMode
 
-    class Count(TorchFunctionMode):
-        calls = 0
+    seen = []
 
+    class Count(TorchFunctionMode):
         def __torch_function__(self, func, types, args=(), kwargs=None):
-            Count.calls += 1
+            seen.append(func)
             return func(*args, **(kwargs or {}))
 
     with Count():
         fn()
-    return Count.calls
+    return len(seen)
 
 
 def routing_overhead(device: str, rounds: int, calls: int) -> list[dict]:
@@ -211,6 +211,12 @@ def render_routing(rows: list[dict]) -> str:
     return "\n".join(lines)
 
 
+def render_results(result: dict) -> str:
+    """The tables of a results file of --overhead (one without layers: only the ops')."""
+    tables = [render_overhead(result["rows"])] + ([render_routing(result["layers"])] if "layers" in result else [])
+    return "\n\n".join(tables)
+
+
 def _ratio(r: dict, name: str) -> str:
     low, high = r[f"{name}_range"]
     return f"{r[name]:.2f}x ({low:.2f}-{high:.2f})"
@@ -248,12 +254,11 @@ def main(argv=None) -> dict:
         from bench.latency import save_results
 
         torch.set_num_threads(1)  # a tiny input: one thread, as the op's own cost is what is measured
-        rows = overhead(args.device, args.rounds, args.calls)
-        print(render_overhead(rows))
-        layers = routing_overhead(args.device, args.rounds, max(1, args.calls // 10))  # a layer is ~10 calls' work
-        print("\n" + render_routing(layers))
+        result = {"rows": overhead(args.device, args.rounds, args.calls),
+                  "layers": routing_overhead(args.device, args.rounds, max(1, args.calls // 10))}  # a layer: ~10 calls' work
+        print(render_results(result))
         return save_results("dispatch --overhead", args.device, args.out, rounds=args.rounds, calls=args.calls,
-                            rows=rows, layers=layers)
+                            **result)
     if args.child:
         print(json.dumps(_child(args.device)))
         return {}

@@ -195,7 +195,7 @@ def capture() -> int:
 def render(result: dict) -> str:
     """docs/benchmarks.md's GPU tables from a gpu_check.json: the steps, attention against SDPA's
     backends, fp8 linears against cuBLAS bf16, the SD1.5 rows and the dispatch overhead."""
-    from bench.dispatch import render_overhead, render_routing
+    from bench.dispatch import render_results as render_dispatch
 
     steps = result["steps"]
     out = ["| step | exit code | seconds |", "|---|---:|---:|"]
@@ -229,8 +229,7 @@ def render(result: dict) -> str:
             out += ["", f"{step}: {steps[step].get('reason') or 'not measured: it ran out of the budget'}."]
     overhead = next(iter(steps.get("dispatch_overhead", {}).get("results", {}).values()), None)
     if overhead:
-        out += ["", render_overhead(overhead["rows"])] + (["", render_routing(overhead["layers"])]
-                                                          if "layers" in overhead else [])
+        out += ["", render_dispatch(overhead)]
     return "\n".join(out)
 
 

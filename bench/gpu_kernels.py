@@ -47,16 +47,11 @@ def _ms(fn) -> float:
     return do_bench(fn, warmup=25, rep=100, return_mode="median")
 
 
-def _ms_host(fn, runs: int = 3) -> float:
-    """The median of a few host-timed calls: the benches' logic on CPU tensors, in tests."""
-    import time
+def _ms_host(fn) -> float:
+    """A few calls timed on the host (ms per call): the benches' logic on CPU tensors, in tests."""
+    from bench.dispatch import _per_call
 
-    times = []
-    for _ in range(runs):
-        t = time.perf_counter()
-        fn()
-        times.append((time.perf_counter() - t) * 1e3)
-    return sorted(times)[runs // 2]
+    return _per_call(fn, 3, "cpu") * 1e3
 
 
 def _rel(y: torch.Tensor, ref: torch.Tensor) -> float:

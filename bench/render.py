@@ -26,14 +26,14 @@ END = "<!-- end of rendered table -->"
 
 
 def _renderers() -> dict[str, Callable[[dict], str]]:
-    from bench.dispatch import render_overhead, render_routing
+    from bench.dispatch import render_results as render_dispatch
     from bench.fp8_accuracy import render as render_fp8_accuracy
     from bench.gpu_check import render as render_gpu_check
     from bench.parallel import render as render_parallel
     from bench.planner_peaks import render_result as render_planner_peaks
     from bench.vae import render_runs
 
-    return {"dispatch_overhead_cpu": lambda r: render_overhead(r["rows"]) + "\n\n" + render_routing(r["layers"]),
+    return {"dispatch_overhead_cpu": render_dispatch,
             "fp8_accuracy_cpu": lambda r: render_fp8_accuracy(r["rows"]),
             "vae_memory_settings_cpu": lambda r: render_runs(r["rows"]),
             "planner_peaks_cpu": render_planner_peaks,
