@@ -73,6 +73,7 @@ def check_names() -> dict[str, str]:
         except (ImportError, AttributeError) as err:
             missing[spec] = f"{type(err).__name__}: {err}"
     missing.update({f"torch.ops.mkldnn.{op}": "missing" for op in MKLDNN_OPS if not hasattr(torch.ops.mkldnn, op)})
+    missing.update({f"torch.ops.aten.{op}": "missing" for op in SDPA_KERNELS if not hasattr(torch.ops.aten, op)})
     return missing
 
 
@@ -243,6 +244,21 @@ def cast_own_tensors(module, dtype: torch.dtype) -> None:
     """Cast a module's own floating parameters and buffers, not its children's, through
     nn.Module._apply (so layers that track their dtype there, like pyext's fp8 layers, see it)."""
     module._apply(lambda t: t.to(dtype) if t.is_floating_point() else t, recurse=False)
+
+
+# ----------------------------------------------------------------------------- SDPA's CUDA kernels
+# Two of the kernels torch's SDPA chooses among, called as SDPA calls them for an input without a
+# mask and with a head dim that is a multiple of 8 (no padding, no copy). Each returns (output,
+# log-sum-exp, ...); the log-sum-exp is float32, natural log, computed only when asked for.
+SDPA_KERNELS = ("_scaled_dot_product_cudnn_attention", "_scaled_dot_product_flash_attention")
+
+
+def sdpa_cudnn(q, k, v, scale: float, lse: bool):
+    return torch.ops.aten._scaled_dot_product_cudnn_attention(q, k, v, None, lse, 0.0, False, False, scale=scale)[:2]
+
+
+def sdpa_flash(q, k, v, scale: float):
+    return torch.ops.aten._scaled_dot_product_flash_attention(q, k, v, 0.0, False, False, scale=scale)[:2]
 
 
 # ----------------------------------------------------------------------------- oneDNN (CPU)

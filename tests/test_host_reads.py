@@ -133,3 +133,24 @@ def test_an_optimized_denoiser_step_reads_no_values(arch, gemm, monkeypatch, tmp
         denoiser(*args, **kwargs)  # warm: every signature chosen once
         with host_reads_trapped():
             denoiser(*args, **kwargs)
+
+
+@pytest.mark.parametrize("backend", ["sdpa_cudnn", "sdpa_flash"])
+def test_sdpa_kernel_backends_read_no_values(backend):
+    """SDPA's CUDA kernels, each a backend of its own, on fake CUDA tensors (torch's shape
+    functions of those kernels stand in for them: no GPU needed): on each declared case the call
+    reads no value and returns q's shape and dtype, and the log-sum-exp, float32 (batch, heads,
+    q length), exactly when asked for. The values are checked on a GPU (test_dispatch's declared cases)."""
+    from torch._subclasses.fake_tensor import FakeTensorMode
+
+    op = dispatch.ops()["attention"]
+    chosen = next(b for b in op.backends if b.name == backend)
+    for spec in chosen.test_shapes:
+        with FakeTensorMode():
+            q, k, v, scale, mask, lse = args = op.example(spec, torch.bfloat16, "cuda")
+            with host_reads_trapped():
+                out, out_lse = chosen.run(*args)
+        assert (out.shape, out.dtype, out.device.type) == (q.shape, q.dtype, "cuda"), spec
+        assert (out_lse is not None) == lse, spec
+        if lse:
+            assert (out_lse.shape, out_lse.dtype) == (q.shape[:3], torch.float32), spec

@@ -17,7 +17,7 @@ from typing import Optional
 import torch
 import torch.nn.functional as F
 
-from pyext import dispatch
+from pyext import _compat, dispatch
 from pyext._ext import has_kernel, kernel_missing
 from pyext.dispatch import Backend, PyextError
 from pyext.kernels import interpreter_advisory, triton_devices, triton_unavailable
@@ -203,6 +203,30 @@ def _sdpa(q, k, v, scale, mask, lse):
     return out, None
 
 
+# SDPA's cuDNN and flash kernels, each a backend of its own: SDPA takes one by a fixed priority, and
+# which is fastest depends on the GPU and the shape, so measured dispatch times each. What each
+# takes is torch's own filter (torch.backends.cuda.can_use_<kernel>_attention: GPU, cuDNN version,
+# layout, the user's torch.backends.cuda switches), asked once per call signature.
+
+def _sdpa_kernel_reasons(kernel: str):
+    def reasons(q, k, v, scale, mask, lse):
+        can_use = getattr(torch.backends.cuda, f"can_use_{kernel}_attention")
+        if can_use(torch.backends.cuda.SDPAParams(q, k, v, None, 0.0, False, False), False):
+            return []
+        return [f"torch's SDPA rules its {kernel} kernel out for this input (torch.backends.cuda.can_use_{kernel}_attention)"]
+    return reasons
+
+
+def _sdpa_cudnn(q, k, v, scale, mask, lse):
+    out, logsumexp = _compat.sdpa_cudnn(q, k, v, _scale(q, scale), lse)
+    return out, (logsumexp.reshape(q.shape[:3]) if lse else None)  # cuDNN's is (batch, heads, q length, 1)
+
+
+def _sdpa_flash(q, k, v, scale, mask, lse):
+    out, logsumexp = _compat.sdpa_flash(q, k, v, _scale(q, scale))
+    return out, (logsumexp if lse else None)
+
+
 @cache  # asked on every call (devices are checked after availability): no import-path search each time
 def _xformers_unavailable():
     return None if importlib.util.find_spec("xformers") is not None else "xformers is not installed"
@@ -235,6 +259,15 @@ dispatch.register("attention", Backend(
     "sdpa", _sdpa, guard=_sdpa_guard, dtypes=DTYPES, limits=NO_LSE, test_shapes=TEST_SHAPES + MASKED_SHAPES,
     notes={"lse": "torch's SDPA does not return the log-sum-exp"},
     doc="torch.nn.functional.scaled_dot_product_attention"))
+SDPA_KERNEL_SHAPES = ((1, 2, 9, 77, 40), (2, 1, 37, 45, 64), (1, 1, 1, 33, 128), (1, 2, 16, 5, 80, 2, None, True))
+for _kernel, _run_kernel in (("cudnn", _sdpa_cudnn), ("flash", _sdpa_flash)):
+    dispatch.register("attention", Backend(
+        f"sdpa_{_kernel}", _run_kernel, reasons=_sdpa_kernel_reasons(_kernel), devices=("cuda",),
+        dtypes=(torch.bfloat16, torch.float16), limits={"head_dim": range(8, 257, 8), "masked": (0,), "kv_groups": (1,)},
+        notes={torch.float32: "SDPA's fused kernels", "head_dim": "multiples of 8 (SDPA pads others, a copy per call)",
+               "masked": "pyext passes these kernels no mask", "kv_groups": "pyext passes equal head counts only"},
+        test_shapes=SDPA_KERNEL_SHAPES, doc=f"SDPA's {_kernel} kernel on its own (torch.nn.functional's choice aside)"))
+
 dispatch.register("attention", Backend(
     "xformers", _xformers, unavailable=_xformers_unavailable, devices=("cuda",), dtypes=DTYPES, limits=NO_EXTRAS,
     notes={"masked": "pyext passes xformers no mask", "lse": "pyext does not ask xformers for the log-sum-exp",
