@@ -202,13 +202,17 @@ def render(result: dict) -> str:
     out += [f"| {name} | {r.get('rc')} | {r.get('seconds', r.get('reason', ''))} |" for name, r in steps.items()]
     rows = next(iter(steps.get("kernels", {}).get("results", {}).values()), [])
     ms = lambda v: "-" if v is None else f"{v * 1e3:.0f} us"  # noqa: E731
+    chosen = lambda r: f" ({r['auto_backend']})" if "auto_backend" in r else ""  # noqa: E731
     attention = [r for r in rows if r.get("bench") == "attention"]
     if attention:
         out += ["", "| attention (bf16) | B, H, Sq, Skv, D | pyext (Triton) | flash | efficient | cuDNN "
-                "| best SDPA / pyext | pyext error / SDPA's |", "|---|---|---:|---:|---:|---:|---:|---:|"]
+                "| best SDPA / Triton | pyext.attention (dispatch's choice) | best SDPA / pyext.attention "
+                "| Triton error / SDPA's |", "|---|---|---:|---:|---:|---:|---:|---:|---:|---:|"]
         out += [f"| {r['shape']} | {r['b']}, {r['h']}, {r['sq']}, {r['skv']}, {r['d']} | {ms(r.get('pyext_ms'))} | "
                 f"{ms(r.get('flash_ms'))} | {ms(r.get('efficient_ms'))} | {ms(r.get('cudnn_ms'))} | "
-                f"{r.get('best_sdpa_over_pyext', '-')}x | {r.get('err_vs_sdpa', '-')}x |" for r in attention]
+                f"{r.get('best_sdpa_over_pyext', '-')}x | "
+                f"{ms(r.get('auto_ms'))}{chosen(r)} | "
+                f"{r.get('best_sdpa_over_auto', '-')}x | {r.get('err_vs_sdpa', '-')}x |" for r in attention]
     linears = [r for r in rows if r.get("bench") == "fp8_linear"]
     if linears:
         out += ["", "| fp8 linear (bf16 activations) | M, K, N | cuBLAS bf16 | weight-only, Triton GEMM "

@@ -4,7 +4,8 @@ against cuBLAS bf16, at SD1.5, SDXL, SD3 and Flux shapes (1024x1024 for SDXL, SD
     python -m bench.gpu_kernels [--json PATH]
 
 Times are CUDA-event medians (triton.testing.do_bench), of the public op (its dispatch included,
-what a pipeline pays per call) and of the bare kernel. Each attention row also gives its error
+what a pipeline pays per call) and of the bare kernel. Attention is timed twice through the op:
+forced to pyext's Triton kernel, and as dispatch chooses (among that kernel and SDPA's). Each attention row also gives its error
 against an fp32 reference on the same inputs, beside the error of SDPA's default in the same dtype;
 a row where pyext's is more than twice SDPA's carries an `accuracy_error`. Each fp8 row gives its
 SQNR against the bf16 layer.
@@ -62,6 +63,7 @@ def _rel(y: torch.Tensor, ref: torch.Tensor) -> float:
 def bench_attention(shapes=ATTENTION_SHAPES, dtype=torch.bfloat16, device="cuda", ms=_ms) -> list[dict]:
     from torch.nn.attention import SDPBackend, sdpa_kernel
 
+    from pyext import dispatch
     from pyext.kernels.attention import attention_triton
     from pyext.ops import attention
 
@@ -72,6 +74,11 @@ def bench_attention(shapes=ATTENTION_SHAPES, dtype=torch.bfloat16, device="cuda"
         ref = F.scaled_dot_product_attention(q.float(), k.float(), v.float())
         flops = 4 * b * h * sq * skv * d
         row = dict(bench="attention", shape=name, b=b, h=h, sq=sq, skv=skv, d=d, dtype=str(dtype)[6:])
+        try:  # what a pipeline gets: dispatch's choice (measured on its first call on a GPU)
+            row["auto_backend"] = dispatch.select("attention", (q, k, v, None, None, False)).name
+            row["auto_ms"] = ms(lambda: attention(q, k, v))
+        except Exception as e:
+            row["auto_error"] = f"{type(e).__name__}: {e}"[:200]
         try:
             row["pyext_ms"] = ms(lambda: attention(q, k, v, backend="triton"))
             row["pyext_err"] = _rel(attention(q, k, v, backend="triton"), ref)
@@ -89,8 +96,10 @@ def bench_attention(shapes=ATTENTION_SHAPES, dtype=torch.bfloat16, device="cuda"
         best = min((row[f"{s.split('_')[0].lower()}_ms"] for s in SDPA_BACKENDS
                     if row[f"{s.split('_')[0].lower()}_ms"] is not None), default=None)
         if "pyext_ms" in row and best:
-            row["best_sdpa_over_pyext"] = round(best / row["pyext_ms"], 3)  # >1: pyext faster
+            row["best_sdpa_over_pyext"] = round(best / row["pyext_ms"], 3)  # >1: pyext's Triton kernel faster
             row["pyext_tflops"] = round(flops / row["pyext_ms"] / 1e9, 1)
+        if "auto_ms" in row and best:
+            row["best_sdpa_over_auto"] = round(best / row["auto_ms"], 3)  # >1: pyext.attention faster
         if "pyext_err" in row:
             row["err_vs_sdpa"] = round(row["pyext_err"] / max(row["sdpa_err"], 1e-12), 2)
             if not row["err_vs_sdpa"] <= 2.0:
