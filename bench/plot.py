@@ -1,6 +1,12 @@
 """latency.md and latency.png from the report bench.latency builds."""
 from __future__ import annotations
 
+
+def _check_steps(report: dict) -> str:
+    steps = report.get("preset_parameters", {}).get("check_steps")
+    return f" of a {steps}-step run" if steps else ""
+
+
 def _bytes(n):
     for unit, size in (("GiB", 1024 ** 3), ("MiB", 1024 ** 2)):
         if n >= size:
@@ -59,7 +65,8 @@ def write_markdown(report: dict, path: str) -> None:
         "",
         f"Peak memory: {next((r['peak_memory_kind'] for r in rows.values() if 'peak_memory_kind' in r), '-')}. "
         "Weights: bytes of parameters and buffers of UNet, text encoder and VAE.",
-        f"Check: image vs the `original` row's (same seed and latents, pixel values in [0, 1]); a row fails when "
+        f"Check: image{_check_steps(report)} vs the `original` row's (same seed and latents, pixel values in [0, 1]); "
+        f"a row fails when "
         f"its image is non-finite or its PSNR is below {report['min_psnr_db']:g} dB. For scale, an image from "
         f"another seed scores {_fmt(unrelated, '.1f', ' dB')}."
         + (" Weights are random, so images are noise-like: the check compares numerics, not quality."

@@ -85,6 +85,26 @@ def test_image_check_flags_wrong_and_non_finite_rows(tmp_path):
     assert "check" not in rows["missing"]
 
 
+def test_check_steps_choose_the_run_whose_image_is_checked(tmp_path):
+    """With check_steps, a row saves the image of a run of that many steps for the check, not the
+    timed run's: equal to the timed image when the step counts agree, another image when not."""
+    from dataclasses import asdict, replace
+
+    preset = replace(latency.PRESETS["tiny"], steps=2)
+    model, _ = latency.prepare_model(None, preset, str(tmp_path))
+    threads, images = torch.get_num_threads(), {}
+    try:
+        for check_steps in (0, 2, 1):
+            out = tmp_path / f"check_{check_steps}"
+            spec = {"preset": asdict(replace(preset, check_steps=check_steps)), "model_path": model, "out": str(out),
+                    "repeats": 1}
+            latency.run_row("original", spec)
+            images[check_steps] = torch.load(out / "images" / "original.pt")
+    finally:
+        torch.set_num_threads(threads)  # the row sets the preset's
+    assert torch.equal(images[0], images[2]) and not torch.allclose(images[0], images[1], atol=1e-3)
+
+
 def test_unavailable_rows_say_why():
     cpu = latency.PRESETS["cpu"]
     assert "CUDA" in latency.unavailable("xformers", cpu) or "not installed" in latency.unavailable("xformers", cpu)
