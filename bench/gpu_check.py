@@ -28,6 +28,7 @@ import shutil
 import subprocess
 import sys
 import tarfile
+import tempfile
 import time
 from dataclasses import dataclass
 
@@ -345,10 +346,12 @@ def main(argv=None) -> int:
             continue
         print(f"== {s.name}: {' '.join(s.command)}", flush=True)
         t = time.monotonic()
+        cache = tempfile.mkdtemp(prefix=f"pyext_dispatch_{s.name}_")  # each step measures afresh, a rerun too
         with open(log_path, "a") as log:
             log.write(f"\n==== {s.name}: {' '.join(s.command)}\n")
             log.flush()
-            rc = _run_step(s.command, env, log, timeout=min(3 * s.estimate_s, left))
+            rc = _run_step(s.command, dict(env, PYEXT_CACHE_DIR=cache), log, timeout=min(3 * s.estimate_s, left))
+        shutil.rmtree(cache, ignore_errors=True)
         seconds = time.monotonic() - t
         entry = {"rc": rc, "seconds": round(seconds, 1), "estimate_s": s.estimate_s, "sources": hashes[s.name]}
         for results in glob.glob(os.path.join(args.out, s.name + "*.json")) + glob.glob(

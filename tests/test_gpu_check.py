@@ -1,6 +1,7 @@
 """make gpu-check's driver: its plan fits the lease, and a rerun skips what passed (run here on
 its CPU-safe step)."""
 import json
+import os
 import sys
 
 from bench import gpu_check
@@ -25,6 +26,18 @@ def test_a_rerun_skips_the_steps_that_passed_on_the_same_sources(tmp_path, capsy
     again = capsys.readouterr().out
     assert "skipped" in again and "== info" not in again
     assert json.loads((second_out / "gpu_check.json").read_text())["steps"]["info"]["rc"] == 0
+
+
+def test_each_step_measures_with_a_fresh_dispatch_cache(tmp_path, monkeypatch):
+    """A step's dispatch decisions (and marks) never reach another step, or a rerun after a fix."""
+    script = ("import os, sys; d = os.environ['PYEXT_CACHE_DIR']; assert not os.listdir(d); "
+              "open(os.path.join(d, 'cpu.json'), 'w').write('{}'); open(sys.argv[1], 'w').write(d)")
+    seen = [tmp_path / "a.txt", tmp_path / "b.txt"]
+    monkeypatch.setattr(gpu_check, "steps", lambda out: [
+        gpu_check.Step(p.stem, 1, (sys.executable, "-c", script, str(p)), "writes into its cache") for p in seen])
+    assert gpu_check.main(["--out", str(tmp_path / "out"), "--resume", str(tmp_path / "none")]) == 0
+    caches = [p.read_text() for p in seen]
+    assert len(set(caches)) == 2 and not any(os.path.exists(c) for c in caches)
 
 
 def test_the_sources_hash_follows_the_sources(tmp_path, monkeypatch):
