@@ -5,10 +5,10 @@ against cuBLAS bf16, at SD1.5, SDXL, SD3 and Flux shapes (1024x1024 for SDXL, SD
 
 Times are CUDA-event medians (triton.testing.do_bench), of the public op (its dispatch included,
 what a pipeline pays per call) and of the bare kernel. Attention is timed twice through the op:
-forced to pyext's Triton kernel, and as dispatch chooses (among that kernel and SDPA's). Each attention row also gives its error
-against an fp32 reference on the same inputs, beside the error of SDPA's default in the same dtype;
-a row where pyext's is more than twice SDPA's carries an `accuracy_error`. Each fp8 row gives its
-SQNR against the bf16 layer.
+forced to pyext's Triton kernel, and as dispatch chooses (among that kernel and SDPA's). Each
+attention row also gives the Triton kernel's error against an fp32 reference on the same inputs,
+beside the error of SDPA's default in the same dtype; a row where pyext's is more than twice
+SDPA's carries an `accuracy_error`. Each fp8 row gives its SQNR against the bf16 layer.
 """
 from __future__ import annotations
 

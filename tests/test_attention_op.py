@@ -223,6 +223,26 @@ def test_auto_dispatch_on_cpu_prefers_cpp_where_it_wins():
     assert select("attention", (q, k, v, None, None, False)).name == expect
 
 
+def test_static_order_on_a_gpu_passes_triton_by_where_sdpa_fused_kernels_answer():
+    """Fake CUDA tensors (no GPU needed): the rule covers half precision without a mask or the
+    log-sum-exp, head dims that are multiples of 8 and equal head counts; elsewhere triton stays first."""
+    from torch._subclasses.fake_tensor import FakeTensorMode
+
+    from pyext import dispatch
+
+    slower = next(b for b in dispatch.ops()["attention"].backends if b.name == "triton").slower
+    with FakeTensorMode():
+        def qkv(head_dim=40, kv_heads=2, dtype=torch.bfloat16):
+            return tuple(torch.empty(1, h, 9, head_dim, device="cuda", dtype=dtype) for h in (2, kv_heads, kv_heads))
+
+        assert slower(*qkv(), None, None, False) and slower(*qkv(dtype=torch.float16), None, None, False)
+        mask = torch.ones(9, 9, dtype=torch.bool, device="cuda")
+        for args in ((*qkv(), None, None, True), (*qkv(), None, mask, False),
+                     (*qkv(dtype=torch.float32), None, None, False), (*qkv(head_dim=33), None, None, False),
+                     (*qkv(kv_heads=1), None, None, False)):
+            assert slower(*args) == [], [dispatch.describe(a) for a in args]
+
+
 def test_forced_backend_errors():
     q, k, v = make_qkv(1, 1, 4, 4, 8, torch.float32)
     with pytest.raises(PyextError, match="unknown backend 'nope'"):

@@ -88,7 +88,8 @@ print(json.dumps(rows))
     timed_sdpa = [name for name in ("flash", "efficient", "cudnn") if attention[f"{name}_ms"] is not None]
     assert timed_sdpa and len(timed_sdpa) + len(attention.get("refused", [])) == 3  # each SDPA backend: timed or refused
     assert "best_sdpa_over_pyext" in attention
-    assert attention["auto_ms"] > 0 and attention["auto_backend"] in ("cpp", "sdpa") and "best_sdpa_over_auto" in attention
+    assert attention["auto_ms"] > 0 and attention["auto_backend"] in ("cpp", "sdpa")
+    assert "best_sdpa_over_auto" in attention
     # Refused here only: the CUDA upcast kernel (CUDA only), and the Triton backend in bf16 (the
     # interpreter's bf16 dots are wrong; the bare kernel still runs, its answer unchecked).
     assert {k for k in linear if k.endswith("error")} == {"upcast_cublas_error", "weight_only_triton_error"}
