@@ -148,8 +148,8 @@ def _triton_slower(q, k, v, scale, mask, lse):
     # On an H200, SDPA's fused kernels beat this one at every SD, SDXL, SD3 and Flux shape
     # (`python -m bench.gpu_kernels`, docs/benchmarks.md): the static order (measured dispatch's
     # fallback while a CUDA graph is captured) takes SDPA where it can answer. Masks and the
-    # log-sum-exp were not measured; SDPA's fused kernels take half precision, head dims that are
-    # multiples of 8 and (all of them) equal head counts, and fall back to O(seq^2) math otherwise.
+    # log-sum-exp were not measured. Elsewhere (fp32, head dims not multiples of 8, grouped heads)
+    # SDPA may fall back to its O(seq^2) math kernel, so triton stays first there.
     fused = q.dtype != torch.float32 and q.shape[-1] % 8 == 0 and k.shape[1] == q.shape[1]
     if q.device.type == "cuda" and fused and mask is None and not lse:
         return ["SDPA's fused kernels are faster on the GPUs measured; it runs when forced or measured faster"]
@@ -274,14 +274,21 @@ dispatch.register("attention", Backend(
     notes={"lse": "torch's SDPA does not return the log-sum-exp"},
     doc="torch.nn.functional.scaled_dot_product_attention"))
 SDPA_KERNEL_SHAPES = ((1, 2, 9, 77, 40), (2, 1, 37, 45, 64), (1, 1, 1, 33, 128), (1, 2, 16, 5, 80, 2, None, True))
-for _kernel, _run_kernel in (("cudnn", _sdpa_cudnn), ("flash", _sdpa_flash)):
-    dispatch.register("attention", Backend(
-        f"sdpa_{_kernel}", _run_kernel, reasons=_sdpa_kernel_reasons(_kernel), devices=("cuda",),
+
+
+def _sdpa_kernel_backend(kernel: str, run) -> Backend:
+    return Backend(
+        f"sdpa_{kernel}", run, reasons=_sdpa_kernel_reasons(kernel), devices=("cuda",),
         dtypes=(torch.bfloat16, torch.float16),
         limits={"head_dim": range(8, 257, 8), "masked": (0,), "kv_groups": (1,)},
-        notes={torch.float32: "SDPA's fused kernels", "head_dim": "multiples of 8 (SDPA pads others, a copy per call)",
+        notes={torch.float32: "SDPA's fused kernels take half precision only",
+               "head_dim": "multiples of 8 (SDPA pads others, a copy per call)",
                "masked": "pyext passes these kernels no mask", "kv_groups": "pyext passes equal head counts only"},
-        test_shapes=SDPA_KERNEL_SHAPES, doc=f"SDPA's {_kernel} kernel on its own (torch.nn.functional's choice aside)"))
+        test_shapes=SDPA_KERNEL_SHAPES, doc=f"SDPA's {kernel} kernel on its own (torch.nn.functional's choice aside)")
+
+
+dispatch.register("attention", _sdpa_kernel_backend("cudnn", _sdpa_cudnn))
+dispatch.register("attention", _sdpa_kernel_backend("flash", _sdpa_flash))
 
 dispatch.register("attention", Backend(
     "xformers", _xformers, unavailable=_xformers_unavailable, devices=("cuda",), dtypes=DTYPES, limits=NO_EXTRAS,
