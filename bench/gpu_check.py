@@ -28,7 +28,6 @@ import shutil
 import subprocess
 import sys
 import tarfile
-import tempfile
 import time
 from dataclasses import dataclass
 
@@ -204,16 +203,17 @@ def render(result: dict) -> str:
     rows = next(iter(steps.get("kernels", {}).get("results", {}).values()), [])
     ms = lambda v: "-" if v is None else f"{v * 1e3:.0f} us"  # noqa: E731
     chosen = lambda r: f" ({r['auto_backend']})" if "auto_backend" in r else ""  # noqa: E731
+    times = lambda v: "-" if v is None else f"{v}x"  # noqa: E731
     attention = [r for r in rows if r.get("bench") == "attention"]
     if attention:
         out += ["", "| attention (bf16) | B, H, Sq, Skv, D | pyext (Triton) | flash | efficient | cuDNN "
                 "| best SDPA / Triton | pyext.attention (dispatch's choice) | best SDPA / pyext.attention "
-                "| Triton error / SDPA's |", "|---|---|---:|---:|---:|---:|---:|---:|---:|---:|"]
+                "| error / SDPA's: Triton, dispatch's choice |", "|---|---|---:|---:|---:|---:|---:|---:|---:|---:|"]
         out += [f"| {r['shape']} | {r['b']}, {r['h']}, {r['sq']}, {r['skv']}, {r['d']} | {ms(r.get('pyext_ms'))} | "
                 f"{ms(r.get('flash_ms'))} | {ms(r.get('efficient_ms'))} | {ms(r.get('cudnn_ms'))} | "
-                f"{r.get('best_sdpa_over_pyext', '-')}x | "
-                f"{ms(r.get('auto_ms'))}{chosen(r)} | "
-                f"{r.get('best_sdpa_over_auto', '-')}x | {r.get('err_vs_sdpa', '-')}x |" for r in attention]
+                f"{times(r.get('best_sdpa_over_pyext'))} | {ms(r.get('auto_ms'))}{chosen(r)} | "
+                f"{times(r.get('best_sdpa_over_auto'))} | {times(r.get('err_vs_sdpa'))}, "
+                f"{times(r.get('auto_err_vs_sdpa'))} |" for r in attention]
     linears = [r for r in rows if r.get("bench") == "fp8_linear"]
     if linears:
         out += ["", "| fp8 linear (bf16 activations) | M, K, N | cuBLAS bf16 | weight-only, Triton GEMM "
@@ -346,12 +346,14 @@ def main(argv=None) -> int:
             continue
         print(f"== {s.name}: {' '.join(s.command)}", flush=True)
         t = time.monotonic()
-        cache = tempfile.mkdtemp(prefix=f"pyext_dispatch_{s.name}_")  # each step measures afresh, a rerun too
+        # Each step measures afresh, a rerun too; its decisions, timings and marks stay with the results.
+        cache = os.path.join(args.out, "dispatch", s.name)
+        shutil.rmtree(cache, ignore_errors=True)
+        os.makedirs(cache)
         with open(log_path, "a") as log:
             log.write(f"\n==== {s.name}: {' '.join(s.command)}\n")
             log.flush()
             rc = _run_step(s.command, dict(env, PYEXT_CACHE_DIR=cache), log, timeout=min(3 * s.estimate_s, left))
-        shutil.rmtree(cache, ignore_errors=True)
         seconds = time.monotonic() - t
         entry = {"rc": rc, "seconds": round(seconds, 1), "estimate_s": s.estimate_s, "sources": hashes[s.name]}
         for results in glob.glob(os.path.join(args.out, s.name + "*.json")) + glob.glob(

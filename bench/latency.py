@@ -46,9 +46,9 @@ class Preset:
     threads: int = 0     # torch.set_num_threads in each row; 0 keeps torch's default
     emulated_bf16: bool = False  # half rows in bf16 on a CPU without native bf16 (tiny sizes only)
     # Steps of the image each row's check compares with the original row's (0: the timed image).
-    # With random weights, 50 steps at guidance 7.5 amplify rounding until an fp16 and an fp32
-    # run give unrelated images, plain diffusers' too; a short run still tells a broken kernel
-    # (the level of an unrelated seed) from rounding.
+    # With random weights a long run amplifies rounding until an fp16 and an fp32 run give
+    # unrelated images, plain diffusers' too; a short run keeps rounding apart from an unrelated
+    # seed, the level a broken kernel falls to.
     check_steps: int = 0
 
 

@@ -367,10 +367,10 @@ def test_head_dim_zero_is_a_clear_error():
         attention(q, q, q)
 
 
-def diffusers_layouts(dtype=torch.float32):
+def diffusers_layouts(dtype=torch.float32, device="cpu"):
     """(name, q, k, v) in the layouts diffusers' processors pass: (B, S, H, D) memory seen as
     (B, H, S, D), SDPA's own contiguous layout, and k/v broadcast over the batch."""
-    bshd = [torch.randn(2, s, 3, 40, dtype=dtype).transpose(1, 2) for s in (9, 77, 77)]
+    bshd = [torch.randn(2, s, 3, 40, dtype=dtype, device=device).transpose(1, 2) for s in (9, 77, 77)]
     yield "bshd", *bshd
     yield "contiguous", *[t.contiguous() for t in bshd]
     yield "expanded_kv", bshd[0], *[t[:1].expand(2, -1, -1, -1) for t in bshd[1:]]
@@ -384,6 +384,31 @@ def test_output_strides_match_the_fake_kernel(backend):
     for name, q, k, v in diffusers_layouts():
         torch.library.opcheck(torch.ops.pyext.attention.default, (q, k, v, None, backend))
         assert attention(q, k, v, backend=backend).stride() == torch.empty_like(q).stride(), name
+
+
+@pytest.mark.cuda
+def test_every_cuda_backend_on_the_layouts_diffusers_passes():
+    """The self-check runs a contiguous sample; diffusers passes other layouts. On a GPU, every
+    backend that takes them gives the reference's answer in empty_like(q)'s strides."""
+    from pyext import dispatch
+
+    if not torch.cuda.is_available():
+        pytest.skip("needs a GPU")
+    op = dispatch.ops()["attention"]
+    ran = []
+    for b in op.backends:
+        if b.name == op.reference or "cuda" not in b.devices or b.unavailable():
+            continue
+        for dtype in (torch.bfloat16, torch.float16):
+            for name, q, k, v in diffusers_layouts(dtype, "cuda"):
+                args = (q, k, v, None, None, False)
+                if dispatch.input_reasons(op, b, args):
+                    continue
+                out = attention(q, k, v, backend=b.name)
+                assert out.stride() == torch.empty_like(q).stride(), (b.name, name)
+                assert op.close((out, None), (attention_reference(q, k, v), None), args) is None, (b.name, dtype, name)
+                ran.append((b.name, name))
+    assert {"sdpa", "triton"} <= {backend for backend, _ in ran}
 
 
 @pytest.mark.parametrize("special", ["nan_q", "nan_k", "overflow"])

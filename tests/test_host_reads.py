@@ -140,7 +140,8 @@ def test_sdpa_kernel_backends_read_no_values(backend):
     """SDPA's CUDA kernels, each a backend of its own, on fake CUDA tensors (torch's shape
     functions of those kernels stand in for them: no GPU needed): on each declared case the call
     reads no value and returns q's shape and dtype, and the log-sum-exp, float32 (batch, heads,
-    q length), exactly when asked for. The values are checked on a GPU (test_dispatch's declared cases)."""
+    q length), exactly when asked for; torch's filter is asked for what the backend takes. The
+    values are checked on a GPU (test_dispatch's declared cases, test_attention_op's layouts)."""
     from torch._subclasses.fake_tensor import FakeTensorMode
 
     op = dispatch.ops()["attention"]
@@ -148,8 +149,10 @@ def test_sdpa_kernel_backends_read_no_values(backend):
     for spec in chosen.test_shapes:
         with FakeTensorMode():
             q, k, v, scale, mask, lse = args = op.example(spec, torch.bfloat16, "cuda")
+            refused = dispatch.input_reasons(op, chosen, args)  # torch's own filter; no CUDA here: a refusal
             with host_reads_trapped():
                 out, out_lse = chosen.run(*args)
+        assert torch.cuda.is_available() or "can_use_" in refused[0], refused
         assert (out.shape, out.dtype, out.device.type) == (q.shape, q.dtype, "cuda"), spec
         assert (out_lse is not None) == lse, spec
         if lse:

@@ -217,22 +217,20 @@ def _sdpa(q, k, v, scale, mask, lse):
 
 # SDPA's cuDNN and flash kernels, each a backend of its own: SDPA takes one by a fixed priority, and
 # which is fastest depends on the GPU and the shape, so measured dispatch times each. What each
-# takes is torch's own filter (torch.backends.cuda.can_use_<kernel>_attention: GPU, cuDNN version,
-# layout, the user's torch.backends.cuda switches), asked once per call signature.
+# takes is torch's own filter (torch.backends.cuda.can_use_*_attention: GPU, cuDNN version, layout),
+# asked once per call signature: torch's SDPA switches (sdpa_kernel, enable_*_sdp) as they were
+# then hold for that signature.
 
-def _sdpa_kernel_reasons(kernel: str):
+def _sdpa_kernel_reasons(kernel: str, can_use):
     def reasons(q, k, v, scale, mask, lse):
-        can_use = getattr(torch.backends.cuda, f"can_use_{kernel}_attention")
         if can_use(torch.backends.cuda.SDPAParams(q, k, v, None, 0.0, False, False), False):
             return []
-        return [f"torch's SDPA rules its {kernel} kernel out for this input "
-                f"(torch.backends.cuda.can_use_{kernel}_attention)"]
+        return [f"torch's SDPA rules its {kernel} kernel out for this input ({can_use.__name__})"]
     return reasons
 
 
 def _sdpa_cudnn(q, k, v, scale, mask, lse):
-    out, logsumexp = _compat.sdpa_cudnn(q, k, v, _scale(q, scale), lse)
-    return out, (logsumexp.reshape(q.shape[:3]) if lse else None)  # cuDNN's is (batch, heads, q length, 1)
+    return _compat.sdpa_cudnn(q, k, v, _scale(q, scale), lse)
 
 
 def _sdpa_flash(q, k, v, scale, mask, lse):
@@ -276,9 +274,9 @@ dispatch.register("attention", Backend(
 SDPA_KERNEL_SHAPES = ((1, 2, 9, 77, 40), (2, 1, 37, 45, 64), (1, 1, 1, 33, 128), (1, 2, 16, 5, 80, 2, None, True))
 
 
-def _sdpa_kernel_backend(kernel: str, run) -> Backend:
+def _sdpa_kernel_backend(kernel: str, run, can_use) -> Backend:
     return Backend(
-        f"sdpa_{kernel}", run, reasons=_sdpa_kernel_reasons(kernel), devices=("cuda",),
+        f"sdpa_{kernel}", run, reasons=_sdpa_kernel_reasons(kernel, can_use), devices=("cuda",),
         dtypes=(torch.bfloat16, torch.float16),
         limits={"head_dim": range(8, 257, 8), "masked": (0,), "kv_groups": (1,)},
         notes={torch.float32: "SDPA's fused kernels take half precision only",
@@ -287,8 +285,8 @@ def _sdpa_kernel_backend(kernel: str, run) -> Backend:
         test_shapes=SDPA_KERNEL_SHAPES, doc=f"SDPA's {kernel} kernel on its own (torch.nn.functional's choice aside)")
 
 
-dispatch.register("attention", _sdpa_kernel_backend("cudnn", _sdpa_cudnn))
-dispatch.register("attention", _sdpa_kernel_backend("flash", _sdpa_flash))
+dispatch.register("attention", _sdpa_kernel_backend("cudnn", _sdpa_cudnn, torch.backends.cuda.can_use_cudnn_attention))
+dispatch.register("attention", _sdpa_kernel_backend("flash", _sdpa_flash, torch.backends.cuda.can_use_flash_attention))
 
 dispatch.register("attention", Backend(
     "xformers", _xformers, unavailable=_xformers_unavailable, devices=("cuda",), dtypes=DTYPES, limits=NO_EXTRAS,
