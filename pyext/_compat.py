@@ -249,8 +249,8 @@ def cast_own_tensors(module, dtype: torch.dtype) -> None:
 # ----------------------------------------------------------------------------- SDPA's CUDA kernels
 # Two of the kernels torch's SDPA chooses among, called as SDPA calls them for an input without a
 # mask and with a head dim that is a multiple of 8 (no padding, no copy), arguments by name (an
-# argument added upstream cannot shift the others). Each returns (output, log-sum-exp), the
-# log-sum-exp float32 (batch, heads, q length), the natural log: cuDNN's only when asked for.
+# argument added upstream cannot shift the others). Each returns (output, log-sum-exp or None),
+# the log-sum-exp when asked for: float32 (batch, heads, q length), the natural log.
 SDPA_KERNELS = ("_scaled_dot_product_cudnn_attention", "_scaled_dot_product_flash_attention")
 
 
@@ -261,9 +261,10 @@ def sdpa_cudnn(q, k, v, scale: float, lse: bool):
     return out, (logsumexp.reshape(q.shape[:3]) if lse else None)  # cuDNN's is (batch, heads, q length, 1)
 
 
-def sdpa_flash(q, k, v, scale: float):
-    return torch.ops.aten._scaled_dot_product_flash_attention(
+def sdpa_flash(q, k, v, scale: float, lse: bool):
+    out, logsumexp = torch.ops.aten._scaled_dot_product_flash_attention(
         q, k, v, dropout_p=0.0, is_causal=False, return_debug_mask=False, scale=scale)[:2]
+    return out, (logsumexp if lse else None)  # always computed
 
 
 # ----------------------------------------------------------------------------- oneDNN (CPU)

@@ -229,15 +229,6 @@ def _sdpa_kernel_reasons(kernel: str, can_use):
     return reasons
 
 
-def _sdpa_cudnn(q, k, v, scale, mask, lse):
-    return _compat.sdpa_cudnn(q, k, v, _scale(q, scale), lse)
-
-
-def _sdpa_flash(q, k, v, scale, mask, lse):
-    out, logsumexp = _compat.sdpa_flash(q, k, v, _scale(q, scale))
-    return out, (logsumexp if lse else None)
-
-
 @cache  # asked on every call (devices are checked after availability): no import-path search each time
 def _xformers_unavailable():
     return None if importlib.util.find_spec("xformers") is not None else "xformers is not installed"
@@ -274,7 +265,10 @@ dispatch.register("attention", Backend(
 SDPA_KERNEL_SHAPES = ((1, 2, 9, 77, 40), (2, 1, 37, 45, 64), (1, 1, 1, 33, 128), (1, 2, 16, 5, 80, 2, None, True))
 
 
-def _sdpa_kernel_backend(kernel: str, run, can_use) -> Backend:
+def _sdpa_kernel_backend(kernel: str, call, can_use) -> Backend:
+    def run(q, k, v, scale, mask, lse):  # (no mask: the backend declares none)
+        return call(q, k, v, _scale(q, scale), lse)
+
     return Backend(
         f"sdpa_{kernel}", run, reasons=_sdpa_kernel_reasons(kernel, can_use), devices=("cuda",),
         dtypes=(torch.bfloat16, torch.float16),
@@ -285,8 +279,10 @@ def _sdpa_kernel_backend(kernel: str, run, can_use) -> Backend:
         test_shapes=SDPA_KERNEL_SHAPES, doc=f"SDPA's {kernel} kernel on its own (torch.nn.functional's choice aside)")
 
 
-dispatch.register("attention", _sdpa_kernel_backend("cudnn", _sdpa_cudnn, torch.backends.cuda.can_use_cudnn_attention))
-dispatch.register("attention", _sdpa_kernel_backend("flash", _sdpa_flash, torch.backends.cuda.can_use_flash_attention))
+dispatch.register("attention", _sdpa_kernel_backend("cudnn", _compat.sdpa_cudnn,
+                                                   torch.backends.cuda.can_use_cudnn_attention))
+dispatch.register("attention", _sdpa_kernel_backend("flash", _compat.sdpa_flash,
+                                                   torch.backends.cuda.can_use_flash_attention))
 
 dispatch.register("attention", Backend(
     "xformers", _xformers, unavailable=_xformers_unavailable, devices=("cuda",), dtypes=DTYPES, limits=NO_EXTRAS,
