@@ -14,7 +14,7 @@ The machine is expected to have torch with CUDA, Triton, transformers, accelerat
 and no network: wheels in WHEELS (default .whl/, from `make gpu-wheels`) supply what it lacks.
 
 Estimates come from the GPU run in docs/benchmarks.md; the SD1.5 step's includes a guess for the
-two rows with CUDA graphs (inductor compiles the UNet), which that run did not reach.
+torch.compile row (inductor compiles the UNet), which that run did not reach.
 """
 from __future__ import annotations
 
@@ -54,7 +54,7 @@ def steps(out: str) -> list[Step]:
     return [
         Step("wheels", 5, (*me, "--install-wheels"),
              "install the local wheels of the packages this machine lacks (diffusers)", ()),
-        Step("build", 40, (py, "setup.py", "build_ext", "--inplace"),
+        Step("build", 35, (py, "setup.py", "build_ext", "--inplace"),
              "pyext._C with the CUDA kernels, every core (MAX_JOBS)", BUILD_SOURCES),
         Step("info", 15, (py, "-m", "pyext", "info"), "the build, the GPU, every backend's availability"),
         Step("tests", 50, (py, "-m", "pytest", "-q", "-m", "cuda", "-p", "no:cacheprovider", "-n", "8", "--dist", "load",
@@ -67,13 +67,13 @@ def steps(out: str) -> list[Step]:
              "each op's call against PyTorch's own call, and a routed attention layer against the plain one, tiny inputs"),
         Step("kernels", 35, (py, "-m", "bench.gpu_kernels", "--json", os.path.join(out, "kernels.json")),
              "attention against SDPA's flash, efficient and cuDNN backends; fp8 linears against cuBLAS bf16"),
-        Step("sync_debug", 35, (*me, "--sync-debug"),
-             "one step of optimized tiny SD1.5 and Flux under torch.cuda.set_sync_debug_mode('error')"),
-        Step("latency", 230, (py, "-m", "bench.latency", "--preset", "gpu", "--repeats", "1", "--rows",
-                              "sdpa_attention,pyext_optimize,pyext_cudagraphs,torch_compile_cudagraphs",
+        Step("sync_debug", 25, (*me, "--sync-debug"),
+             "one eager step of optimized tiny SD1.5 and Flux under torch.cuda.set_sync_debug_mode('error')"),
+        Step("latency", 190, (py, "-m", "bench.latency", "--preset", "gpu", "--repeats", "1", "--rows",
+                              "sdpa_attention,pyext_optimize,torch_compile_cudagraphs",
                               "--out", os.path.join(out, "latency")),
-             "SD1.5 512x512, 50 steps: fp16 + SDPA, pyext_optimize eager and with CUDA graphs, torch.compile "
-             "with CUDA graphs"),
+             "SD1.5 512x512, 50 steps: diffusers fp16 + SDPA eager, pyext_optimize (its CUDA graphs), "
+             "diffusers + torch.compile with CUDA graphs"),
     ]
 
 
@@ -113,14 +113,15 @@ def install_wheels() -> int:
 
 
 def sync_debug() -> int:
-    """One denoiser step of optimized tiny pipelines with every host sync an error."""
+    """One eager denoiser step of optimized tiny pipelines with every host sync an error (eager:
+    a replayed graph makes no host call at all, and a capture fails on a sync by itself)."""
     import torch
 
     import pyext
     from pyext.offline import build_pipeline, run_example
 
     for arch in ("sd15", "flux"):
-        pipe = pyext.optimize(build_pipeline(arch, "tiny", dtype=torch.bfloat16, device="cuda"))
+        pipe = pyext.optimize(build_pipeline(arch, "tiny", dtype=torch.bfloat16, device="cuda"), compile="off")
         run_example(pipe, arch, steps=1)  # warm: dispatch chooses (it may time backends) once per signature
         denoiser = pipe.unet if arch == "sd15" else pipe.transformer
         calls = []

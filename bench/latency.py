@@ -81,6 +81,7 @@ ROWS = {
     "xformers": (True, ("channels_last", "xformers")),
     "pyext_fp8": (True, ("channels_last", "sdpa_attention", "pyext_fp8")),
     "pyext_optimize": (False, ("pyext_optimize",)),
+    "pyext_eager": (False, ("pyext_eager",)),
     "pyext_cudagraphs": (False, ("pyext_cudagraphs",)),
     "torch_compile": (True, ("channels_last", "sdpa_attention", "torch_compile")),
     "torch_compile_cudagraphs": (True, ("channels_last", "sdpa_attention", "torch_compile_cudagraphs")),
@@ -89,6 +90,11 @@ ROWS = {
     "torch_compile_freezing": (True, ("channels_last", "sdpa_attention", "torch_compile_freezing")),
     "openvino": (False, ("sdpa_attention", "openvino")),
 }
+
+# The pyext rows: optimize's options beyond the plan size. pyext_optimize takes the defaults (on CUDA
+# the denoiser replays captured CUDA graphs), pyext_eager the same without them, pyext_cudagraphs
+# inductor's CUDA graphs instead.
+PYEXT_OPTIONS = {"pyext_optimize": {}, "pyext_eager": {"compile": "off"}, "pyext_cudagraphs": {"compile": "cudagraphs"}}
 
 # The guide's published Titan RTX figures (seconds), shown beside ours for reference.
 GUIDE_TITAN_RTX = {"original": 9.50, "fp16": 3.61, "channels_last": 3.30, "traced_unet": 3.21,
@@ -209,16 +215,11 @@ def _apply_step(pipe, step, preset, notes: dict):
         report = pyext.quantize_fp8(pipe.unet)
         notes["pyext_fp8"] = (f"{len(report.converted)} UNet layers in fp8, their weights "
                               f"{report.bytes_before / 2**20:.1f} -> {report.bytes_after / 2**20:.1f} MiB")
-    elif step == "pyext_optimize":
+    elif step in PYEXT_OPTIONS:
         import pyext
 
-        pipe = pyext.optimize(pipe, height=preset.height, width=preset.width) or pipe
-        notes["pyext_optimize"] = " ".join(str(pyext.report(pipe)).split())
-    elif step == "pyext_cudagraphs":
-        import pyext
-
-        pipe = pyext.optimize(pipe, height=preset.height, width=preset.width, compile="cudagraphs") or pipe
-        notes["pyext_cudagraphs"] = " ".join(str(pyext.report(pipe)).split())
+        pipe = pyext.optimize(pipe, height=preset.height, width=preset.width, **PYEXT_OPTIONS[step]) or pipe
+        notes[step] = " ".join(str(pyext.report(pipe)).split())
     elif step == "torch_compile":
         pipe.unet = torch.compile(pipe.unet)
     elif step == "torch_compile_cudagraphs":

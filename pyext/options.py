@@ -19,7 +19,7 @@ from pyext.nn.fp8 import DEFAULT_SKIP
 Switch = Literal["auto", "on", "off"]
 FP8Mode = Literal["auto", "off", "denoiser", "all"]
 FP8Gemm = Literal["auto", "weight_only", "dynamic"]
-CompileMode = Literal["auto", "off", "trace", "compile", "cudagraphs"]
+CompileMode = Literal["auto", "off", "capture", "trace", "compile", "cudagraphs"]
 OffloadMode = Literal["auto", "off", "model", "group", "sequential"]
 DTypeChoice = Union[Literal["auto", "keep"], torch.dtype]
 DTYPES = (torch.float32, torch.float16, torch.bfloat16)
@@ -70,8 +70,10 @@ class OptimizeOptions:
         for oneDNN) | "on" (every component) | "off".
     fuse_norms: "auto" (on a CPU: GroupNorm + SiLU in one pass in the ResnetBlock2D blocks of
         denoisers, VAEs and controlnets) | "on" (every component, any device) | "off".
-    compile: "auto" (trace where the family allows it, on GPUs) | "off" | "trace" | "compile" |
-        "cudagraphs" (torch.compile with CUDA graphs, one per input shape; CUDA only).
+    compile: "auto" (capture on CUDA without offload; eager otherwise) | "off" | "capture" (pyext
+        captures the denoiser's eager forward in CUDA graphs, one per input signature, and replays
+        them; no compiler; CUDA only) | "trace" | "compile" | "cudagraphs" (torch.compile with CUDA
+        graphs, one per input shape; CUDA only).
     compile_backend: the torch.compile backend for compile="compile".
     vae_tiling: "auto" (only when the full decode would not fit the budget) | "on" | "off".
     vae_slicing: "auto" (with tiling or offload) | "on" | "off".

@@ -81,8 +81,8 @@ def test_trace_matches_and_traces_each_shape_once(references):
 def test_auto_compile_stays_eager_on_cpu_and_says_why():
     pipe = pyext.optimize(build_pipeline("sd15", "tiny"), **LOSSLESS)
     entry = next(e for e in pyext.report(pipe).entries if e.technique == "compile")
-    assert type(pipe.unet).__name__ == "UNet2DConditionModel"
-    assert entry.status == "skipped" and "compile='trace'" in entry.detail
+    assert type(pipe.unet).__name__ == "UNet2DConditionModel" and "forward" not in vars(pipe.unet)
+    assert entry.status == "skipped" and "CUDA graphs" in entry.detail and "compile='trace'" in entry.detail
 
 
 def test_cudagraphs_on_cpu_is_skipped_with_the_reason_and_the_pipeline_stays_eager(references):

@@ -1,18 +1,19 @@
 """Tracing or torch.compile of the denoisers."""
 from __future__ import annotations
 
-from pyext import _compat
+from pyext import _compat, graphs
 from pyext.planner import FP8_ROLES
 from pyext.techniques.base import Entry, Step, Technique, undo_by
 from pyext.traced import TracedUNet, trace_reason
 
 
 class Compile(Technique):
-    """compile="trace": torch.jit.trace per input shape (families that allow it, as the memory
+    """compile="capture": pyext captures the eager forward in CUDA graphs, one per input signature
+    (pyext.graphs), so a step replays its kernels without Python or launch overhead and without a
+    compiler; "trace": torch.jit.trace per input shape (families that allow it, as the memory
     guide traces the SD UNet); "compile": torch.compile in place; "cudagraphs": torch.compile
-    with CUDA graphs (inductor's "reduce-overhead"), one graph per input shape, so a step
-    replays its kernels without Python or launch overhead; "auto": trace on GPUs where the
-    family allows it, otherwise stay eager (compiling costs minutes up front)."""
+    with CUDA graphs (inductor's "reduce-overhead"), one graph per input shape; "auto": capture
+    on CUDA without offload, otherwise stay eager (compiling costs minutes up front)."""
 
     name = "compile"
     changes_modules = False  # runs last, on the final modules; offload hooks stay as they are
@@ -28,16 +29,14 @@ class Compile(Technique):
         mode = d.options.compile
         if mode == "off":
             return "compile='off'"
-        if mode == "cudagraphs" and d.device.type != "cuda":
-            return (f"cudagraphs: CUDA graphs replay CUDA kernels, and this pipeline runs on {d.device.type}; "
-                    "on a CPU use compile='compile' or 'trace'")
-        if mode == "cudagraphs" and d.offload != "off":
-            return (f"cudagraphs: offload={d.offload!r} moves weights between calls, which a captured graph "
-                    "cannot follow; use compile='compile', or offload='off'")
-        if mode in ("trace", "auto") and not isinstance(module, TracedUNet):
+        if mode in ("capture", "auto", "cudagraphs"):
+            why = graphs.capture_reason(d.device, d.offload)
+            if why:
+                return f"{mode}: {why}"
+        if mode == "trace" and not isinstance(module, TracedUNet):
             reason = self._trace_reason(name, module, d)
             if reason:
-                return f"{'auto' if mode == 'auto' else 'trace'}: {reason}"
+                return f"trace: {reason}"
         return None
 
     @staticmethod
@@ -47,13 +46,7 @@ class Compile(Technique):
             return f"the {family.name} family has no trace support"
         if "denoiser" in FP8_ROLES[d.fp8]:  # (the fp8 technique runs first)
             return "fp8 layers reinterpret their storage (dtype views), which torch.jit.trace cannot record"
-        reason = trace_reason(module, d.offload)
-        if not reason and d.options.compile == "auto" and d.device.type == "cpu":
-            # Measured on SD1.5 (cpu bench preset, docs/benchmarks.md): the trace saves a few
-            # percent of UNet time once pyext attention runs, but its graph keeps more memory
-            # resident per run.
-            reason = "on CPU a trace saves a few percent of UNet time for more memory; compile='trace' takes that trade"
-        return reason
+        return trace_reason(module, d.offload)
 
     def change(self, pipe, name: str, d) -> Entry:
         module = d.components.denoisers[name]
@@ -62,6 +55,8 @@ class Compile(Technique):
             return self._compile(name, module, d.options.compile_backend, d.device)
         if mode == "cudagraphs":
             return self._cudagraphs(name, module)
+        if mode in ("capture", "auto"):
+            return self._capture(name, module)
         return self._trace(pipe, name, module)
 
     def _compile(self, name, module, backend, device) -> Entry:
@@ -85,6 +80,14 @@ class Compile(Technique):
         module.compile(backend="inductor", mode="reduce-overhead", dynamic=False)
         return self.applied(name, "torch.compile(mode='reduce-overhead'): CUDA graphs, one per input shape",
                             undo_by(_compat.uncompile_in_place, module, says="eager again"))
+
+    def _capture(self, name, module) -> Entry:
+        if graphs.captured(module) is not None:
+            return self.already(name, "captured in CUDA graphs")
+        if _compat.is_compiled_in_place(module):
+            return self.already(name, "torch.compile")
+        captured = graphs.apply_capture(module)
+        return self.applied(name, captured.describe(), undo_by(graphs.remove_capture, module, says="eager again"))
 
     def _trace(self, pipe, name, module) -> Entry:
         if isinstance(module, TracedUNet):
