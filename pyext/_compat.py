@@ -84,7 +84,8 @@ def has_accelerate_hook(module) -> bool:
 
 
 def has_diffusers_hooks(module) -> bool:
-    return hasattr(module, DIFFUSERS_HOOKS)
+    # (a registry may be there without hooks: a cache-aware model's cache_context makes one per call)
+    return bool(getattr(getattr(module, DIFFUSERS_HOOKS, None), "hooks", None))
 
 
 def group_offload_config(module):

@@ -155,7 +155,7 @@ class Captured:
 
     def _weights_unmoved(self) -> bool:
         tensors, addresses = self.weights
-        return all(t.data_ptr() == a for t, a in zip(tensors, addresses))
+        return all(address(t) == a for t, a in zip(tensors, addresses))
 
     def _capture(self, key, leaves, spec):
         """Capture the signature `key`; None (and a warning naming why) where it cannot be captured."""
@@ -184,9 +184,18 @@ class Captured:
             return None
         if not self.graphs:
             tensors = [*self.model.parameters(), *self.model.buffers()]
-            self.weights = (tensors, tuple(t.data_ptr() for t in tensors))
+            self.weights = (tensors, tuple(address(t) for t in tensors))
         self.graphs[key] = (graph, static)
         return self.graphs[key]
+
+
+def address(t: torch.Tensor) -> int:
+    """Where a tensor's data is; for one without storage of its own (a tensor subclass wrapping
+    others, an opaque packed weight), the object."""
+    try:
+        return t.data_ptr()
+    except RuntimeError:
+        return id(t)
 
 
 def capture_reason(device: torch.device, offload: str) -> str | None:

@@ -39,7 +39,7 @@ class RecordedGraph:
         self.output = fn(leaves)
         # The tensors the record reads that are not inputs (the weights), and where they were: a
         # CUDA graph would read that memory whatever lives there now.
-        self.weights = [(t, t.data_ptr()) for t in (getattr(self.record, n.target) for n in self.record.graph.nodes
+        self.weights = [(t, graphs.address(t)) for t in (getattr(self.record, n.target) for n in self.record.graph.nodes
                                                     if n.op == "get_attr")]
 
     @staticmethod
@@ -50,7 +50,7 @@ class RecordedGraph:
         return [self.leaves[i] for i in self.tensors]
 
     def replay(self):
-        assert all(t.data_ptr() == address for t, address in self.weights), "replayed a graph whose weights moved"
+        assert all(graphs.address(t) == a for t, a in self.weights), "replayed a graph whose weights moved"
         for dst, src in zip(pytree.tree_leaves(self.output), self.record(*self._inputs())):
             dst.copy_(src)
         return self.output

@@ -17,17 +17,20 @@ import torch
 
 import pyext
 import pyext.nn.fp8 as fp8_module
-from pyext import dispatch
+from pyext import _compat, dispatch, graphs
 from pyext.dispatch import PyextError
 from pyext.offline import build_pipeline, run_example
+from tests.test_graphs import RecordedGraph
 
 pytestmark = pytest.mark.slow  # make test runs it; make test-fast leaves it out
 
 ARCHS = ["sd15", "sdxl", "flux", "wan21"]
 DENOISER = {"sd15": "unet", "sdxl": "unet", "flux": "transformer", "wan21": "transformer"}
 # defaults: what optimize does on a CPU (prepack, fused norms, attention routing, channels-last);
-# fp8: the same, with the denoiser's weights stored in fp8.
-TECHNIQUES = {"defaults": dict(dtype="keep"), "fp8": dict(dtype="keep", fp8="denoiser")}
+# fp8: the same, with the denoiser's weights stored in fp8; captured: the defaults with the
+# denoiser replayed from captured graphs (compile="capture", the default on CUDA; here the CPU
+# stand-in for a CUDA graph of tests/test_graphs.py, which bakes in what a capture bakes in).
+TECHNIQUES = {"defaults": dict(dtype="keep"), "fp8": dict(dtype="keep", fp8="denoiser"), "captured": dict(dtype="keep")}
 SAME = 2e-3  # images in [0, 1]: what rounding and oneDNN's summation order leave between opt and twin
 
 
@@ -49,6 +52,8 @@ def pair(arch: str, techniques: str):
     opt = pyext.optimize(build_pipeline(arch, "tiny"), **TECHNIQUES[techniques])
     twin = pyext.optimize(build_pipeline(arch, "tiny"), **TECHNIQUES[techniques])
     pyext.restore(twin)
+    if techniques == "captured":
+        graphs.apply_capture(getattr(opt, DENOISER[arch]), RecordedGraph)
     return opt, twin
 
 
@@ -112,6 +117,8 @@ def test_lora_after_optimize(arch, techniques, tmp_path):
     twin_effect = [w - want[0] for w in want]
     plain_effect = [p - plain[0] for p in plain]
     assert effect[1].abs().max() > 10 * SAME  # the LoRA acts
+    if techniques == "captured":
+        assert graphs.captured(getattr(opt, DENOISER[arch])).replays > 0
     exact = [1, 2, 3, 4] if techniques == "fp8" else range(1, 8)  # fp8: fusing stores the sums in fp8 again
     for i in exact:
         assert_same(got[i], want[i])
@@ -311,15 +318,18 @@ STEPS = {
 }
 
 
-@pytest.mark.parametrize("order", ["after", "before"])
+STILL_REPLAYED = {"fuse_qkv_projections", "set_attention_backend", "vae.enable_tiling"}
+
+
+@pytest.mark.parametrize("order,techniques", [("after", "fp8"), ("before", "fp8"), ("after", "captured")])
 @pytest.mark.parametrize("step", list(STEPS))
 @pytest.mark.parametrize("arch", ARCHS)
-def test_step_composes_with_optimize(arch, step, order):
+def test_step_composes_with_optimize(arch, step, order, techniques):
     do, before_too = STEPS[step]
     if order == "before" and not before_too:
         pytest.skip(f"{step} is a step after optimize")
     if order == "after":
-        opt, twin = pair(arch, "fp8")
+        opt, twin = pair(arch, techniques)
         do(opt, arch)
         do(twin, arch)
     else:
@@ -330,11 +340,17 @@ def test_step_composes_with_optimize(arch, step, order):
         pyext.optimize(twin, **TECHNIQUES["fp8"])
         pyext.restore(twin)
     assert_same(run(opt, arch), run(twin, arch))
+    if techniques == "captured":  # graphs replay unless hooks act per call (offload, step caches)
+        denoiser = getattr(opt, DENOISER[arch])
+        hooked = any(_compat.has_accelerate_hook(m) or _compat.has_diffusers_hooks(m) for m in denoiser.modules())
+        assert not (hooked and step in STILL_REPLAYED)
+        assert (graphs.captured(denoiser).replays > 0) == (not hooked)
 
 
 @pytest.mark.parametrize("arch", ARCHS)
-def test_shared_components_copies_and_casts(arch):
-    opt, twin = pair(arch, "fp8")
+@pytest.mark.parametrize("techniques", ["fp8", "captured"])
+def test_shared_components_copies_and_casts(arch, techniques):
+    opt, twin = pair(arch, techniques)
     reference = run(twin, arch)
     assert_same(run(type(opt).from_pipe(opt), arch), reference)  # components shared with another pipeline
     assert_same(run(type(opt)(**opt.components), arch), reference)
@@ -348,6 +364,8 @@ def test_shared_components_copies_and_casts(arch):
     opt.to(torch.bfloat16)
     twin.to(torch.bfloat16)
     assert_same(run(opt, arch), run(twin, arch), tol=0.05)  # both compute in bf16: its rounding, twice over
+    if techniques == "captured":  # graphs were replayed, not only eager calls
+        assert graphs.captured(getattr(opt, DENOISER[arch])).replays > 0
 
 
 def test_xformers_switch_behaves_as_in_plain_diffusers():
