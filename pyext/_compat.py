@@ -208,6 +208,14 @@ def take_parallel_config(processor):
 
 # ----------------------------------------------------------------------------- compile
 
+MODULE_APPLY = "_apply"  # what nn.Module.to / cuda / half / float call on the module with each conversion
+
+
+def module_slots(module) -> tuple[dict, dict, dict]:
+    """nn.Module's own dicts of its parameters, buffers and submodules (what assignment changes)."""
+    return module._parameters, module._buffers, module._modules
+
+
 def is_compiled_in_place(module) -> bool:
     return getattr(module, COMPILED_CALL, None) is not None
 

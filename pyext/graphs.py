@@ -13,10 +13,12 @@ that are neither tensors nor hashable values, outputs that are not tensors, offl
 enclosing capture or compile, a signature beyond MAX_GRAPHS.
 
 A graph bakes in the addresses of the weights and every Python value its forward read (a LoRA
-scale, a cache's state). So a replay first checks that the weights are where they were (a move or
-`.to()` drops the graphs), and the model's methods that change adapters, caches, attention
-processors or offload drop them too; the next calls capture again. A value set on a layer by
-hand is not seen: restore and optimize again after such a change.
+scale, a cache's state). So a replay first checks that every parameter, buffer, submodule and
+attention processor is the one captured, at the address captured, and that the processors' plain
+values (IP-Adapter scales) are unchanged (an assignment, a cast or a move drops the graphs), and
+the model's methods that change adapters, caches, attention processors, FreeU or offload drop them
+too; the next calls capture again. A value set on a layer by hand is not seen: restore and
+optimize again after such a change.
 
 All graphs of one model share one memory pool, and each replay's outputs are copied out at once,
 so a graph's outputs are never read after another graph has run in the same memory.
@@ -24,7 +26,9 @@ so a graph's outputs are never read after another graph has run in the same memo
 from __future__ import annotations
 
 import copy
+import enum
 import functools
+import types
 import warnings
 
 import torch
@@ -32,7 +36,7 @@ from torch.utils import _pytree as pytree
 
 from pyext import _compat, _state
 
-STATE = "graphs"  # pyext._state key on the model: its Captured forward
+STATE = "graphs"  # pyext._state key on the model: {name: (what apply_capture put there, what was there)}
 MAX_GRAPHS = 4  # each graph keeps its inputs and outputs resident; a few resolutions at most
 # Methods of diffusers' models after which what a graph baked in may be stale.
 DROPPING_METHODS = (
@@ -40,7 +44,10 @@ DROPPING_METHODS = (
     "enable_adapters", "disable_adapters", "enable_lora", "disable_lora", "unload_lora", "fuse_lora", "unfuse_lora",
     "enable_cache", "disable_cache", "set_attention_backend", "reset_attention_backend", "set_attn_processor",
     "set_default_attn_processor", "fuse_qkv_projections", "unfuse_qkv_projections", "enable_group_offload",
-    "enable_layerwise_casting", "load_state_dict")
+    "enable_layerwise_casting", "load_state_dict", "enable_freeu", "disable_freeu", "set_attention_slice",
+    "enable_forward_chunking", "disable_forward_chunking", _compat.MODULE_APPLY)
+# Argument values a graph may bake in: compared by value, immutable.
+PLAIN_VALUES = (type(None), bool, int, float, complex, str, bytes, torch.dtype, torch.device, enum.Enum)
 
 
 class CudaGraph:
@@ -55,12 +62,15 @@ class CudaGraph:
         with torch.cuda.device(self.device):
             side = torch.cuda.Stream()
             side.wait_stream(torch.cuda.current_stream())
+            # The outer stream context puts the caller's stream back even when a capture fails
+            # (torch.cuda.graph's own exit ends the capture first, and may raise there). Thread-local
+            # errors: other threads of the process stay free to call CUDA during the capture.
             with torch.cuda.stream(side):
                 fn(leaves)
+                self.graph = torch.cuda.CUDAGraph()
+                with torch.cuda.graph(self.graph, pool=pool, stream=side, capture_error_mode="thread_local"):
+                    self.output = fn(leaves)
             torch.cuda.current_stream().wait_stream(side)
-            self.graph = torch.cuda.CUDAGraph()
-            with torch.cuda.graph(self.graph, pool=pool):
-                self.output = fn(leaves)
 
     @staticmethod
     def pool():
@@ -76,12 +86,14 @@ class Captured:
     """The forward put on one model instance: replays a graph per input signature (see the module)."""
 
     def __init__(self, model: torch.nn.Module, eager_forward, graph_type=CudaGraph):
+        functools.update_wrapper(self, eager_forward)  # its signature: pipelines read the forward's parameters
         self.model = model
         self.eager_forward = eager_forward  # the forward it replaced (the class's, bound, or another wrapper)
         self.graph_type = graph_type
         self.graphs: dict = {}  # signature -> (graph, static input leaves)
         self.seen: set = set()  # signatures called once (eagerly); a few hundred at most
-        self.weights: tuple = ()  # (tensors, their addresses) when the graphs were captured
+        self.state: tuple = ([], [])  # what the model held when captured (_snapshot)
+        self.removed = False  # remove_capture ran: a reference kept elsewhere (an offload hook) calls eagerly
         self.pool = None
         self.failures: dict = {}  # signature -> why its capture failed (it runs eagerly)
         self.replays = self.eager_calls = 0
@@ -89,6 +101,19 @@ class Captured:
     def __deepcopy__(self, memo):
         # A copy of the model gets its own graphs, captured by its own calls.
         return Captured(copy.deepcopy(self.model, memo), copy.deepcopy(self.eager_forward, memo), self.graph_type)
+
+    def __getstate__(self):
+        # A pickled model keeps the mode, not the graphs. The class's forward is named, not pickled
+        # as a bound method: unpickling that would look `forward` up on the model, which is this.
+        state = dict(self.__dict__, graphs={}, seen=set(), failures={}, state=([], []), pool=None, replays=0, eager_calls=0)
+        if getattr(self.eager_forward, "__func__", None) is type(self.model).forward:
+            state["eager_forward"] = None
+        return state
+
+    def __setstate__(self, state):
+        self.__dict__.update(state)
+        if self.eager_forward is None:
+            self.eager_forward = types.MethodType(type(self.model).forward, self.model)
 
     def describe(self) -> str:
         return (f"the forward captured in CUDA graphs by pyext, one per input signature (up to {MAX_GRAPHS}) "
@@ -99,7 +124,7 @@ class Captured:
         self.graphs.clear()
         self.seen.clear()
         self.failures.clear()
-        self.weights = ()
+        self.state = ([], [])
         self.pool = None
 
     def __call__(self, *args, **kwargs):
@@ -108,7 +133,7 @@ class Captured:
             self.eager_calls += 1
             return self.eager_forward(*args, **kwargs)
         key, leaves, spec = key_leaves
-        if self.graphs and not self._weights_unmoved():
+        if self.graphs and not self._unchanged():
             self.drop()
         entry = self.graphs.get(key)
         if entry is None:
@@ -133,29 +158,50 @@ class Captured:
 
     def _signature(self, args, kwargs):
         """(key, leaves, spec) of a call a graph can replay, else None."""
-        if torch.compiler.is_compiling() or torch.is_grad_enabled() or _compat.has_accelerate_hook(self.model) \
-                or _compat.has_diffusers_hooks(self.model):
+        if self.removed or torch.compiler.is_compiling() or torch.is_grad_enabled():
             return None
-        if self.graph_type.device_type == "cuda" and torch.cuda.is_current_stream_capturing():
+        if _compat.has_accelerate_hook(self.model) or _compat.has_diffusers_hooks(self.model):
+            self.drop()  # offload or a cache acts per call from now on: the graphs' memory goes back
+            return None
+        device = self.graph_type.device_type
+        if device == "cuda" and torch.cuda.is_current_stream_capturing():
             return None  # inside someone else's capture (inductor's CUDA graphs): part of theirs
         leaves, spec = pytree.tree_flatten((args, kwargs))
-        parts = []
+        parts = [torch.is_inference_mode_enabled(), torch.is_autocast_enabled(device),
+                 torch.get_autocast_dtype(device)]  # what the forward's ops and the graph's inputs depend on
         for leaf in leaves:
             if isinstance(leaf, torch.Tensor):
-                if leaf.device.type != self.graph_type.device_type or leaf.requires_grad:
+                if leaf.device.type != device or leaf.requires_grad:
                     return None
                 parts.append((tuple(leaf.shape), leaf.stride(), leaf.dtype, leaf.device))
-            else:
-                try:
-                    hash(leaf)
-                except TypeError:
-                    return None
+            elif isinstance(leaf, PLAIN_VALUES):
                 parts.append((type(leaf), leaf))
+            else:  # an object could change inside and keep its hash
+                return None
         return (spec, tuple(parts)), leaves, spec
 
-    def _weights_unmoved(self) -> bool:
-        tensors, addresses = self.weights
-        return all(address(t) == a for t, a in zip(tensors, addresses))
+    def _unchanged(self) -> bool:
+        """Every parameter, buffer, submodule and attention processor is the one captured, at the
+        address captured, and the processors hold the values they held (IP-Adapter scales)."""
+        held, values = self.state
+        return all(d.get(name) is obj and (a is None or address(obj) == a) for d, name, obj, a in held) \
+            and all(_frozen(d.get(name)) == value for d, name, value in values)
+
+    def _snapshot(self) -> tuple:
+        """(dict, name, what it held, its address or None) for each module's parameters, buffers,
+        submodules and attention processor; (dict, name, value) for the processors' plain values."""
+        held, values = [], []
+        for module in self.model.modules():
+            parameters, buffers, submodules = _compat.module_slots(module)
+            held += [(d, name, t, address(t)) for d in (parameters, buffers) for name, t in d.items() if t is not None]
+            held += [(submodules, name, child, None) for name, child in submodules.items()]
+            processor = getattr(module, "processor", None)  # diffusers' attention layers
+            if processor is not None:
+                if "processor" in module.__dict__:  # (a processor that is a module is a submodule)
+                    held.append((module.__dict__, "processor", processor, None))
+                values += [(vars(processor), name, _frozen(v)) for name, v in vars(processor).items()
+                           if _frozen(v) is not None]
+        return held, values
 
     def _capture(self, key, leaves, spec):
         """Capture the signature `key`; None (and a warning naming why) where it cannot be captured."""
@@ -177,16 +223,24 @@ class Captured:
                     why = "the forward returns values that are not tensors"
             except Exception as e:  # noqa: BLE001 (what the forward does is diffusers'; it runs eagerly instead)
                 why = f"{type(e).__name__}: {str(e)[:300]}"
+                if e.__context__ is not None:  # a capture ended by its exit: the cause came first
+                    why += f" (while handling {type(e.__context__).__name__}: {str(e.__context__)[:300]})"
         if why is not None:
             self.failures[key] = why
             warnings.warn(f"pyext compile='capture': {type(self.model).__name__} runs eagerly for this input "
                           f"signature, its forward could not be captured in a CUDA graph: {why}", stacklevel=3)
             return None
         if not self.graphs:
-            tensors = [*self.model.parameters(), *self.model.buffers()]
-            self.weights = (tensors, tuple(address(t) for t in tensors))
+            self.state = self._snapshot()
         self.graphs[key] = (graph, static)
         return self.graphs[key]
+
+
+def _frozen(value):
+    """A plain value, or a list or tuple of them, as an immutable copy; None for anything else."""
+    if isinstance(value, (list, tuple)) and all(isinstance(v, PLAIN_VALUES) for v in value):
+        return tuple(value)
+    return value if isinstance(value, PLAIN_VALUES) and value is not None else None
 
 
 def address(t: torch.Tensor) -> int:
@@ -230,6 +284,7 @@ def remove_capture(model: torch.nn.Module) -> None:
     for name, (wrapper, before) in (_state.pop(model, STATE) or {}).items():
         if isinstance(wrapper, Captured):
             wrapper.drop()
+            wrapper.removed = True
         if model.__dict__.get(name) is wrapper:
             if before is None:
                 del model.__dict__[name]

@@ -121,9 +121,30 @@ def test_each_input_signature_gets_its_own_graph():
     for size in (8, 16, 8, 16, 8, 16):
         torch.testing.assert_close(run(fast, size, size), run(plain, size, size), atol=1e-5, rtol=0)
     assert len(graphs.captured(fast).graphs) == 2
-    with torch.no_grad():  # another structure (return_dict) is another signature
-        out = fast(*unet_inputs(1)[:2], encoder_hidden_states=unet_inputs(1)[2], return_dict=True).sample
-    torch.testing.assert_close(out, run(plain, 1), atol=1e-5, rtol=0)
+    for seed in range(3):  # the same tensors passed another way: another structure, another graph
+        sample, t, text = unet_inputs(seed)
+        with torch.no_grad():
+            out = fast(sample=sample, timestep=t, encoder_hidden_states=text, return_dict=True).sample
+        torch.testing.assert_close(out, run(plain, seed), atol=1e-5, rtol=0)
+    assert len(graphs.captured(fast).graphs) == 3 and graphs.captured(fast).replays == 6
+
+
+def test_inference_mode_gets_its_own_graph():
+    plain, fast = captured_pair()
+    with torch.inference_mode():
+        for seed in range(3):
+            run(fast, seed)
+    for seed in range(3, 6):  # under no_grad: the inference-mode graph's inputs cannot be written here
+        torch.testing.assert_close(run(fast, seed), run(plain, seed), atol=1e-5, rtol=0)
+    assert len(graphs.captured(fast).graphs) == 2
+
+
+def test_the_captured_forward_has_the_models_signature():
+    """Pipelines read the forward's parameters (diffusers' modular pipelines pass only those)."""
+    import inspect
+
+    plain, fast = captured_pair()
+    assert inspect.signature(fast.forward) == inspect.signature(plain.forward)
 
 
 def test_what_a_graph_cannot_follow_runs_eagerly():
@@ -132,11 +153,12 @@ def test_what_a_graph_cannot_follow_runs_eagerly():
     for _ in range(3):  # grad mode: no graph
         torch.testing.assert_close(fast(sample, t, text, return_dict=False)[0].detach(), run(plain, 0), atol=1e-5,
                                    rtol=0)
-    with torch.no_grad():  # an argument that is neither a tensor nor hashable (dicts and lists flatten)
-        for _ in range(3):
-            fast(sample, t, text, added_cond_kwargs={"unused": {1}}, return_dict=False)
+    with torch.no_grad():  # arguments that are neither tensors nor plain values (dicts and lists flatten)
+        for value in ({1}, object()):  # unhashable; hashable by identity but changeable inside
+            for _ in range(3):
+                fast(sample, t, text, added_cond_kwargs={"unused": value}, return_dict=False)
     captured = graphs.captured(fast)
-    assert not captured.graphs and captured.replays == 0 and captured.eager_calls == 6
+    assert not captured.graphs and captured.replays == 0 and captured.eager_calls == 9
 
 
 @pytest.mark.skipif(importlib.util.find_spec("peft") is None, reason="needs peft")
@@ -161,6 +183,24 @@ def test_changing_adapters_after_capture_drops_the_stale_graphs():
         unet.disable_adapters()
     for seed in range(6, 9):
         torch.testing.assert_close(run(fast, seed), run(plain, seed), atol=1e-5, rtol=0)
+
+
+@pytest.mark.parametrize("change", ["new submodule", "new parameter"])
+def test_modules_and_parameters_assigned_after_capture_drop_the_graphs(change):
+    """The captured objects stay alive (and so at their addresses): what changed is which ones the model holds."""
+    plain, fast = captured_pair()
+    for seed in range(3):
+        run(fast, seed)
+    torch.manual_seed(0)
+    new = torch.nn.Conv2d(32, 4, 3, padding=1)
+    for unet in (plain, fast):
+        if change == "new submodule":
+            unet.conv_out = copy.deepcopy(new)
+        else:
+            unet.conv_in.weight = torch.nn.Parameter(unet.conv_in.weight.detach() * 2)
+    for seed in range(3, 6):
+        torch.testing.assert_close(run(fast, seed), run(plain, seed), atol=1e-5, rtol=0)
+    assert graphs.captured(fast).replays >= 1
 
 
 def test_weights_moved_after_capture_drop_the_graphs():
@@ -205,6 +245,34 @@ def test_remove_gives_back_the_forward_and_methods_it_found():
     assert unet.__dict__["fuse_lora"] is before["fuse_lora"] and graphs.captured(unet) is None
 
 
+def test_a_captured_model_pickles_without_its_graphs(tmp_path):
+    plain, fast = captured_pair()
+    for seed in range(3):
+        run(fast, seed)
+    torch.save(fast, tmp_path / "unet.pt")
+    loaded = torch.load(tmp_path / "unet.pt", weights_only=False)
+    assert graphs.captured(loaded).model is loaded and not graphs.captured(loaded).graphs
+    for seed in range(3, 6):
+        torch.testing.assert_close(run(loaded, seed), run(plain, seed), atol=1e-5, rtol=0)
+    assert graphs.captured(loaded).replays == 2
+
+
+def test_a_forward_kept_elsewhere_runs_eagerly_once_removed():
+    """An offload hook added after capture keeps the forward it wrapped; after remove_capture that
+    forward no longer drops graphs on changes, so it replays none."""
+    plain, fast = captured_pair()
+    kept = fast.forward
+    for seed in range(3):
+        run(fast, seed)
+    graphs.remove_capture(fast)
+    for seed in range(3, 6):
+        sample, t, text = unet_inputs(seed)
+        with torch.no_grad():
+            out = kept(sample, t, encoder_hidden_states=text, return_dict=False)[0]
+        torch.testing.assert_close(out, run(plain, seed), atol=1e-5, rtol=0)
+    assert kept.replays == 2 and not kept.graphs
+
+
 def test_a_deep_copy_captures_on_its_own():
     plain, fast = captured_pair()
     for seed in range(3):
@@ -234,12 +302,31 @@ def test_captured_pipelines_on_a_gpu_make_the_eager_images(arch):
         pytest.skip("needs a GPU")
     eager = pyext.optimize(build_pipeline(arch, "tiny", dtype=torch.bfloat16, device="cuda"), compile="off")
     fast = pyext.optimize(build_pipeline(arch, "tiny", dtype=torch.bfloat16, device="cuda"))
-    name = "unet" if arch == "sd15" else "transformer"
-    captured = graphs.captured(getattr(fast, name))
+    denoiser = fast.unet if arch == "sd15" else fast.transformer
+    captured = graphs.captured(denoiser)
     assert captured is not None, pyext.report(fast)
+    stream = torch.cuda.current_stream()
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
-        got = run_example(fast, arch, steps=4)
-    assert not capture_warnings(caught) and not captured.failures
-    torch.testing.assert_close(got, run_example(eager, arch, steps=4), atol=2e-2, rtol=0)
-    assert captured.replays >= 2
+        # One UNet call per step (guidance batched): eager, captured, then replays. Resolutions in
+        # turn: graphs in one pool replayed in any order.
+        for size, replays in ((64, 3), (96, 6), (64, 10), (96, 14)):
+            got = run_example(fast, arch, steps=4, height=size, width=size)
+            assert captured.replays == replays, (size, captured.replays, captured.eager_calls)
+            torch.testing.assert_close(got, run_example(eager, arch, steps=4, height=size, width=size), atol=2e-3,
+                                       rtol=0)
+    assert not capture_warnings(caught) and not captured.failures and len(captured.graphs) == 2
+    assert torch.cuda.current_stream() == stream
+    calls = []
+    handle = denoiser.register_forward_pre_hook(lambda m, a, kw: calls.append((a, kw)), with_kwargs=True)
+    run_example(fast, arch, steps=1)
+    handle.remove()
+    torch.cuda.synchronize()
+    torch.cuda.set_sync_debug_mode("error")  # a replay waits for nothing on the host
+    try:
+        with torch.no_grad():
+            for _ in range(3):
+                denoiser(*calls[0][0], **calls[0][1])
+    finally:
+        torch.cuda.set_sync_debug_mode(0)
+    assert captured.replays == 18  # 14, one in the 1-step run, three here

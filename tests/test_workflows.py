@@ -404,12 +404,12 @@ def ip_adapter(unet, image_dim: int = 32) -> dict:
     return {"image_proj": image_proj, "ip_adapter": layers}
 
 
-@pytest.mark.parametrize("order", ["after", "before"])
-def test_ip_adapter_load(order):
+@pytest.mark.parametrize("order,techniques", [("after", "fp8"), ("before", "fp8"), ("after", "captured")])
+def test_ip_adapter_load(order, techniques):
     weights = ip_adapter(build_pipeline("sd15", "tiny").unet)
     embeds = [torch.randn(2, 1, 32, generator=torch.Generator().manual_seed(4))]
     if order == "after":
-        opt, twin = pair("sd15", "fp8")
+        opt, twin = pair("sd15", techniques)
         pipes = (opt, twin)
         for pipe in pipes:
             pipe.load_ip_adapter(copy.deepcopy(weights), subfolder=None, weight_name=None, image_encoder_folder=None)
@@ -424,5 +424,7 @@ def test_ip_adapter_load(order):
     for pipe in pipes:
         pipe.set_ip_adapter_scale(0.0)
     without = [run(p, "sd15", ip_adapter_image_embeds=embeds) for p in pipes]
-    assert_same(*without)
+    assert_same(*without)  # captured: the scale changed inside the processors, and the graphs with it
     assert (with_image[0] - without[0]).abs().max() > 10 * SAME  # the adapter acts
+    if techniques == "captured":
+        assert graphs.captured(opt.unet).replays > 0
