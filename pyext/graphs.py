@@ -105,7 +105,8 @@ class Captured:
     def __getstate__(self):
         # A pickled model keeps the mode, not the graphs. The class's forward is named, not pickled
         # as a bound method: unpickling that would look `forward` up on the model, which is this.
-        state = dict(self.__dict__, graphs={}, seen=set(), failures={}, state=([], []), pool=None, replays=0, eager_calls=0)
+        state = dict(self.__dict__, graphs={}, seen=set(), failures={}, state=([], []), pool=None, replays=0,
+                     eager_calls=0)
         if getattr(self.eager_forward, "__func__", None) is type(self.model).forward:
             state["eager_forward"] = None
         return state
