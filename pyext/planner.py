@@ -60,11 +60,13 @@ class Plan:
     fits: bool
     budget_bytes: int | None
     considered: list[tuple[str, int]] = field(default_factory=list)
+    graphs: bool = False  # the denoisers' captured CUDA graphs keep their activations between calls
 
     def describe(self) -> str:
         budget = f" of {self.budget_bytes / GB:.1f} GB" if self.budget_bytes else " (no budget)"
         verdict = "fits" if self.fits else "DOES NOT FIT even the leanest plan"
-        return (f"plan {self.name}: fp8={self.fp8}, offload={self.offload}, vae_tiling={self.vae_tiling}; "
+        graphs = ", CUDA graphs' memory kept" if self.graphs else ""
+        return (f"plan {self.name}: fp8={self.fp8}, offload={self.offload}, vae_tiling={self.vae_tiling}{graphs}; "
                 f"estimated device peak {self.peak_bytes / GB:.2f} GB{budget} ({verdict})")
 
 
@@ -209,13 +211,19 @@ TILE_PX = 512
 EXACT_ON_HOST = 0.4  # measured: bench.planner_peaks
 
 
-def peak_bytes(sizes: list[ComponentSize], geo: Geometry, fp8: str, offload: str, vae_tiling: bool) -> int:
+def peak_bytes(sizes: list[ComponentSize], geo: Geometry, fp8: str, offload: str, vae_tiling: bool,
+               graphs: bool = False) -> int:
+    """The device peak of a plan. graphs: the denoisers replay captured CUDA graphs, whose memory
+    (their activations) stays reserved while the other components run (resident plans only)."""
     def weights(c):
         return c.fp8_bytes if c.role in FP8_ROLES[fp8] else c.weight_bytes
 
     def act(c):
         return c.tiled_activation_bytes if vae_tiling else c.activation_bytes
 
+    if offload == "off" and graphs:
+        kept = sum(act(c) for c in sizes if c.role == "denoiser")
+        return sum(weights(c) for c in sizes) + kept + max((act(c) for c in sizes if c.role != "denoiser"), default=0)
     if offload == "off":
         return sum(weights(c) for c in sizes) + max((act(c) for c in sizes), default=0)
     if offload == "model":
@@ -227,28 +235,32 @@ def peak_bytes(sizes: list[ComponentSize], geo: Geometry, fp8: str, offload: str
 
 def as_asked(components: Components, geo: Geometry, budget_bytes: int | None, fp8: str, offload: str,
              vae_tiling: bool, elem: int = 2, fp8_skip: tuple[str, ...] = DEFAULT_SKIP, host: bool = False,
-             split_ways: int = 1) -> Plan:
+             split_ways: int = 1, graphs: bool = False) -> Plan:
     """The plan that options fixing fp8, offload and tiling make, with its estimated peak."""
+    graphs = graphs and offload == "off"
     peak = peak_bytes(component_sizes(components, geo, elem, fp8_skip, host, split_ways), geo, fp8, offload,
-                      vae_tiling)
+                      vae_tiling, graphs)
     return Plan("as asked", fp8, offload, vae_tiling, peak, budget_bytes is None or peak <= budget_bytes,
-                budget_bytes)
+                budget_bytes, graphs=graphs)
 
 
 def plan(components: Components, geo: Geometry, budget_bytes: int | None, elem: int = 2,
          allow_offload: bool = True, fp8_skip: tuple[str, ...] = DEFAULT_SKIP, host: bool = False,
-         split_ways: int = 1) -> Plan:
+         split_ways: int = 1, graphs: bool = False) -> Plan:
+    """The fastest candidate that fits. graphs: the denoisers would replay captured CUDA graphs; a
+    resident plan whose graphs' memory does not fit is taken without them before anything slower."""
     sizes = component_sizes(components, geo, elem, fp8_skip, host, split_ways)
     considered = []
     for name, fp8, offload in CANDIDATES:
         for tiling in (False, True):
             if offload != "off" and not allow_offload:
                 continue
-            peak = peak_bytes(sizes, geo, fp8, offload, tiling)
-            label = name + ("+vae_tiling" if tiling else "")
-            considered.append((label, peak))
-            if budget_bytes is None or peak <= budget_bytes:
-                return Plan(label, fp8, offload, tiling, peak, True, budget_bytes, considered)
+            for kept in ((True, False) if graphs and offload == "off" else (False,)):
+                peak = peak_bytes(sizes, geo, fp8, offload, tiling, kept)
+                label = name + ("+vae_tiling" if tiling else "") + ("+cuda_graphs" if kept else "")
+                considered.append((label, peak))
+                if budget_bytes is None or peak <= budget_bytes:
+                    return Plan(label, fp8, offload, tiling, peak, True, budget_bytes, considered, kept)
     leanest = min(considered, key=lambda c: c[1])
     return Plan(leanest[0], "all", "sequential" if allow_offload else "off", True, leanest[1], False, budget_bytes,
                 considered)

@@ -133,3 +133,30 @@ def test_the_split_follows_heads_tokens_and_what_is_enabled():
             pyext.plan(pipe, devices=4)
     finally:
         model._parallel_config = None
+
+
+def test_captured_graphs_memory_counts_in_resident_plans_and_gives_way_before_anything_slower():
+    """A denoiser replaying captured CUDA graphs keeps its activations reserved while the VAE
+    decodes. A budget that fits the resident plan but not its graphs' memory keeps the plan and
+    drops the graphs (compile="auto" then stays eager, and says why)."""
+    import dataclasses
+
+    from pyext import planner
+    from pyext.techniques.compile import Compile
+
+    pipe = build_pipeline("sd15", "tiny")
+    d = pyext.plan(pipe).decision
+    sizes = planner.component_sizes(d.components, d.geometry)
+    kept_bytes = sum(c.activation_bytes for c in sizes if c.role == "denoiser")
+    eager = planner.plan(d.components, d.geometry, None)
+    kept = planner.plan(d.components, d.geometry, None, graphs=True)
+    assert (eager.name, eager.graphs, kept.name, kept.graphs) == ("resident", False, "resident+cuda_graphs", True)
+    weights = sum(c.weight_bytes for c in sizes)
+    assert eager.peak_bytes < kept.peak_bytes and kept.peak_bytes >= weights + kept_bytes + max(
+        c.activation_bytes for c in sizes if c.role == "vae")
+    tight = planner.plan(d.components, d.geometry, (eager.peak_bytes + kept.peak_bytes) // 2, graphs=True)
+    assert (tight.name, tight.offload, tight.graphs, tight.peak_bytes) == ("resident", "off", False, eager.peak_bytes)
+    on_gpu = dataclasses.replace(d, device=torch.device("cuda", 0))
+    assert Compile()._why_not("unet", pipe.unet, dataclasses.replace(on_gpu, plan=kept)) is None
+    why = Compile()._why_not("unet", pipe.unet, dataclasses.replace(on_gpu, plan=tight))
+    assert "would not fit" in why and "compile='capture'" in why

@@ -33,6 +33,9 @@ class Compile(Technique):
             why = graphs.capture_reason(d.device, d.offload)
             if why:
                 return f"{mode}: {why}"
+        if mode == "auto" and not d.plan.graphs:
+            return (f"auto: the memory captured CUDA graphs keep between calls would not fit ({d.plan.describe()}); "
+                    "compile='capture' captures anyway")
         if mode == "trace" and not isinstance(module, TracedUNet):
             reason = self._trace_reason(name, module, d)
             if reason:
