@@ -1,4 +1,4 @@
-"""Tracing or torch.compile of the denoisers."""
+"""CUDA-graph capture, tracing or torch.compile of the denoisers."""
 from __future__ import annotations
 
 from pyext import _compat, graphs
