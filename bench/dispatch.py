@@ -12,7 +12,12 @@ layers make (`pyext.ops.fp8.call_linear`: the op through the extension, without 
 ratio is the median of the per-round ratios, with its range. Also one tiny diffusers attention
 layer of each processor kind pyext routes, plain and routed (`pyext.attention.apply`): the routing's
 torch-function mode sees every torch call of a routed layer's forward, which an eager step pays per
-layer. The results, with the machine, the commit and the versions, go to FILE (JSON) when given.
+layer. And the host work a denoiser replayed from captured CUDA graphs (compile="capture") adds to
+each step: the captured forward's call (its signature, the check that the model still holds what was
+captured, the input copies and output copy) around a graph replay that does nothing, on the full
+SD1.5 UNet and Flux transformer (their structure, each tensor a one-element one), against that empty
+replay called bare.
+The results, with the machine, the commit and the versions, go to FILE (JSON) when given.
 
 Without --overhead: attention in diffusers' layout at SD1.5 shapes. Each mode runs in its own
 process with an empty dispatch cache, so the first call pays for whatever the mode does once per
@@ -203,6 +208,73 @@ def routing_overhead(device: str, rounds: int, calls: int) -> list[dict]:
     return rows
 
 
+class _EmptyReplay:
+    """A graph whose replay does nothing: what is timed around it is the captured forward's own work."""
+
+    device_type = "meta"
+
+    def __init__(self, fn, leaves, pool):
+        self.output = fn(leaves)
+
+    @staticmethod
+    def pool():
+        return None
+
+    def replay(self):
+        return self.output
+
+
+def capture_overhead(rounds: int, calls: int) -> list[dict]:
+    """Per model: the captured forward's call on a step's inputs against its empty replay alone."""
+    import torch
+
+    from pyext import _compat, graphs
+    from pyext.offline import build_pipeline
+
+    def meta(*shape):
+        return torch.empty(shape, device="meta", dtype=torch.bfloat16)
+
+    steps = {  # a step's call as the pipeline makes it (tensors only matter by number and layout here)
+        "sd15 UNet": ("sd15", "unet", (meta(2, 4, 64, 64), meta()), dict(encoder_hidden_states=meta(2, 77, 768),
+                      timestep_cond=None, cross_attention_kwargs=None, added_cond_kwargs=None, return_dict=False)),
+        "flux transformer": ("flux", "transformer", (), dict(
+            hidden_states=meta(1, 4096, 64), timestep=meta(1), guidance=meta(1), pooled_projections=meta(1, 768),
+            encoder_hidden_states=meta(1, 512, 4096), txt_ids=meta(512, 3), img_ids=meta(4096, 3),
+            joint_attention_kwargs=None, return_dict=False)),
+    }
+    rows = []
+    with torch.no_grad():
+        for name, (arch, component, args, kwargs) in steps.items():
+            model = getattr(build_pipeline(arch, "full", dtype=torch.bfloat16, device="meta"), component)
+            for m in model.modules():  # the structure in full, each tensor a real one-element one
+                for d in _compat.module_slots(m)[:2]:
+                    for key, t in d.items():
+                        if t is not None:
+                            d[key] = type(t)(torch.empty(1)) if isinstance(t, torch.nn.Parameter) else torch.empty(1)
+            out = (meta(*(args[0] if args else kwargs["hidden_states"]).shape),)
+            forward = graphs.Captured(model, lambda *a, **k: out, _EmptyReplay)
+            forward(*args, **kwargs)  # eager
+            forward(*args, **kwargs)  # captured
+            graph = next(iter(forward.graphs.values()))[0]
+            calls_of = {"captured": lambda f=forward, a=args, k=kwargs: f(*a, **k), "replay": graph.replay}
+            times = {n: [] for n in calls_of}
+            for _ in range(rounds):
+                for n, fn in calls_of.items():
+                    times[n].append(_per_call(fn, calls, "cpu"))
+            held, values = forward.state
+            checked = len(held) + len(values)
+            rows.append({"model": f"{name} (full)", "checked": checked, "replays": forward.replays,
+                         **{f"{n}_us": statistics.median(t) * 1e6 for n, t in times.items()}})
+    return rows
+
+
+def render_capture(rows: list[dict]) -> str:
+    lines = ["| captured denoiser (host work per step) | parameters, buffers, submodules checked "
+             "| captured forward's call | the replay alone |", "|---|---:|---:|---:|"]
+    lines += [f"| {r['model']} | {r['checked']} | {r['captured_us']:.1f} us | {r['replay_us']:.1f} us |" for r in rows]
+    return "\n".join(lines)
+
+
 def render_routing(rows: list[dict]) -> str:
     lines = ["| attention layer (tiny) | torch calls per forward | plain | routed to pyext | routed / plain (range) |",
              "|---|---:|---:|---:|---:|"]
@@ -214,6 +286,7 @@ def render_routing(rows: list[dict]) -> str:
 def render_results(result: dict) -> str:
     """The tables of a results file of --overhead (one without layers: only the ops')."""
     tables = [render_overhead(result["rows"])] + ([render_routing(result["layers"])] if "layers" in result else [])
+    tables += [render_capture(result["capture"])] if "capture" in result else []
     return "\n\n".join(tables)
 
 
@@ -255,7 +328,8 @@ def main(argv=None) -> dict:
 
         torch.set_num_threads(1)  # a tiny input: one thread, as the op's own cost is what is measured
         result = {"rows": overhead(args.device, args.rounds, args.calls),
-                  "layers": routing_overhead(args.device, args.rounds, max(1, args.calls // 10))}  # a layer: ~10 calls' work
+                  "layers": routing_overhead(args.device, args.rounds, max(1, args.calls // 10)),  # a layer: ~10 calls' work
+                  "capture": capture_overhead(args.rounds, max(1, args.calls // 10))}
         print(render_results(result))
         return save_results("dispatch --overhead", args.device, args.out, rounds=args.rounds, calls=args.calls,
                             **result)

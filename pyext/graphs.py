@@ -168,8 +168,9 @@ class Captured:
         if device == "cuda" and torch.cuda.is_current_stream_capturing():
             return None  # inside someone else's capture (inductor's CUDA graphs): part of theirs
         leaves, spec = pytree.tree_flatten((args, kwargs))
-        parts = [torch.is_inference_mode_enabled(), torch.is_autocast_enabled(device),
-                 torch.get_autocast_dtype(device)]  # what the forward's ops and the graph's inputs depend on
+        autocast = torch.amp.is_autocast_available(device) and (torch.is_autocast_enabled(device),
+                                                                 torch.get_autocast_dtype(device))
+        parts = [torch.is_inference_mode_enabled(), autocast]  # what the forward's ops and the graph's inputs depend on
         for leaf in leaves:
             if isinstance(leaf, torch.Tensor):
                 if leaf.device.type != device or leaf.requires_grad:

@@ -287,3 +287,14 @@ def test_dispatch_overhead_times_every_op_through_its_chosen_backend():
         assert (layer is None) == ("layer_us" not in r) == (r["op"] != "fp8_linear")
         if layer is not None:
             assert r["layer_vs_torch_range"][0] <= r["layer_vs_torch"] and torch.equal(layer(), raw())
+
+
+def test_capture_overhead_times_replays_of_each_full_denoiser():
+    from bench.dispatch import capture_overhead, render_capture
+
+    rows = capture_overhead(rounds=2, calls=3)
+    assert [r["model"] for r in rows] == ["sd15 UNet (full)", "flux transformer (full)"]
+    for r in rows:
+        assert r["replays"] == 1 + 2 * 3  # the capturing call's, then every timed call's
+        assert r["checked"] > 1000 and min(r["captured_us"], r["replay_us"]) > 0
+    assert render_capture(rows).count("\n") == len(rows) + 1
