@@ -88,6 +88,11 @@ def has_diffusers_hooks(module) -> bool:
     return bool(getattr(getattr(module, DIFFUSERS_HOOKS, None), "hooks", None))
 
 
+def has_hooks(module) -> bool:
+    """Offload or cache hooks act on this module's calls (accelerate's or diffusers')."""
+    return has_accelerate_hook(module) or has_diffusers_hooks(module)
+
+
 def group_offload_config(module):
     """diffusers' GroupOffloadingConfig of the first group-offloaded submodule, or None."""
     name = _resolve("group_offload_hook")

@@ -21,3 +21,23 @@ def put(obj, key: str, value) -> None:
 
 def pop(obj, key: str, default=None):
     return obj.__dict__.pop(PREFIX + key, default)
+
+
+def replace_attributes(obj, key: str, values: dict) -> None:
+    """Put `values` in obj's own __dict__ (methods replaced on the instance only), remembering
+    under `key` what each name held there before, for restore_attributes."""
+    put(obj, key, {name: (value, obj.__dict__.get(name)) for name, value in values.items()})
+    obj.__dict__.update(values)
+
+
+def restore_attributes(obj, key: str) -> dict:
+    """Give obj back what replace_attributes replaced (a name something replaced since is left as it
+    is); returns the values that had been put."""
+    replaced = pop(obj, key) or {}
+    for name, (value, before) in replaced.items():
+        if obj.__dict__.get(name) is value:
+            if before is None:
+                del obj.__dict__[name]
+            else:
+                obj.__dict__[name] = before
+    return {name: value for name, (value, _) in replaced.items()}

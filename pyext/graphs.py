@@ -36,7 +36,7 @@ from torch.utils import _pytree as pytree
 
 from pyext import _compat, _state
 
-STATE = "graphs"  # pyext._state key on the model: {name: (what apply_capture put there, what was there)}
+STATE = "graphs"  # pyext._state key on the model: what apply_capture replaced (_state.replace_attributes)
 MAX_GRAPHS = 4  # each graph keeps its inputs and outputs resident; a few resolutions at most
 # Methods of diffusers' models after which what a graph baked in may be stale.
 DROPPING_METHODS = (
@@ -90,6 +90,7 @@ class Captured:
         self.model = model
         self.eager_forward = eager_forward  # the forward it replaced (the class's, bound, or another wrapper)
         self.graph_type = graph_type
+        self.autocast = torch.amp.is_autocast_available(graph_type.device_type)  # (the meta device has none)
         self.graphs: dict = {}  # signature -> (graph, static input leaves)
         self.seen: set = set()  # signatures called once (eagerly); a few hundred at most
         self.state: tuple = ([], [])  # what the model held when captured (_snapshot)
@@ -161,15 +162,14 @@ class Captured:
         """(key, leaves, spec) of a call a graph can replay, else None."""
         if self.removed or torch.compiler.is_compiling() or torch.is_grad_enabled():
             return None
-        if _compat.has_accelerate_hook(self.model) or _compat.has_diffusers_hooks(self.model):
+        if _compat.has_hooks(self.model):
             self.drop()  # offload or a cache acts per call from now on: the graphs' memory goes back
             return None
         device = self.graph_type.device_type
         if device == "cuda" and torch.cuda.is_current_stream_capturing():
             return None  # inside someone else's capture (inductor's CUDA graphs): part of theirs
         leaves, spec = pytree.tree_flatten((args, kwargs))
-        autocast = torch.amp.is_autocast_available(device) and (torch.is_autocast_enabled(device),
-                                                                 torch.get_autocast_dtype(device))
+        autocast = self.autocast and (torch.is_autocast_enabled(device), torch.get_autocast_dtype(device))
         parts = [torch.is_inference_mode_enabled(), autocast]  # what the forward's ops and the graph's inputs depend on
         for leaf in leaves:
             if isinstance(leaf, torch.Tensor):
@@ -214,7 +214,7 @@ class Captured:
             return self.eager_forward(*args, **kwargs)
 
         why = None
-        if any(_compat.has_accelerate_hook(m) or _compat.has_diffusers_hooks(m) for m in self.model.modules()):
+        if any(map(_compat.has_hooks, self.model.modules())):
             why = "a submodule has offload or cache hooks, which act per call in Python"
         else:
             try:
@@ -274,24 +274,16 @@ def apply_capture(model: torch.nn.Module, graph_type=CudaGraph) -> Captured:
         method = getattr(model, name, None)
         if callable(method):
             wrappers[name] = functools.partial(_then_drop, method, captured)
-    # (wrapper, what the instance held before: another wrapper of the same name, or nothing)
-    replaced = {name: (w, model.__dict__.get(name)) for name, w in wrappers.items()}
-    model.__dict__.update(wrappers)
-    _state.put(model, STATE, replaced)
+    _state.replace_attributes(model, STATE, wrappers)
     return captured
 
 
 def remove_capture(model: torch.nn.Module) -> None:
     """Give the model back what apply_capture replaced (unless something replaced it since)."""
-    for name, (wrapper, before) in (_state.pop(model, STATE) or {}).items():
-        if isinstance(wrapper, Captured):
-            wrapper.drop()
-            wrapper.removed = True
-        if model.__dict__.get(name) is wrapper:
-            if before is None:
-                del model.__dict__[name]
-            else:
-                model.__dict__[name] = before
+    forward = _state.restore_attributes(model, STATE).get("forward")
+    if forward is not None:
+        forward.drop()
+        forward.removed = True
 
 
 def captured(model: torch.nn.Module) -> Captured | None:

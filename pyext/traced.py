@@ -71,7 +71,7 @@ class TracedUNet(nn.Module):
         graph = None
         # Offload hooks (accelerate's, or diffusers' group offload) may be added after
         # optimize; they move weights around each call, which a trace must not bake in.
-        hooked = any(_compat.has_accelerate_hook(m) or _compat.has_diffusers_hooks(m) for m in (self, self.unet))
+        hooked = _compat.has_hooks(self) or _compat.has_hooks(self.unet)
         if not hooked and not args and torch.is_tensor(encoder_hidden_states) and \
                 all(v is None or v == {} for v in kwargs.values()):
             key = _signature(sample, timestep, encoder_hidden_states)

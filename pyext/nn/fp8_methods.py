@@ -22,7 +22,7 @@ import torch.nn as nn
 
 from pyext import _state
 
-STATE = "fp8_methods"  # pyext._state key: {method name: the wrapper put on the instance}
+STATE = "fp8_methods"  # pyext._state key: the methods install replaced (_state.replace_attributes)
 _QKV = {"to_q", "to_k", "to_v", "add_q_proj", "add_k_proj", "add_v_proj"}
 
 
@@ -85,17 +85,10 @@ def install(obj) -> None:
     """Replace obj's methods named in WRAPPERS (those it has) on the instance; idempotent."""
     if _state.get(obj, STATE) is not None:
         return
-    wrapped = {}
-    for name, wrapper in WRAPPERS.items():
-        method = getattr(obj, name, None)
-        if callable(method):
-            wrapped[name] = functools.partial(wrapper, method, obj)
-            obj.__dict__[name] = wrapped[name]
-    _state.put(obj, STATE, wrapped)
+    _state.replace_attributes(obj, STATE, {name: functools.partial(wrapper, getattr(obj, name), obj)
+                                           for name, wrapper in WRAPPERS.items() if callable(getattr(obj, name, None))})
 
 
 def remove(obj) -> None:
     """Give obj back the methods install replaced (unless something replaced them since)."""
-    for name, wrapper in (_state.pop(obj, STATE) or {}).items():
-        if obj.__dict__.get(name) is wrapper:
-            del obj.__dict__[name]
+    _state.restore_attributes(obj, STATE)
