@@ -15,6 +15,8 @@ import inspect
 import types
 
 import torch
+# torch: nested arguments as a flat list of leaves and the structure to rebuild them.
+from torch.utils._pytree import tree_flatten, tree_leaves, tree_map, tree_unflatten  # noqa: F401
 
 CHECKED = {"torch": "2.11-2.13", "diffusers": "0.35-0.42", "accelerate": "1.10-1.15", "transformers": "4.45-5.23"}
 

@@ -32,7 +32,6 @@ import types
 import warnings
 
 import torch
-from torch.utils import _pytree as pytree
 
 from pyext import _compat, _state
 
@@ -153,10 +152,10 @@ class Captured:
         for dst, src in zip(static, leaves):
             if isinstance(dst, torch.Tensor):
                 dst.copy_(src)
-        out_leaves, out_spec = pytree.tree_flatten(graph.replay())
+        out_leaves, out_spec = _compat.tree_flatten(graph.replay())
         self.replays += 1
         # A copy: the graph's outputs are overwritten by its next replay (and pool neighbours).
-        return pytree.tree_unflatten([t.clone() for t in out_leaves], out_spec)
+        return _compat.tree_unflatten([t.clone() for t in out_leaves], out_spec)
 
     def _signature(self, args, kwargs):
         """(key, leaves, spec) of a call a graph can replay, else None."""
@@ -168,7 +167,7 @@ class Captured:
         device = self.graph_type.device_type
         if device == "cuda" and torch.cuda.is_current_stream_capturing():
             return None  # inside someone else's capture (inductor's CUDA graphs): part of theirs
-        leaves, spec = pytree.tree_flatten((args, kwargs))
+        leaves, spec = _compat.tree_flatten((args, kwargs))
         autocast = self.autocast and (torch.is_autocast_enabled(device), torch.get_autocast_dtype(device))
         parts = [torch.is_inference_mode_enabled(), autocast]  # what the forward's ops and the graph's inputs depend on
         for leaf in leaves:
@@ -210,7 +209,7 @@ class Captured:
         static = [leaf.clone() if isinstance(leaf, torch.Tensor) else leaf for leaf in leaves]
 
         def fn(inputs):
-            args, kwargs = pytree.tree_unflatten(inputs, spec)
+            args, kwargs = _compat.tree_unflatten(inputs, spec)
             return self.eager_forward(*args, **kwargs)
 
         why = None
@@ -221,7 +220,7 @@ class Captured:
                 if self.pool is None:
                     self.pool = self.graph_type.pool()
                 graph = self.graph_type(fn, static, self.pool)
-                if not all(isinstance(t, torch.Tensor) for t in pytree.tree_leaves(graph.output)):
+                if not all(isinstance(t, torch.Tensor) for t in _compat.tree_leaves(graph.output)):
                     why = "the forward returns values that are not tensors"
             except Exception as e:  # noqa: BLE001 (what the forward does is diffusers'; it runs eagerly instead)
                 why = f"{type(e).__name__}: {str(e)[:300]}"

@@ -28,7 +28,6 @@ from dataclasses import dataclass, field
 import torch
 import torch.nn as nn
 import torch.nn.functional as F
-from torch.utils._pytree import tree_map
 
 from pyext import _compat, dispatch
 from pyext._ext import kernel_missing
@@ -174,7 +173,7 @@ class PackedWeight(torch.Tensor):
         kwargs = kwargs or {}
         if func in (torch.ops.aten.detach.default, torch.ops.aten.alias.default):
             return cls(args[0].packed, args[0])  # an alias shares the packed weight
-        unpacked = tree_map(lambda a: a.packed.dense() if isinstance(a, PackedWeight) else a, (args, kwargs))
+        unpacked = _compat.tree_map(lambda a: a.packed.dense() if isinstance(a, PackedWeight) else a, (args, kwargs))
         out = func(*unpacked[0], **unpacked[1])
         # An in-place write (param.copy_ in load_state_dict, peft's merges) lands in the dense
         # copy: pack it back so the weight really changes.
