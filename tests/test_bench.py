@@ -298,3 +298,46 @@ def test_capture_overhead_times_replays_of_each_full_denoiser():
         assert r["replays"] == 1 + 2 * 3  # the capturing call's, then every timed call's
         assert r["checked"] > 1000 and min(r["captured_us"], r["replay_us"]) > 0
     assert render_capture(rows).count("\n") == len(rows) + 1
+
+
+DEVICE_QUERIES = """
+import importlib, json, multiprocessing.forkserver, sys
+import torch
+calls = []
+
+def spy(owner, name):
+    fn = getattr(owner, name)
+    def asked(*args, **kwargs):
+        if name != "current_accelerator" or kwargs.get("check_available") or any(args):
+            calls.append(name)
+        return fn(*args, **kwargs)
+    setattr(owner, name, asked)
+
+for owner, name in ((torch.cuda, "is_available"), (torch.cuda, "device_count"), (torch.accelerator, "is_available"),
+                    (torch.accelerator, "device_count"), (torch.accelerator, "current_accelerator")):
+    spy(owner, name)
+from bench import latency
+latency._row_context(sys.argv[1])
+preloaded = multiprocessing.forkserver._forkserver._preload_modules
+asked = {}
+for module in preloaded:
+    importlib.import_module(module)
+    asked[module], calls[:] = list(calls), []
+importlib.import_module("diffusers")
+print(json.dumps(dict(preloaded=preloaded, asked=asked, diffusers=calls)))
+"""
+
+
+def test_the_server_of_cuda_rows_imports_nothing_that_asks_for_devices():
+    """A process that asked CUDA for its devices cannot fork a process that uses CUDA; the server
+    that CUDA rows are forked from imports torch, transformers and pyext, and not diffusers, which
+    asks (the control: the spies see its question)."""
+    result = subprocess.run([sys.executable, "-c", DEVICE_QUERIES, "cuda"], cwd=ROOT, capture_output=True, text=True,
+                            timeout=300, check=True)
+    found = json.loads(result.stdout.splitlines()[-1])
+    assert {"torch", "transformers", "pyext", "bench.latency"} <= set(found["preloaded"])
+    assert {module: asked for module, asked in found["asked"].items() if asked} == {}
+    assert found["diffusers"], "the control: importing diffusers asks for the devices"
+    on_cpu = json.loads(subprocess.run([sys.executable, "-c", DEVICE_QUERIES, "cpu"], cwd=ROOT, capture_output=True,
+                                       text=True, timeout=300, check=True).stdout.splitlines()[-1])
+    assert "diffusers" in on_cpu["preloaded"]  # CPU rows fork freely: diffusers is preloaded too
