@@ -61,7 +61,7 @@ kernels: build
 	$(PY) -m pyext kernels --everything
 
 # On a CUDA machine without network, in one call sized for a short lease: wheels from .whl/, build,
-# the CUDA tests, a sync-debug step, dispatch overhead, kernel benches, the SD1.5 rows (bench/gpu_check.py).
+# the CUDA tests, dispatch overhead, kernel benches, the SD1.5 rows (bench/gpu_check.py).
 gpu-check:
 	MAX_JOBS=$$(nproc) $(PYTHON) -m bench.gpu_check
 

@@ -410,6 +410,45 @@ def test_declared_dtypes_are_what_the_backend_takes(op_name, backend_name):
     assert agreement_problems(op, backend, device) == []
 
 
+def cuda_cases():
+    for name, op in real_ops().items():
+        for b in op.backends:
+            if "cuda" in b.devices and b.name != op.reference:
+                for dtype in b.dtypes:
+                    yield pytest.param(name, b.name, dtype, id=f"{name}-{b.name}-{str(dtype)[6:]}")
+
+
+@pytest.mark.cuda
+@pytest.mark.parametrize("op_name,backend_name,dtype", list(cuda_cases()))
+def test_cuda_backends_replay_from_a_cuda_graph_what_they_compute_eagerly(op_name, backend_name, dtype):
+    """Captured in a CUDA graph on the first declared case, then replayed on other values copied
+    into the captured inputs: the replay gives what an eager call gives on those values. A kernel
+    that waits on the host or allocates host memory per call fails the capture; one that bakes a
+    value in at capture fails the comparison."""
+    op, backend = lookup(op_name, backend_name)
+    missing = backend.unavailable()
+    if missing or not torch.cuda.is_available():
+        pytest.skip(missing or "needs a GPU")
+    static = op.example(backend.test_shapes[0], dtype, "cuda")
+    assert not dispatch.input_reasons(op, backend, static)
+    fresh = tuple(torch.roll(a, 1, -1) if isinstance(a, torch.Tensor) and a.is_floating_point() and a.dim() else a
+                  for a in static)  # the same values elsewhere: valid inputs, another answer
+    side = torch.cuda.Stream()
+    side.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(side):  # warm-up off the capture stream, as torch.cuda.graphs asks
+        backend.run(*static)
+    torch.cuda.current_stream().wait_stream(side)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        captured = backend.run(*static)
+    for dst, src in zip(static, fresh):
+        if isinstance(dst, torch.Tensor):
+            dst.copy_(src)
+    graph.replay()
+    torch.cuda.synchronize()
+    assert op.close(op.output(static, captured), dispatch.run_on_copy(op, backend, fresh), fresh) is None
+
+
 @pytest.mark.slow
 def test_interpreter_backends_on_their_declared_cases():
     """The Triton backends run on CPU only in Triton's interpreter (a subprocess: TRITON_INTERPRET

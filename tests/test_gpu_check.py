@@ -10,9 +10,9 @@ from tests.conftest import run_in_triton_interpreter
 
 def test_the_plan_fits_its_budget_and_names_every_part():
     plan = gpu_check.steps("out")
-    assert sum(s.estimate_s for s in plan) <= gpu_check.BUDGET_S
+    assert sum(s.estimate_s for s in plan) <= gpu_check.PLAN_S <= gpu_check.BUDGET_S
     assert [s.name for s in plan][:2] == ["wheels", "build"]
-    assert {"tests", "capture", "sync_debug", "kernels", "latency", "dispatch_overhead"} <= {s.name for s in plan}
+    assert {"tests", "kernels", "latency", "dispatch_overhead"} <= {s.name for s in plan}
 
 
 def test_a_rerun_skips_the_steps_that_passed_on_the_same_sources(tmp_path, capsys):

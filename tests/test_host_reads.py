@@ -4,7 +4,8 @@
 Every backend that runs on CUDA runs here with those reads trapped: the Triton ones on CPU
 tensors in Triton's interpreter, the PyTorch ones on CPU tensors. So do the routing hooks and
 dispatch of an optimized pipeline's denoiser step. Reads that run for CPU inputs only (the
-backends' value guards) are left out by forcing the backend.
+backends' value guards) are left out by forcing the backend. On a GPU, an optimized pipeline's
+step runs with torch's sync debug mode set to raise.
 """
 import contextlib
 import textwrap
@@ -133,6 +134,30 @@ def test_an_optimized_denoiser_step_reads_no_values(arch, gemm, monkeypatch, tmp
         denoiser(*args, **kwargs)  # warm: every signature chosen once
         with host_reads_trapped():
             denoiser(*args, **kwargs)
+
+
+@pytest.mark.cuda
+@pytest.mark.parametrize("arch", ["sd15", "flux"])
+def test_an_optimized_step_on_a_gpu_waits_for_nothing_on_the_host(arch):
+    """One eager denoiser step of an optimized pipeline (every kernel and routing hook pyext puts
+    in it) with every host sync an error: torch's sync debug mode sees the reads of tensor values
+    in C++ too. Eager: a replayed graph makes no host call at all (test_graphs checks that)."""
+    if not torch.cuda.is_available():
+        pytest.skip("needs a GPU")
+    pipe = pyext.optimize(build_pipeline(arch, "tiny", dtype=torch.bfloat16, device="cuda"), compile="off")
+    pyext.offline.run_example(pipe, arch, steps=1)  # warm: dispatch chooses (it may time backends) once
+    denoiser = pipe.unet if arch == "sd15" else pipe.transformer
+    calls = []
+    handle = denoiser.register_forward_pre_hook(lambda m, a, kw: calls.append((a, kw)), with_kwargs=True)
+    pyext.offline.run_example(pipe, arch, steps=1)
+    handle.remove()
+    torch.cuda.synchronize()
+    torch.cuda.set_sync_debug_mode("error")
+    try:
+        with torch.no_grad():
+            denoiser(*calls[0][0], **calls[0][1])
+    finally:
+        torch.cuda.set_sync_debug_mode(0)
 
 
 @pytest.mark.parametrize("backend", ["sdpa_cudnn", "sdpa_flash"])
