@@ -191,13 +191,18 @@ class FP8Linear(_FP8Storage, nn.Linear):
         return super().extra_repr() + ", " + self._fp8_extra_repr() + f", gemm={self.gemm}"
 
 
-# One upcast buffer per thread and (device, dtype), shared by all FP8Conv2d layers
-# and grown to the largest: reusing it avoids page faults for every fresh multi-MB
-# weight. Per thread, so two pipelines running in two threads never share one.
+# On CPU, one upcast buffer per thread and dtype, shared by all FP8Conv2d layers and grown
+# to the largest: reusing it avoids page faults for every fresh multi-MB weight. Per thread,
+# so two pipelines running in two threads never share one.
 _WORKSPACE = threading.local()
 
 
 def _workspace(numel: int, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
+    """A buffer for an upcast weight. On a GPU a fresh tensor: torch's caching allocator
+    reuses memory without page faults, and a CUDA graph must own what it writes (a shared
+    buffer that later grew would leave a captured graph writing into freed memory)."""
+    if device.type != "cpu":
+        return torch.empty(numel, dtype=dtype, device=device)
     buffers = _WORKSPACE.__dict__.setdefault("buffers", {})
     buf = buffers.get((device, dtype))
     if buf is None or buf.numel() < numel:
