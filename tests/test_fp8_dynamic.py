@@ -161,6 +161,34 @@ def test_forced_backends_say_what_they_take():
         torch.ops.pyext.fp8_linear_dynamic(torch.randn(2, 0), w.view(torch.uint8)[:, :0], s, None, None)
 
 
+
+def test_a_torch_whose_cpu_scaled_mm_lacks_row_wise_scales_is_named_when_it_is_forced(monkeypatch):
+    """Older torch releases' CPU torch._scaled_mm refuses row-wise scales with an internal
+    assert; forcing the backend there says so, and dispatch's own choice runs the reference."""
+    from pyext.ops import fp8_dynamic
+
+    def per_tensor_only(a, b, scale_a, scale_b, **kwargs):
+        if scale_a.numel() != 1 or scale_b.numel() != 1:
+            raise RuntimeError("Now _scaled_mm only supports per-tensor scaling for CPU backend.")
+        return real(a, b, scale_a=scale_a, scale_b=scale_b, **kwargs)
+
+    real = torch._scaled_mm
+    w, s = fp8_quantize(torch.randn(32, 32))
+    x = torch.randn(3, 32).bfloat16()
+    expected = fp8_linear_dynamic(x, w, s, backend="reference")
+    monkeypatch.setattr(torch, "_scaled_mm", per_tensor_only)
+    fp8_dynamic._cpu_rowwise_missing.cache_clear()
+    dispatch.reset()
+    try:
+        with pytest.raises(PyextError, match="scaled_mm.*per-tensor scales only"):
+            fp8_linear_dynamic(x, w, s, backend="scaled_mm")
+        torch.testing.assert_close(fp8_linear_dynamic(x, w, s), expected, atol=0, rtol=0)
+    finally:
+        fp8_dynamic._cpu_rowwise_missing.cache_clear()
+        dispatch.reset()
+    monkeypatch.undo()
+    assert fp8_dynamic._cpu_rowwise_missing() is None  # this torch takes them
+
 # ----------------------------------------------------------------------------- layers
 
 def layer(gemm: str, in_features=64, out_features=32, dtype=torch.bfloat16):

@@ -26,7 +26,7 @@ void tile_blend_cuda(const at::Tensor& tile, at::Tensor& out, int64_t oy, int64_
   check_like(out, tile, -1, -1, "out");
   const PyextDtype dt = pyext::dtype_code(tile.scalar_type(), "pyext tile_blend (CUDA)");
   const int64_t th = tile.size(-2), tw = tile.size(-1), H = out.size(-2), W = out.size(-1);
-  const int64_t planes = th * tw ? tile.numel() / (th * tw) : 0;
+  const int64_t planes = th > 0 && tw > 0 ? tile.numel() / (th * tw) : 0;
   const c10::DeviceGuard guard(tile.device());
   const c10::Stream stream = c10::impl::getDeviceGuardImpl(tile.device().type())->getStream(tile.device());
   const auto s = static_cast<cudaStream_t>(stream.native_handle());

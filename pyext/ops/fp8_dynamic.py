@@ -96,6 +96,19 @@ def _triton_scaled_mm(x, w, scale, bias):
     return _scaled_mm(x, w, scale, bias, quantize_rows_triton)
 
 
+@lru_cache(maxsize=None)
+def _cpu_rowwise_missing() -> str | None:
+    """Why this torch's CPU torch._scaled_mm cannot take row-wise scales, or None. Older
+    releases take per-tensor scales only; asked once, of a tiny GEMM."""
+    codes = torch.zeros(ALIGN, ALIGN).to(FP8)
+    try:
+        torch._scaled_mm(codes[:1], codes.t(), scale_a=torch.ones(1, 1), scale_b=torch.ones(1, ALIGN),
+                         out_dtype=torch.bfloat16)
+    except RuntimeError:
+        return f"torch {torch.__version__}'s CPU torch._scaled_mm takes per-tensor scales only, not row-wise ones"
+    return None
+
+
 def _scaled_mm_reasons(x, w, scale, bias):
     reasons = []
     if x.shape[-1] % ALIGN or w.shape[0] % ALIGN:
@@ -103,6 +116,8 @@ def _scaled_mm_reasons(x, w, scale, bias):
                        f"got {x.shape[-1]} and {w.shape[0]}")
     if x.device.type == "cuda" and not fp8_tensor_cores(x.device):
         reasons.append("this GPU has no fp8 tensor cores (compute capability 8.9 or newer)")
+    if x.device.type == "cpu" and _cpu_rowwise_missing():
+        reasons.append(_cpu_rowwise_missing())
     return reasons
 
 
