@@ -246,26 +246,42 @@ def _apply_step(pipe, step, preset, notes: dict):
 
 # ---------------------------------------------------------------- measuring one row
 class StageClock:
-    """Wall time per pipeline stage, by wrapping the components' entry points on this instance."""
+    """Time per pipeline stage, by wrapping the components' entry points on this instance. On CUDA
+    a stage is timed by CUDA events on the current stream, and `totals` is read after the run's
+    synchronize: the host never waits for the GPU between calls, as in a user's run (a sync per
+    call would keep the host from queueing the next step while the GPU works)."""
 
     def __init__(self, device):
-        self.sync = torch.cuda.synchronize if device == "cuda" else (lambda: None)
-        self.totals = {}
+        self.cuda = device == "cuda"
+        self.marks = []  # (stage, start, end): perf_counter() values, or recorded CUDA events
 
     def wrap(self, owner, attr, stage):
         inner = getattr(owner, attr)
 
         def timed(*args, **kwargs):
-            self.sync()
-            t0 = time.perf_counter()
+            start = self._now()
             out = inner(*args, **kwargs)
-            self.sync()
-            self.totals[stage] = self.totals.get(stage, 0.0) + time.perf_counter() - t0
+            self.marks.append((stage, start, self._now()))
             return out
         setattr(owner, attr, timed)
 
+    def _now(self):
+        if not self.cuda:
+            return time.perf_counter()
+        event = torch.cuda.Event(enable_timing=True)
+        event.record()
+        return event
+
+    @property
+    def totals(self) -> dict[str, float]:
+        """Seconds per stage since reset (on CUDA, once the GPU has done the work timed)."""
+        totals = {}
+        for stage, start, end in self.marks:
+            totals[stage] = totals.get(stage, 0.0) + (start.elapsed_time(end) / 1e3 if self.cuda else end - start)
+        return totals
+
     def reset(self):
-        self.totals = {}
+        self.marks = []
 
 
 def _tensor_key(t: torch.Tensor):

@@ -341,3 +341,41 @@ def test_the_server_of_cuda_rows_imports_nothing_that_asks_for_devices():
     on_cpu = json.loads(subprocess.run([sys.executable, "-c", DEVICE_QUERIES, "cpu"], cwd=ROOT, capture_output=True,
                                        text=True, timeout=300, check=True).stdout.splitlines()[-1])
     assert "diffusers" in on_cpu["preloaded"]  # CPU rows fork freely: diffusers is preloaded too
+
+
+def test_stage_clock_sums_each_stage_over_its_calls():
+    import time
+
+    class Owner:
+        def step(self, seconds):
+            time.sleep(seconds)
+            return seconds
+
+    owner = Owner()
+    clock = latency.StageClock("cpu")
+    clock.wrap(owner, "step", "denoising")
+    assert owner.step(0.01) == 0.01 and owner.step(0.02) == 0.02
+    assert clock.totals["denoising"] >= 0.03 and set(clock.totals) == {"denoising"}
+    clock.reset()
+    assert clock.totals == {}
+
+
+@pytest.mark.cuda
+def test_stage_clock_on_a_gpu_times_without_waiting_for_it():
+    """The host queues the next call while the GPU works: a timed call makes no host sync."""
+    if not torch.cuda.is_available():
+        pytest.skip("needs a GPU")
+    layer = torch.nn.Linear(1024, 1024, device="cuda")
+    clock = latency.StageClock("cuda")
+    clock.wrap(layer, "forward", "denoising")
+    x = torch.randn(256, 1024, device="cuda")
+    torch.cuda.synchronize()
+    torch.cuda.set_sync_debug_mode("error")
+    try:
+        with torch.no_grad():
+            for _ in range(3):
+                x = layer(x)
+    finally:
+        torch.cuda.set_sync_debug_mode(0)
+    torch.cuda.synchronize()
+    assert clock.totals["denoising"] > 0 and len(clock.marks) == 3
