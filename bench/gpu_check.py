@@ -60,7 +60,7 @@ def steps(out: str) -> list[Step]:
              "pyext._C with the CUDA kernels, every core (MAX_JOBS)", BUILD_SOURCES),
         Step("info", 15, (py, "-m", "pyext", "info"), "the build, the GPU, every backend's availability"),
         Step("tests", 60, (py, "-m", "pytest", "-q", "-m", "cuda", "-p", "no:cacheprovider", "-n", "8", "--dist", "load",
-                                 "tests"),
+                           "--durations", "15", "tests"),
              "the tests marked cuda: every backend on its declared cases against the reference, and replayed "
              "from a CUDA graph; pipelines captured against eager; an optimized step with every host sync an error"),
         Step("dispatch_overhead", 30, (py, "-m", "bench.dispatch", "--overhead", "--device", "cuda", "--rounds", "3",
