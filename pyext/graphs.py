@@ -129,6 +129,8 @@ class Captured:
         self.pool = None
 
     def __call__(self, *args, **kwargs):
+        if torch.compiler.is_compiling():  # a user's torch.compile traces the forward: touch no state it would guard on
+            return self.eager_forward(*args, **kwargs)
         key_leaves = self._signature(args, kwargs)
         if key_leaves is None:
             self.eager_calls += 1
@@ -159,7 +161,7 @@ class Captured:
 
     def _signature(self, args, kwargs):
         """(key, leaves, spec) of a call a graph can replay, else None."""
-        if self.removed or torch.compiler.is_compiling() or torch.is_grad_enabled():
+        if self.removed or torch.is_grad_enabled():
             return None
         if _compat.has_hooks(self.model):
             self.drop()  # offload or a cache acts per call from now on: the graphs' memory goes back
