@@ -116,6 +116,15 @@ class _RouteSDPA(TorchFunctionMode):
         return self.layer.attention(args, kwargs, self.groups, self.whole)
 
 
+class _ThreadModes(threading.local):
+    """The modes a thread entered on one layer, there from its first use in each thread: a
+    compiled forward then reads an attribute that never appears later (torch.compile guards
+    on what it reads, and a change compiles again)."""
+
+    def __init__(self):
+        self.modes = []
+
+
 class _Layer:
     """pyext's state on one attention module: the backend, the hooks and the call counters."""
 
@@ -135,7 +144,7 @@ class _Layer:
 
     def _fresh(self):
         self.lock = threading.Lock()
-        self.local = threading.local()  # .modes: the modes this thread entered on this layer
+        self.local = _ThreadModes()
 
     # A Lock and a thread-local cannot be copied or pickled: deepcopy/torch.save of a patched
     # model get fresh ones (the hooks and handles are copied with the model by torch). The model
@@ -152,8 +161,6 @@ class _Layer:
         self._fresh()
 
     def _modes(self) -> list:
-        if not hasattr(self.local, "modes"):
-            self.local.modes = []
         return self.local.modes
 
     def _enter(self, module, args, kwargs):
