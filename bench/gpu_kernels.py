@@ -4,8 +4,10 @@ against cuBLAS bf16, at SD1.5, SDXL, SD3 and Flux shapes (1024x1024 for SDXL, SD
     python -m bench.gpu_kernels [--json PATH]
 
 Times are CUDA-event medians (triton.testing.do_bench), of the public op (its dispatch included,
-what a pipeline pays per call) and of the bare kernel. Attention is timed twice through the op:
-forced to pyext's Triton kernel, and as dispatch chooses among its CUDA backends. Each attention
+what an eager pipeline pays per call) and of the bare kernel. Attention is timed twice through the
+op: forced to pyext's Triton kernel, and as dispatch chooses among its CUDA backends; dispatch's
+choice and SDPA's backends are timed again replayed from a CUDA graph, the GPU's time alone, which
+is what a pipeline replaying its captured denoiser (compile="capture") pays. Each attention
 row also gives the errors of both against an fp32 reference on the same inputs, beside the error
 of SDPA's default in the same dtype; a row where either is more than twice SDPA's carries an
 `accuracy_error`. Each fp8 row gives its SQNR against the bf16 layer.
@@ -48,6 +50,19 @@ def _ms(fn) -> float:
     return do_bench(fn, warmup=25, rep=100, return_mode="median")
 
 
+def _graph_ms(fn) -> float:
+    """_ms of fn captured in a CUDA graph and replayed: no host work per call."""
+    side = torch.cuda.Stream()
+    side.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(side):  # warm-up off the capture stream, as torch.cuda.graphs asks
+        fn()
+    torch.cuda.current_stream().wait_stream(side)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        fn()
+    return _ms(graph.replay)
+
+
 def _ms_host(fn) -> float:
     """A few calls timed on the host (ms per call): the benches' logic on CPU tensors, in tests."""
     from bench.dispatch import _per_call
@@ -60,7 +75,8 @@ def _rel(y: torch.Tensor, ref: torch.Tensor) -> float:
 
 
 @torch.no_grad()
-def bench_attention(shapes=ATTENTION_SHAPES, dtype=torch.bfloat16, device="cuda", ms=_ms) -> list[dict]:
+def bench_attention(shapes=ATTENTION_SHAPES, dtype=torch.bfloat16, device="cuda", ms=_ms,
+                    graph_ms=_graph_ms) -> list[dict]:
     from torch.nn.attention import SDPBackend, sdpa_kernel
 
     from pyext import dispatch
@@ -101,6 +117,18 @@ def bench_attention(shapes=ATTENTION_SHAPES, dtype=torch.bfloat16, device="cuda"
             row["pyext_tflops"] = round(flops / row["pyext_ms"] / 1e9, 1)
         if "auto_ms" in row and best:
             row["best_sdpa_over_auto"] = round(best / row["auto_ms"], 3)  # >1: pyext.attention faster
+        if graph_ms is not None and "auto_ms" in row and best:
+            try:
+                row["auto_graph_ms"] = graph_ms(lambda: attention(q, k, v))
+                graphed = []
+                for backend in SDPA_BACKENDS:
+                    if row[f"{backend.split('_')[0].lower()}_ms"] is not None:
+                        with sdpa_kernel([getattr(SDPBackend, backend)]):
+                            graphed.append(graph_ms(lambda: F.scaled_dot_product_attention(q, k, v)))
+                row["best_sdpa_graph_ms"] = min(graphed)
+                row["best_sdpa_over_auto_graph"] = round(row["best_sdpa_graph_ms"] / row["auto_graph_ms"], 3)
+            except Exception as e:
+                row["graph_error"] = f"{type(e).__name__}: {e}"[:200]
         for key, which in (("pyext", "the Triton kernel"), ("auto", "dispatch's choice")):
             if f"{key}_err" in row:
                 name = "err_vs_sdpa" if key == "pyext" else "auto_err_vs_sdpa"
