@@ -317,10 +317,12 @@ for owner, name in ((torch.cuda, "is_available"), (torch.cuda, "device_count"), 
                     (torch.accelerator, "device_count"), (torch.accelerator, "current_accelerator")):
     spy(owner, name)
 from bench import latency
-latency._row_context(sys.argv[1])
-preloaded = multiprocessing.forkserver._forkserver._preload_modules
+preloaded = {}
+for device in ("cpu", "cuda"):  # (only the modules' names: nothing is started)
+    latency._row_context(device)
+    preloaded[device] = list(multiprocessing.forkserver._forkserver._preload_modules)
 asked = {}
-for module in preloaded:
+for module in preloaded["cuda"]:
     importlib.import_module(module)
     asked[module], calls[:] = list(calls), []
 importlib.import_module("diffusers")
@@ -332,15 +334,13 @@ def test_the_server_of_cuda_rows_imports_nothing_that_asks_for_devices():
     """A process that asked CUDA for its devices cannot fork a process that uses CUDA; the server
     that CUDA rows are forked from imports torch, transformers and pyext, and not diffusers, which
     asks (the control: the spies see its question)."""
-    result = subprocess.run([sys.executable, "-c", DEVICE_QUERIES, "cuda"], cwd=ROOT, capture_output=True, text=True,
+    result = subprocess.run([sys.executable, "-c", DEVICE_QUERIES], cwd=ROOT, capture_output=True, text=True,
                             timeout=300, check=True)
     found = json.loads(result.stdout.splitlines()[-1])
-    assert {"torch", "transformers", "pyext", "bench.latency"} <= set(found["preloaded"])
+    assert {"torch", "transformers", "pyext", "bench.latency"} <= set(found["preloaded"]["cuda"])
     assert {module: asked for module, asked in found["asked"].items() if asked} == {}
     assert found["diffusers"], "the control: importing diffusers asks for the devices"
-    on_cpu = json.loads(subprocess.run([sys.executable, "-c", DEVICE_QUERIES, "cpu"], cwd=ROOT, capture_output=True,
-                                       text=True, timeout=300, check=True).stdout.splitlines()[-1])
-    assert "diffusers" in on_cpu["preloaded"]  # CPU rows fork freely: diffusers is preloaded too
+    assert "diffusers" in found["preloaded"]["cpu"]  # CPU rows fork freely: diffusers is preloaded too
 
 
 def test_stage_clock_sums_each_stage_over_its_calls():
