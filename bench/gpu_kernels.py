@@ -51,16 +51,10 @@ def _ms(fn) -> float:
 
 
 def _graph_ms(fn) -> float:
-    """_ms of fn captured in a CUDA graph and replayed: no host work per call."""
-    side = torch.cuda.Stream()
-    side.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(side):  # warm-up off the capture stream, as torch.cuda.graphs asks
-        fn()
-    torch.cuda.current_stream().wait_stream(side)
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        fn()
-    return _ms(graph.replay)
+    """_ms of fn captured in a CUDA graph (as compile="capture" captures) and replayed: no host work per call."""
+    from pyext.graphs import CudaGraph
+
+    return _ms(CudaGraph(lambda _: fn(), [], None).replay)
 
 
 def _ms_host(fn) -> float:

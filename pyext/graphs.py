@@ -57,7 +57,8 @@ class CudaGraph:
 
     def __init__(self, fn, leaves: list, pool):
         # On the inputs' device, which need not be the current one (a model placed by a device map).
-        self.device = next(leaf.device for leaf in leaves if isinstance(leaf, torch.Tensor))
+        self.device = next((leaf.device for leaf in leaves if isinstance(leaf, torch.Tensor)),
+                           torch.device("cuda", torch.cuda.current_device()))
         with torch.cuda.device(self.device):
             side = torch.cuda.Stream()
             side.wait_stream(torch.cuda.current_stream())

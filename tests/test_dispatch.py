@@ -16,6 +16,7 @@ import torch
 
 from pyext import dispatch
 from pyext.dispatch import Backend, PyextError
+from pyext.graphs import CudaGraph
 from pyext.kernels import interpreter_advisory
 from tests.conftest import run_in_triton_interpreter
 
@@ -433,18 +434,11 @@ def test_cuda_backends_replay_from_a_cuda_graph_what_they_compute_eagerly(op_nam
     assert not dispatch.input_reasons(op, backend, static)
     fresh = tuple(torch.roll(a, 1, -1) if isinstance(a, torch.Tensor) and a.is_floating_point() and a.dim() else a
                   for a in static)  # the same values elsewhere: valid inputs, another answer
-    side = torch.cuda.Stream()
-    side.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(side):  # warm-up off the capture stream, as torch.cuda.graphs asks
-        backend.run(*static)
-    torch.cuda.current_stream().wait_stream(side)
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        captured = backend.run(*static)
+    graph = CudaGraph(lambda inputs: backend.run(*inputs), list(static), None)  # as compile="capture" captures
     for dst, src in zip(static, fresh):
         if isinstance(dst, torch.Tensor):
             dst.copy_(src)
-    graph.replay()
+    captured = graph.replay()
     torch.cuda.synchronize()
     assert op.close(op.output(static, captured), dispatch.run_on_copy(op, backend, fresh), fresh) is None
 

@@ -116,8 +116,9 @@ def _scaled_mm_reasons(x, w, scale, bias):
                        f"got {x.shape[-1]} and {w.shape[0]}")
     if x.device.type == "cuda" and not fp8_tensor_cores(x.device):
         reasons.append("this GPU has no fp8 tensor cores (compute capability 8.9 or newer)")
-    if x.device.type == "cpu" and _cpu_rowwise_missing():
-        reasons.append(_cpu_rowwise_missing())
+    missing = x.device.type == "cpu" and _cpu_rowwise_missing()
+    if missing:
+        reasons.append(missing)
     return reasons
 
 
