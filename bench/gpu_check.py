@@ -67,9 +67,9 @@ def steps(out: str) -> list[Step]:
                                        "--calls", "500", "--out", os.path.join(out, "dispatch_overhead.json")),
              "each op's call against PyTorch's own call, a routed attention layer against the plain one (tiny inputs), "
              "a captured denoiser's host work per step"),
-        Step("kernels", 40, (py, "-m", "bench.gpu_kernels", "--json", os.path.join(out, "kernels.json")),
+        Step("kernels", 45, (py, "-m", "bench.gpu_kernels", "--json", os.path.join(out, "kernels.json")),
              "attention against SDPA's flash, efficient and cuDNN backends, eager and replayed from CUDA graphs; "
-             "fp8 linears against cuBLAS bf16"),
+             "fp8 linears against cuBLAS bf16; the fused GroupNorm + SiLU against PyTorch's"),
         Step("latency", 170, (py, "-m", "bench.latency", "--preset", "gpu", "--repeats", "1", "--rows",
                               "sdpa_attention,pyext_optimize,torch_compile_cudagraphs",
                               "--out", os.path.join(out, "latency")),
@@ -115,7 +115,8 @@ def install_wheels() -> int:
 
 def render(result: dict) -> str:
     """docs/benchmarks.md's GPU tables from a gpu_check.json: the steps, attention against SDPA's
-    backends, fp8 linears against cuBLAS bf16, the SD1.5 rows and the dispatch overhead."""
+    backends, fp8 linears against cuBLAS bf16, the fused GroupNorm + SiLU against PyTorch's, the
+    SD1.5 rows and the dispatch overhead."""
     from bench.dispatch import render_results as render_dispatch
 
     steps = result["steps"]
@@ -145,6 +146,15 @@ def render(result: dict) -> str:
                 f"{r.get('weight_only_triton_vs_bf16', '-')}x | {r.get('upcast_then_cublas_vs_bf16', '-')}x | "
                 f"{r.get('dynamic_vs_bf16', '-')}x | {r.get('weight_only_sqnr_db', '-')} / {r.get('dynamic_sqnr_db', '-')} dB |"
                 for r in linears]
+    norms = [r for r in rows if r.get("bench") == "group_norm"]
+    if norms:
+        out += ["", "| GroupNorm + SiLU (fp16, channels-last) | N, C, H, W | diffusers (F.group_norm, F.silu) "
+                "| fused layer (dispatch's choice) | Triton kernel (forced) | fused / diffusers "
+                "| the same, replayed from CUDA graphs | error / diffusers' |", "|---|---|---:|---:|---:|---:|---:|---:|"]
+        out += [f"| {r['shape']} | {r['b']}, {r['c']}, {r['h']}, {r['w']} | {ms(r.get('plain_ms'))} | "
+                f"{ms(r.get('fused_ms'))} ({r.get('fused_backend', '-')}) | {ms(r.get('triton_ms'))} | "
+                f"{times(r.get('fused_over_plain'))} | "
+                f"{times(r.get('fused_over_plain_graph'))} | {times(r.get('err_vs_plain'))} |" for r in norms]
     for step in ("latency", "latency_graphs"):
         report = next(iter(steps.get(step, {}).get("results", {}).values()), None)
         if report:

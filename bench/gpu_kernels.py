@@ -1,5 +1,6 @@
-"""GPU kernel bench: pyext's attention against each of SDPA's backends, and pyext's fp8 linears
-against cuBLAS bf16, at SD1.5, SDXL, SD3 and Flux shapes (1024x1024 for SDXL, SD3 and Flux).
+"""GPU kernel bench: pyext's attention against each of SDPA's backends, pyext's fp8 linears
+against cuBLAS bf16, at SD1.5, SDXL, SD3 and Flux shapes (1024x1024 for SDXL, SD3 and Flux), and
+pyext's fused GroupNorm + SiLU against PyTorch's two kernels at SD1.5's UNet and VAE shapes.
 
     python -m bench.gpu_kernels [--json PATH]
 
@@ -10,7 +11,10 @@ choice and SDPA's backends are timed again replayed from a CUDA graph, the GPU's
 is what a pipeline replaying its captured denoiser (compile="capture") pays. Each attention
 row also gives the errors of both against an fp32 reference on the same inputs, beside the error
 of SDPA's default in the same dtype; a row where either is more than twice SDPA's carries an
-`accuracy_error`. Each fp8 row gives its SQNR against the bf16 layer.
+`accuracy_error`. Each fp8 row gives its SQNR against the bf16 layer. Each GroupNorm row times
+what fuse_norms puts in a ResnetBlock2D (the GroupNormSiLU layer, dispatch's choice) against
+what diffusers runs there (F.group_norm, then F.silu), eagerly and replayed from CUDA graphs,
+with both errors against an fp32 reference.
 """
 from __future__ import annotations
 
@@ -41,6 +45,16 @@ LINEAR_SHAPES = [
     ("flux single: qkv+mlp 3072->21504", 4608, 3072, 21504),
     ("flux single: out 15360->3072", 4608, 15360, 3072),
     ("flux text: 3072->3072 (512 tokens)", 512, 3072, 3072),
+]
+
+# (name, batch, channels, height, width): SD1.5 at 512x512 in float16, channels-last as optimize
+# lays out the UNet and the VAE; 32 groups. The 8x8 level is below the fused layer's size floor.
+GROUP_NORM_SHAPES = [
+    ("sd15 unet: 64x64x320", 2, 320, 64, 64),
+    ("sd15 unet: 32x32x640", 2, 640, 32, 32),
+    ("sd15 unet: 16x16x1280", 2, 1280, 16, 16),
+    ("sd15 unet: 8x8x1280", 2, 1280, 8, 8),
+    ("sd15 vae: 256x256x256", 1, 256, 256, 256),
 ]
 
 
@@ -178,13 +192,60 @@ def bench_fp8_linear(shapes=LINEAR_SHAPES, device="cuda", ms=_ms) -> list[dict]:
     return rows
 
 
+@torch.no_grad()
+def bench_group_norm(shapes=GROUP_NORM_SHAPES, dtype=torch.float16, device="cuda", ms=_ms,
+                     graph_ms=_graph_ms) -> list[dict]:
+    from pyext import dispatch
+    from pyext.nn.fused_norm import MIN_FUSED_NUMEL, GroupNormSiLU
+    from pyext.ops import group_norm
+
+    rows = []
+    for name, b, c, h, w in shapes:
+        g = torch.Generator(device).manual_seed(0)
+        x = torch.randn(b, c, h, w, device=device, dtype=dtype, generator=g).contiguous(memory_format=torch.channels_last)
+        norm = GroupNormSiLU(32, c).to(device, dtype)
+        norm.weight.copy_(torch.rand(c, device=device, generator=g) + 0.5)
+        norm.bias.copy_(torch.randn(c, device=device, generator=g) * 0.1)
+        plain = lambda: F.silu(F.group_norm(x, 32, norm.weight, norm.bias, norm.eps))  # noqa: E731
+        ref = F.silu(F.group_norm(x.float(), 32, norm.weight.float(), norm.bias.float(), norm.eps))
+        row = dict(bench="group_norm", shape=name, b=b, c=c, h=h, w=w, dtype=str(dtype)[6:])
+        try:
+            row["plain_ms"] = ms(plain)
+            row["plain_err"] = _rel(plain(), ref)
+            if graph_ms is not None:
+                row["plain_graph_ms"] = graph_ms(plain)
+        except Exception as e:
+            row["plain_error"] = f"{type(e).__name__}: {e}"[:200]
+        try:
+            args = (x, 32, norm.weight, norm.bias, None, norm.eps, True)
+            row["fused_backend"] = dispatch.select("group_norm", args).name if x.numel() >= MIN_FUSED_NUMEL else "plain"
+            row["fused_ms"] = ms(lambda: norm(x))
+            row["fused_err"] = _rel(norm(x), ref)
+            if graph_ms is not None:
+                row["fused_graph_ms"] = graph_ms(lambda: norm(x))
+        except Exception as e:
+            row["fused_error"] = f"{type(e).__name__}: {e}"[:200]
+        try:
+            row["triton_ms"] = ms(lambda: group_norm(x, 32, norm.weight, norm.bias, norm.eps, "silu", backend="triton"))
+        except Exception as e:
+            row["triton_error"] = f"{type(e).__name__}: {e}"[:200]
+        for key in ("", "_graph"):  # <1: the fused layer is faster
+            if f"fused{key}_ms" in row and f"plain{key}_ms" in row:
+                row[f"fused_over_plain{key}"] = round(row[f"fused{key}_ms"] / row[f"plain{key}_ms"], 3)
+        if "fused_err" in row and "plain_err" in row:
+            row["err_vs_plain"] = round(row["fused_err"] / max(row["plain_err"], 1e-12), 2)
+        rows.append(row)
+        print(row, flush=True)
+    return rows
+
+
 def main(argv=None) -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--json", help="write the rows here")
     args = ap.parse_args(argv)
     info = dict(device=torch.cuda.get_device_name(0), torch=torch.__version__)
     rows = [dict(bench="machine", **info)]
-    for bench in (bench_attention, bench_fp8_linear):
+    for bench in (bench_attention, bench_fp8_linear, bench_group_norm):
         try:
             rows += bench()
         except Exception as e:

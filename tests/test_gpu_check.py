@@ -79,12 +79,15 @@ def test_a_step_past_its_limit_is_stopped_with_the_processes_it_started(tmp_path
 def test_the_kernel_bench_builds_every_row_on_cpu_tensors():
     """bench.gpu_kernels' own code, every variant it times, on tiny shapes on CPU (Triton's
     interpreter runs the Triton kernels): on a GPU, a slip there costs a step of a short lease."""
-    attention, linear = run_in_triton_interpreter("""
+    attention, linear, fused, small = rows = run_in_triton_interpreter("""
 import json, torch
-from bench.gpu_kernels import bench_attention, bench_fp8_linear, _ms_host
+from bench.gpu_kernels import bench_attention, bench_fp8_linear, bench_group_norm, _ms_host
 # (bf16 dots: wrong in the interpreter; the host's timer stands in for the CUDA-graph replay's)
 rows = bench_attention([("tiny", 1, 2, 20, 12, 40)], torch.float16, "cpu", _ms_host, _ms_host)
 rows += bench_fp8_linear([("tiny", 5, 32, 48)], "cpu", _ms_host)
+import pyext.nn.fused_norm
+pyext.nn.fused_norm.MIN_FUSED_NUMEL = 1000  # (the interpreter's Triton kernel at the true floor: half a minute a call)
+rows += bench_group_norm([("fused", 2, 64, 5, 7), ("small", 1, 64, 3, 5)], torch.float16, "cpu", _ms_host, _ms_host)
 print(json.dumps(rows))
 """)
     assert not [k for k in attention if k.endswith("error")], attention
@@ -103,3 +106,14 @@ print(json.dumps(rows))
     assert all(linear[f"{key}_ms"] > 0 and linear[f"{key}_vs_bf16"] > 0 for key in timed)
     assert linear["weight_only_sqnr_db"] > 25
     assert linear["dynamic_torch_quantize_sqnr_db"] == linear["dynamic_triton_quantize_sqnr_db"] > 20  # the same codes
+    # GroupNorm + SiLU: the fused layer above its size floor (dispatch's choice), plain below it
+    for row in (fused, small):
+        assert not [k for k in row if k.endswith("error")], row
+        assert all(row[k] > 0 for k in ("plain_ms", "plain_graph_ms", "fused_ms", "fused_graph_ms", "triton_ms",
+                                         "fused_over_plain", "fused_over_plain_graph"))
+    assert fused["fused_backend"] == "cpp" and small["fused_backend"] == "plain"
+    assert fused["err_vs_plain"] <= 2.0 and small["err_vs_plain"] == 1.0  # below the floor: the same two kernels
+    table = gpu_check.render({"steps": {"kernels": {"rc": 0, "results": {"kernels.json": rows}}}})
+    for title in ("| attention (bf16)", "| fp8 linear", "| GroupNorm + SiLU"):
+        assert title in table
+    assert "| fused | 2, 64, 5, 7 |" in table and "(cpp)" in table
