@@ -27,21 +27,52 @@ def same_bits(a, b):
     return torch.equal(a.view(INT_VIEW[a.dtype]), b.view(INT_VIEW[b.dtype]))
 
 
-@needs_ext
-@pytest.mark.parametrize("dtype", DTYPES)
-@pytest.mark.parametrize("scale_kind", ["one", "per_channel", "per_tensor", "negative", "tiny", "huge"])
-def test_upcast_bit_exact_all_codes(simd, dtype, scale_kind):
-    w = all_codes()
-    scale = {
+SCALE_KINDS = ["one", "per_channel", "per_tensor", "negative", "tiny", "huge"]
+
+
+def scales_of(kind: str) -> torch.Tensor:
+    """Scales for 3 rows, or one for the tensor."""
+    return {
         "one": torch.ones(3),
         "per_channel": torch.rand(3) * 4 + 1e-3,
         "per_tensor": torch.tensor([0.37]),
         "negative": torch.tensor([-0.37, -1.0, -0.0]),  # the lookup-table path flips signs: check it
         "tiny": torch.full((3,), 1e-40),  # products land in fp32 subnormals
         "huge": torch.full((3,), 3e37),  # past the SIMD kernels' exact range: scalar path, overflow to inf
-    }[scale_kind]
+        "nan": torch.tensor([float("nan"), 1.0, -float("nan")]),
+        "inf": torch.tensor([float("inf"), 1.0, -float("inf")]),
+    }[kind]
+
+
+@needs_ext
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("scale_kind", SCALE_KINDS)
+def test_upcast_bit_exact_all_codes(simd, dtype, scale_kind):
+    w = all_codes()
+    scale = scales_of(scale_kind)
     out = fp8_upcast(w, scale, dtype, backend="cpp")
     assert same_bits(out, fp8_upcast_reference(w, scale, dtype))
+
+
+@pytest.mark.cuda
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("cols", [1024, 763])  # rows of 16-code chunks (the vector path), and not
+@pytest.mark.parametrize("scale_kind", SCALE_KINDS + ["nan", "inf"])
+def test_cuda_upcast_gives_the_cpu_kernels_bits_for_every_code(dtype, cols, scale_kind):
+    """The CUDA kernel against the CPU kernel on every code, NaN codes among finite ones in the
+    same 16-byte chunk, under every kind of scale. NaN bits too, except where GPU and CPU
+    arithmetic make different NaNs (an infinite scale times a zero code)."""
+    if not torch.cuda.is_available() or cuda_kernel_missing("fp8_upcast_out"):
+        pytest.skip("needs a GPU and the CUDA kernels")
+    w = torch.arange(256, dtype=torch.uint8).repeat(3, 4)[:, :cols].view(FP8)
+    scale = scales_of(scale_kind)
+    out = fp8_upcast(w.cuda(), scale.cuda(), dtype, backend="cuda").cpu()
+    ref = fp8_upcast(w, scale, dtype, backend="cpp")
+    if scale_kind == "inf":
+        nan = ref.isnan()
+        assert torch.equal(out.isnan(), nan) and same_bits(out[~nan], ref[~nan])
+    else:
+        assert same_bits(out, ref)
 
 
 def special_fp32() -> torch.Tensor:

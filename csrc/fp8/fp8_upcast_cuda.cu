@@ -1,6 +1,9 @@
 // fp8 (e4m3fn) -> bf16/fp16/fp32 upcast on the GPU with 16-byte vector loads:
 // each thread decodes 16 codes (one uint4) and writes them with vector stores.
-// Decoding and rounding are the CPU kernels' own (fp8_e4m3.h, half_rounding.h).
+// Results are the CPU kernels' bits (fp8_e4m3.h, half_rounding.h).
+#include <cuda_bf16.h>
+#include <cuda_fp16.h>
+
 #include "common/half_rounding.h"
 #include "fp8/fp8_e4m3.h"
 #include "fp8/fp8_upcast_cuda.h"
@@ -19,6 +22,20 @@ __device__ __forceinline__ float scaled(uint32_t code, float s) {
   return fp8_e4m3_decode(code) * s;
 }
 
+// decode(code) for a code that is not NaN, in a few integer operations: its 7 magnitude bits
+// shifted left by 20 are the fp32 encoding of value * 2^-120 (exponent bias 7 against 127;
+// subnormal codes become fp32 subnormals, kept since nothing here flushes them to zero), and
+// the product with 2^120 is exact.
+__device__ __forceinline__ float decode_finite(uint32_t code) {
+  return __uint_as_float(((code & 0x80u) << 24) | ((code & 0x7fu) << 20)) * 0x1p120f;
+}
+
+// Whether a byte of w is a NaN code (its low 7 bits all set): adding 1 to such a byte's low 7
+// bits, and to no other, carries into its top bit.
+__device__ __forceinline__ bool has_nan_code(uint32_t w) {
+  return ((w & 0x7f7f7f7fu) + 0x01010101u) & 0x80808080u;
+}
+
 template <PyextDtype kOut>
 __device__ __forceinline__ uint16_t narrow(float v) {
   return kOut == PYEXT_BF16 ? float_to_bf16(v) : float_to_fp16(v);
@@ -30,7 +47,53 @@ __device__ __forceinline__ void store(void* dst, int64_t i, float v) {
   else static_cast<uint16_t*>(dst)[i] = narrow<kOut>(v);
 }
 
-// Vector path: cols % 16 == 0 (or one scale), 16-byte aligned pointers.
+// Two values narrowed to kOut, a in the low half: by narrow (any value), or by the hardware's
+// round-to-nearest-even conversion, which gives the same bits for every value but NaN.
+template <PyextDtype kOut>
+__device__ __forceinline__ uint32_t narrow2(float a, float b) {
+  return narrow<kOut>(a) | (static_cast<uint32_t>(narrow<kOut>(b)) << 16);
+}
+
+template <PyextDtype kOut>
+__device__ __forceinline__ uint32_t narrow2_hardware(float a, float b) {
+  uint32_t bits;
+  if constexpr (kOut == PYEXT_BF16) {
+    const __nv_bfloat162 h = __floats2bfloat162_rn(a, b);
+    memcpy(&bits, &h, 4);
+  } else {
+    const __half2 h = __floats2half2_rn(a, b);
+    memcpy(&bits, &h, 4);
+  }
+  return bits;
+}
+
+// The 16 codes of chunk c (words, lowest byte first), each turned into a float by value(code),
+// stored at dst's chunk c: kOut pairs packed by pack(a, b).
+template <PyextDtype kOut, typename Value, typename Pack>
+__device__ __forceinline__ void store16(void* dst, int64_t c, const uint32_t words[4], Value value, Pack pack) {
+  if constexpr (kOut == PYEXT_F32) {
+    float4* out = reinterpret_cast<float4*>(dst) + c * 4;
+#pragma unroll
+    for (int w = 0; w < 4; ++w)
+      out[w] = make_float4(value(words[w] & 0xff), value((words[w] >> 8) & 0xff), value((words[w] >> 16) & 0xff),
+                           value(words[w] >> 24));
+  } else {
+    uint32_t halves[8];
+#pragma unroll
+    for (int w = 0; w < 4; ++w) {
+      halves[2 * w] = pack(value(words[w] & 0xff), value((words[w] >> 8) & 0xff));
+      halves[2 * w + 1] = pack(value((words[w] >> 16) & 0xff), value(words[w] >> 24));
+    }
+    uint4* out = reinterpret_cast<uint4*>(dst) + c * 2;
+    out[0] = make_uint4(halves[0], halves[1], halves[2], halves[3]);
+    out[1] = make_uint4(halves[4], halves[5], halves[6], halves[7]);
+  }
+}
+
+// Vector path: cols % 16 == 0 (or one scale), 16-byte aligned pointers. A chunk with no NaN code
+// under a finite scale (every chunk of fp8_quantize's weights) has only finite products, or
+// infinities from overflow, which the hardware narrows as narrow does; other chunks take the
+// exact per-element path.
 template <PyextDtype kOut>
 __global__ void upcast_vec16(const uint4* __restrict__ src, void* __restrict__ dst, const float* __restrict__ scale,
                              int64_t chunks, int64_t chunks_per_row, int per_row) {
@@ -39,29 +102,11 @@ __global__ void upcast_vec16(const uint4* __restrict__ src, void* __restrict__ d
     const float s = scale[per_row ? c / chunks_per_row : 0];
     const uint4 packed = src[c];
     const uint32_t words[4] = {packed.x, packed.y, packed.z, packed.w};
-    if (kOut == PYEXT_F32) {
-      float4* out = reinterpret_cast<float4*>(dst) + c * 4;
-#pragma unroll
-      for (int w = 0; w < 4; ++w)
-        out[w] = make_float4(scaled(words[w] & 0xff, s), scaled((words[w] >> 8) & 0xff, s),
-                             scaled((words[w] >> 16) & 0xff, s), scaled(words[w] >> 24, s));
-    } else {
-      uint32_t halves[8];
-#pragma unroll
-      for (int w = 0; w < 4; ++w) {
-        uint16_t h[4];
-#pragma unroll
-        for (int b = 0; b < 4; ++b) {
-          const float v = scaled((words[w] >> (8 * b)) & 0xff, s);
-          h[b] = narrow<kOut>(v);
-        }
-        halves[2 * w] = h[0] | (static_cast<uint32_t>(h[1]) << 16);
-        halves[2 * w + 1] = h[2] | (static_cast<uint32_t>(h[3]) << 16);
-      }
-      uint4* out = reinterpret_cast<uint4*>(dst) + c * 2;
-      out[0] = make_uint4(halves[0], halves[1], halves[2], halves[3]);
-      out[1] = make_uint4(halves[4], halves[5], halves[6], halves[7]);
-    }
+    if (fabsf(s) <= 3.40282347e38f &&
+        !(has_nan_code(words[0]) | has_nan_code(words[1]) | has_nan_code(words[2]) | has_nan_code(words[3])))
+      store16<kOut>(dst, c, words, [s](uint32_t code) { return decode_finite(code) * s; }, narrow2_hardware<kOut>);
+    else
+      store16<kOut>(dst, c, words, [s](uint32_t code) { return scaled(code, s); }, narrow2<kOut>);
   }
 }
 

@@ -206,9 +206,10 @@ def _upcast_ref(w, scale, out):
     out.copy_(fp8_upcast_reference(w, scale, out.dtype))
 
 
-# (rows, cols, per-channel scale) the op tests run every backend on: odd rows that end in SIMD
-# tails, and rows long enough for the AVX-512 lookup-table path.
-UPCAST_TEST_SHAPES = ((5, 33, True), (3, 700, False), (1, 1, True))
+# (rows, cols, per-channel scale) the op tests run every backend on: rows of 16-byte chunks and one
+# scale over a multiple of 16 codes (the CUDA kernel's vector path), odd rows that end in SIMD tails
+# (and the CUDA kernel's per-element path), rows long enough for the AVX-512 lookup-table path.
+UPCAST_TEST_SHAPES = ((6, 48, True), (4, 20, False), (5, 33, True), (3, 700, False), (1, 1, True))
 
 dispatch.register("fp8_upcast", Backend(
     "cuda", _upcast_ext, unavailable=partial(cuda_kernel_missing, "fp8_upcast_out"), devices=("cuda",),
