@@ -24,8 +24,8 @@ __device__ __forceinline__ float scaled(uint32_t code, float s) {
 
 // fp8_e4m3_decode(code) for a code that is not NaN, with the hardware's fp16 -> fp32 conversion:
 // the code's bits moved into fp16's layout are the fp16 number value / 256 (exponent bias 7
-// against 15), subnormal codes included, and the conversion and the product are exact. (Exact
-// under -ftz=true too: the conversion is inline assembly, and its results are fp32 normals.)
+// against 15), subnormal codes included, and the conversion and the product are exact. (The
+// decode stays exact under -ftz=true: the conversion is inline assembly, its results fp32 normals.)
 __device__ __forceinline__ float decode_finite(uint32_t code) {
   const auto h = static_cast<unsigned short>(((code & 0x80u) << 8) | ((code & 0x7fu) << 7));
   return __half2float(__ushort_as_half(h)) * 256.0f;
