@@ -78,6 +78,11 @@ def _ms_host(fn) -> float:
     return _per_call(fn, 3, "cpu") * 1e3
 
 
+def _failure(e: Exception, length: int = 200) -> str:
+    """What a row records of a variant that failed: one failure must not hide the other variants."""
+    return f"{type(e).__name__}: {e}"[:length]
+
+
 def _rel(y: torch.Tensor, ref: torch.Tensor) -> float:
     return ((y.float() - ref).norm() / ref.norm()).item()
 
@@ -103,13 +108,13 @@ def bench_attention(shapes=ATTENTION_SHAPES, dtype=torch.bfloat16, device="cuda"
             row["auto_ms"] = ms(lambda: attention(q, k, v))
             row["auto_err"] = _rel(attention(q, k, v), ref)
         except Exception as e:
-            row["auto_error"] = f"{type(e).__name__}: {e}"[:200]
+            row["auto_error"] = _failure(e)
         try:
             row["pyext_ms"] = ms(lambda: attention(q, k, v, backend="triton"))
             row["pyext_err"] = _rel(attention(q, k, v, backend="triton"), ref)
             row["pyext_kernel_ms"] = ms(lambda: attention_triton(q, k, v, None))
-        except Exception as e:  # one backend's failure must not hide the others' rows
-            row["pyext_error"] = f"{type(e).__name__}: {e}"[:200]
+        except Exception as e:
+            row["pyext_error"] = _failure(e)
         row["sdpa_err"] = _rel(F.scaled_dot_product_attention(q, k, v), ref)
         for backend in SDPA_BACKENDS:
             try:
@@ -136,7 +141,7 @@ def bench_attention(shapes=ATTENTION_SHAPES, dtype=torch.bfloat16, device="cuda"
                 row["best_sdpa_graph_ms"] = min(graphed)
                 row["best_sdpa_over_auto_graph"] = round(row["best_sdpa_graph_ms"] / row["auto_graph_ms"], 3)
             except Exception as e:
-                row["graph_error"] = f"{type(e).__name__}: {e}"[:200]
+                row["graph_error"] = _failure(e)
         for key, which in (("pyext", "the Triton kernel"), ("auto", "dispatch's choice")):
             if f"{key}_err" in row:
                 name = "err_vs_sdpa" if key == "pyext" else "auto_err_vs_sdpa"
@@ -185,7 +190,7 @@ def bench_fp8_linear(shapes=LINEAR_SHAPES, device="cuda", ms=_ms) -> list[dict]:
                     row[f"{key}_sqnr_db"] = round((10 * torch.log10(ref.pow(2).sum() / (y - ref).pow(2).sum())).item(), 1)
                     row[f"{key}_vs_bf16"] = round(row[f"{key}_ms"] / row["bf16_ms"], 3)
             except Exception as e:
-                row[f"{key}_error"] = f"{type(e).__name__}: {e}"[:200]
+                row[f"{key}_error"] = _failure(e)
         row["bf16_tflops"] = round(2 * m * k * n / row["bf16_ms"] / 1e9, 1)
         rows.append(row)
         print(row, flush=True)
@@ -215,7 +220,7 @@ def bench_group_norm(shapes=GROUP_NORM_SHAPES, dtype=torch.float16, device="cuda
             if graph_ms is not None:
                 row["plain_graph_ms"] = graph_ms(plain)
         except Exception as e:
-            row["plain_error"] = f"{type(e).__name__}: {e}"[:200]
+            row["plain_error"] = _failure(e)
         try:
             args = (x, 32, norm.weight, norm.bias, None, norm.eps, True)
             row["fused_backend"] = dispatch.select("group_norm", args).name if x.numel() >= MIN_FUSED_NUMEL else "plain"
@@ -224,11 +229,11 @@ def bench_group_norm(shapes=GROUP_NORM_SHAPES, dtype=torch.float16, device="cuda
             if graph_ms is not None:
                 row["fused_graph_ms"] = graph_ms(lambda: norm(x))
         except Exception as e:
-            row["fused_error"] = f"{type(e).__name__}: {e}"[:200]
+            row["fused_error"] = _failure(e)
         try:
             row["triton_ms"] = ms(lambda: group_norm(x, 32, norm.weight, norm.bias, norm.eps, "silu", backend="triton"))
         except Exception as e:
-            row["triton_error"] = f"{type(e).__name__}: {e}"[:200]
+            row["triton_error"] = _failure(e)
         for key in ("", "_graph"):  # <1: the fused layer is faster
             if f"fused{key}_ms" in row and f"plain{key}_ms" in row:
                 row[f"fused_over_plain{key}"] = round(row[f"fused{key}_ms"] / row[f"plain{key}_ms"], 3)
@@ -249,7 +254,7 @@ def main(argv=None) -> None:
         try:
             rows += bench()
         except Exception as e:
-            rows.append(dict(bench=bench.__name__, error=f"{type(e).__name__}: {e}"[:300]))
+            rows.append(dict(bench=bench.__name__, error=_failure(e, 300)))
             print(rows[-1], flush=True)
     if args.json:
         with open(args.json, "w") as f:

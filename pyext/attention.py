@@ -160,9 +160,6 @@ class _Layer:
         self.model = weakref.ref(model) if model is not None else lambda: None
         self._fresh()
 
-    def _modes(self) -> list:
-        return self.local.modes
-
     def _enter(self, module, args, kwargs):
         mode = _RouteSDPA(self)
         processor = getattr(module, "processor", None)
@@ -184,7 +181,7 @@ class _Layer:
                 # the ranks.
                 mode.restore = _compat.take_parallel_config(processor)
         mode.__enter__()
-        self._modes().append(mode)
+        self.local.modes.append(mode)
 
     def _split_by_pyext(self, module, args, kwargs) -> tuple:
         """(groups, whole tokens) for a processor that knows no context parallelism, in a model
@@ -203,7 +200,7 @@ class _Layer:
         return groups, whole
 
     def _exit(self, module, args, output):
-        modes = self._modes()
+        modes = self.local.modes
         if not modes:  # an earlier pre-hook raised before ours ran
             return
         mode = modes.pop()
