@@ -134,6 +134,41 @@ def test_one_copy_state_dict_load_and_save():
     assert all(torch.equal(v, doubled[k]) for k, v in torch.load(buffer).items())
 
 
+def test_a_trained_weight_gets_the_gradient_of_a_plain_layer():
+    """oneDNN's kernels record no autograd graph: a weight that requires grad takes the plain
+    path even where the input needs none (cross-attention's K/V of text embeddings)."""
+    import copy
+
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Conv2d(4, 8, 3, padding=1, bias=False), nn.Linear(6, 3, bias=False))
+    twin = copy.deepcopy(model)
+    pack(model)
+    model.requires_grad_(True)
+    model.to(memory_format=torch.channels_last)  # repacked: still trained
+    x = torch.randn(2, 4, 6, 6)
+    for m in (model, twin):
+        m(x).square().sum().backward()
+        torch.optim.SGD(m.parameters(), lr=0.1).step()
+    for (name, p), q in zip(model.named_parameters(), twin.parameters()):
+        assert p.grad is not None and rel_err(p.grad, q.grad) <= TOL[torch.float32], name
+    assert isinstance(model[0].weight, PackedWeight)  # the step wrote into the packed weight
+    with torch.no_grad():
+        assert rel_err(model(x), twin(x)) <= TOL[torch.float32]
+
+
+def test_pickling_a_packed_module_says_what_to_do_instead():
+    import copy
+
+    pipe = pyext.optimize(build_pipeline("sd15", "tiny"), dtype="keep")
+    with pytest.raises(PyextError, match=r"prepack.*cannot be pickled.*state_dict.*pyext\.restore.*prepack=\"off\""):
+        torch.save(pipe.unet, io.BytesIO())
+    weight = pipe.unet.conv_in.weight
+    assert copy.copy(weight).packed is weight.packed  # a shallow copy shares the packed weight, as before
+    torch.save(pipe.unet.state_dict(), io.BytesIO())
+    pyext.restore(pipe)
+    torch.save(pipe.unet, io.BytesIO())
+
+
 _ONE_COPY = """
 import gc, torch, torch.nn as nn
 from pyext.nn import packed

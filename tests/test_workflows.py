@@ -246,6 +246,72 @@ def test_optimize_twice_equals_one_call_with_the_later_options(arch):
     assert pyext.report(twice).plan == second.plan
 
 
+# ----------------------------------------------------------------------------- training
+
+# Gradients of plain diffusers and of the optimized UNet, per parameter, relative to the largest
+# entry of each: what the dtype's rounding leaves between two summation orders.
+GRAD_TOL = {torch.float32: 1e-4, torch.bfloat16: 2e-2}
+
+
+def denoising_loss(unet) -> torch.Tensor:
+    """One forward's denoising loss, the text embeddings without grad as in fine-tuning."""
+    g = torch.Generator().manual_seed(0)
+    c = unet.config
+    latents = torch.randn(2, c.in_channels, c.sample_size, c.sample_size, generator=g).to(unet.dtype)
+    text = torch.randn(2, 8, c.cross_attention_dim, generator=g).to(unet.dtype)
+    pred = unet(latents, torch.tensor([10, 500]), encoder_hidden_states=text).sample
+    return (pred.float() - latents.float()).pow(2).mean()
+
+
+def train_step(unet) -> dict[str, torch.Tensor]:
+    """Every parameter's gradient of one backward (those that got one), then one SGD step."""
+    unet.requires_grad_(True)
+    denoising_loss(unet).backward()
+    grads = {name: p.grad for name, p in unet.named_parameters() if p.grad is not None}
+    torch.optim.SGD(unet.parameters(), lr=0.1).step()
+    return grads
+
+
+def test_training_after_optimize_gives_plain_diffusers_gradients():
+    """optimize's defaults (bf16 where the CPU computes it natively): every parameter plain
+    diffusers trains gets its gradient, and the optimizer's step lands in the weights."""
+    pipe = build_pipeline("sd15", "tiny")
+    twin = copy.deepcopy(pipe)
+    dtype = pyext.plan(pipe).decision.dtype
+    pyext.optimize(pipe)
+    if dtype is not None:
+        twin.unet.to(dtype)
+    want, got = train_step(twin.unet), train_step(pipe.unet)
+    assert "mid_block.attentions.0.transformer_blocks.0.attn2.to_k.weight" in want  # K/V of the text: no input grad
+    assert sorted(got) == sorted(want)
+    tol = GRAD_TOL[twin.unet.dtype]
+    for name, grad in want.items():
+        torch.testing.assert_close(got[name], grad, rtol=tol, atol=tol * float(grad.abs().max()), msg=name)
+    trained = pipe.unet.state_dict()
+    for name, value in twin.unet.state_dict().items():
+        torch.testing.assert_close(trained[name], value, rtol=tol, atol=tol * float(value.abs().max()), msg=name)
+
+
+def test_training_fp8_layers_is_refused_with_the_way_out():
+    pipe = pyext.optimize(build_pipeline("sd15", "tiny"), fp8="denoiser")
+    frozen = {name: p.requires_grad for name, p in pipe.unet.named_parameters()}
+    with pytest.raises(PyextError, match=r"requires_grad_\(True\).*fp8 codes.*do not train.*fp8=\"off\".*pyext.restore"):
+        pipe.unet.requires_grad_(True)
+    assert {name: p.requires_grad for name, p in pipe.unet.named_parameters()} == frozen  # nothing changed
+    pyext.restore(pipe)
+    assert len(train_step(pipe.unet)) == len(frozen)  # the way out: every parameter trains
+
+
+def test_training_adapters_over_fp8_layers_is_an_error():
+    from peft import LoraConfig
+
+    pipe = pyext.optimize(build_pipeline("sd15", "tiny"), fp8="denoiser")
+    pipe.unet.requires_grad_(False)  # freezing, as adapter training does first, is no error
+    pipe.unet.add_adapter(LoraConfig(r=4, target_modules=["to_q", "to_k", "to_v", "to_out.0"]))
+    with pytest.raises(PyextError, match="fp8"):  # the fp8 ops have no backward: never a silent drop
+        denoising_loss(pipe.unet).backward()
+
+
 # ----------------------------------------------------------------------------- other steps
 
 def _fuse_qkv(pipe, arch):

@@ -12,6 +12,8 @@ pyext replaces these methods on the instance only (undone by restore):
   touch dequantized; after the call the model's eligible layers are stored in fp8 again, by the
   rule it was converted by, the fused ones included. The layers they touch are briefly held in
   the compute dtype.
+- requires_grad_(True) raises a PyextError before any parameter changes: fp8 codes do not train,
+  and torch's own error (uint8 cannot require grad) names neither pyext nor the way out.
 """
 from __future__ import annotations
 
@@ -21,6 +23,7 @@ import functools
 import torch.nn as nn
 
 from pyext import _state
+from pyext.dispatch import PyextError
 
 STATE = "fp8_methods"  # pyext._state key: the methods install replaced (_state.replace_attributes)
 _QKV = {"to_q", "to_k", "to_v", "add_q_proj", "add_k_proj", "add_v_proj"}
@@ -73,7 +76,21 @@ def _run_on_plain(select, method, obj, *args, **kwargs):
         return method(*args, **kwargs)
 
 
+def _requires_grad_(method, obj, requires_grad: bool = True):
+    from pyext.nn.fp8 import FP8Conv2d, FP8Linear
+
+    layers = [name for name, m in obj.named_modules() if isinstance(m, (FP8Linear, FP8Conv2d))] if requires_grad else []
+    if layers:
+        raise PyextError(
+            f"pyext: {type(obj).__name__}.requires_grad_(True): {len(layers)} layers ({layers[0]}, ...) store "
+            "their weights as fp8 codes (pyext.optimize's fp8 option, or pyext.quantize_fp8), which do not train. "
+            "To train, optimize with fp8=\"off\", or call pyext.restore(pipe) (or pyext.restore_fp8(model)) first: "
+            "the exact weights back with keep_original_weights=True, else the dequantized ones")
+    return method(requires_grad)
+
+
 WRAPPERS = {
+    "requires_grad_": _requires_grad_,
     "save_pretrained": _save_pretrained,
     "fuse_lora": functools.partial(_run_on_plain, _lora_base),
     "unfuse_lora": functools.partial(_run_on_plain, _lora_base),

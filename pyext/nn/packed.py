@@ -31,6 +31,7 @@ import torch.nn.functional as F
 
 from pyext import _compat, dispatch
 from pyext._ext import kernel_missing
+from pyext.dispatch import PyextError
 from pyext.ops import winograd
 
 # oneDNN packs fp32 anywhere; bf16 only where the CPU computes it natively (the reorder refuses
@@ -72,6 +73,15 @@ class _Packed:
     def winograd(self) -> bool:
         """A plain weight ((3, 3, in, out) in memory) for winograd_conv3x3 rather than oneDNN's layout."""
         return self.conv is not None and not self.tensor.is_mkldnn
+
+    def __reduce_ex__(self, protocol):
+        # Pickling a packed weight (torch.save(module)) reaches its state here, before oneDNN's
+        # layout, whose opaque memory torch cannot serialize; a shallow copy.copy never does.
+        raise PyextError(
+            "pyext: a module whose weights pyext packed for oneDNN (pyext.optimize's prepack option) cannot be "
+            "pickled (torch.save(module), pickle.dumps): oneDNN's packed layout is memory torch cannot serialize. "
+            "Save the weights instead (torch.save(module.state_dict()) or save_pretrained: the plain values), "
+            "call pyext.restore(pipe) first (exact), or optimize with prepack=\"off\"")
 
     def dense(self) -> torch.Tensor:
         t = self.tensor  # read once: a repack elsewhere replaces it whole
@@ -193,9 +203,11 @@ def _fast_path(func, args, kwargs):
     names = ("input", "weight", "bias", "stride", "padding", "dilation", "groups")
     call = dict(zip(names, args)) | kwargs
     x, weight, bias = call.get("input"), call.get("weight"), call.get("bias")
+    # oneDNN's kernels record no autograd graph: a call that needs one (the weight too, when it is
+    # trained) takes the plain path, whose gradients are those of a plain layer.
     if not (isinstance(weight, PackedWeight) and isinstance(x, torch.Tensor) and not isinstance(x, PackedWeight)
             and x.device.type == "cpu" and x.dtype == weight.dtype and (bias is None or bias.dtype == x.dtype)
-            and not (torch.is_grad_enabled() and (x.requires_grad or (bias is not None and bias.requires_grad)))):
+            and not (torch.is_grad_enabled() and any(t is not None and t.requires_grad for t in (x, weight, bias)))):
         return None
     if func is F.linear:
         return _linear(x, weight, bias)
@@ -268,7 +280,8 @@ class _Packable:
 
     torch's Module._apply (`.to()`, `.float()`, offload moves) would write a cast result into
     the packed Parameter's metadata and leave the packed tensor stale; here the weight is
-    unpacked first, cast or moved plain, and packed again if it is still packable."""
+    unpacked first, cast or moved plain, and packed again if it is still packable, requiring grad
+    as it did (a weight being trained stays trained)."""
 
     def _apply(self, fn, recurse=True):
         w = self.weight
@@ -279,21 +292,22 @@ class _Packable:
                 return super()._apply(fn, recurse)
             finally:
                 self._parameters["weight"] = w
-        self._unpack_weight()
+        trained = w.requires_grad
+        self._unpack_weight(trained)
         out = super()._apply(fn, recurse)
         if weight_reason(self.weight) is None:  # the layer itself was packable when packed
-            self._pack_weight()
+            self._pack_weight(trained)
         return out
 
-    def _pack_weight(self) -> None:
+    def _pack_weight(self, requires_grad: bool) -> None:
         self.weight = nn.Parameter(PackedWeight.of(self.weight, _conv_args(self), self._workspace),
-                                   requires_grad=False)
+                                   requires_grad=requires_grad)
 
-    def _unpack_weight(self) -> None:
+    def _unpack_weight(self, requires_grad: bool) -> None:
         w = self.weight
         if isinstance(w, PackedWeight):
             dense = torch.empty_strided(w.shape, w.stride(), dtype=w.dtype).copy_(w.packed.dense())
-            self.weight = nn.Parameter(dense, requires_grad=self._trainable)
+            self.weight = nn.Parameter(dense, requires_grad=requires_grad)
 
     def _save_to_state_dict(self, destination, prefix, keep_vars):
         super()._save_to_state_dict(destination, prefix, keep_vars)
@@ -360,7 +374,7 @@ def pack(model: nn.Module, layers: tuple[type, ...] = (nn.Conv2d, nn.Linear)) ->
         module._workspace = workspace
         module._trainable = module.weight.requires_grad  # packed weights are frozen; unpack thaws them
         module.__class__ = _PACKED_CLASS[type(module)]
-        module._pack_weight()
+        module._pack_weight(requires_grad=False)
         report.packed.append(name)
     if report.packed:
         _PACKED_MODELS.add(model)
@@ -379,6 +393,6 @@ def unpack(model: nn.Module) -> list[str]:
 
 
 def _unpack_layer(module: nn.Module) -> None:
-    module._unpack_weight()
+    module._unpack_weight(module._trainable)
     module.__class__ = next(plain for plain, cls in _PACKED_CLASS.items() if cls is type(module))
     del module._trainable, module._workspace
