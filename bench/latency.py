@@ -290,17 +290,30 @@ def _tensor_key(t: torch.Tensor):
     return t.data_ptr() or id(t)
 
 
+def _storage_tensors(t: torch.Tensor):
+    """The tensors holding `t`'s data: `t`, or for a wrapper subclass (torchao's and optimum-quanto's
+    quantized weights, whose dtype is the dtype they compute in) its inner tensors: codes, scales."""
+    from torch.utils._python_dispatch import is_traceable_wrapper_subclass
+
+    if not is_traceable_wrapper_subclass(t):
+        yield t
+        return
+    for attr in t.__tensor_flatten__()[0]:
+        yield from _storage_tensors(getattr(t, attr))
+
+
 def component_weight_bytes(pipe, names=None) -> dict[str, int]:
     """Bytes of parameters and buffers per module of the pipeline, each tensor counted once (in the
-    first module holding it); fp8 codes are 1 byte."""
+    first module holding it); fp8 codes are 1 byte, a quantized tensor subclass counts its inner tensors."""
     seen, sizes = set(), {}
     for name, module in pipe.components.items():
         if isinstance(module, torch.nn.Module) and (names is None or name in names):
             sizes[name] = 0
             for t in list(module.parameters()) + list(module.buffers()):
-                if _tensor_key(t) not in seen:
-                    seen.add(_tensor_key(t))
-                    sizes[name] += t.numel() * t.element_size()
+                for stored in _storage_tensors(t):
+                    if _tensor_key(stored) not in seen:
+                        seen.add(_tensor_key(stored))
+                        sizes[name] += stored.numel() * stored.element_size()
     return sizes
 
 

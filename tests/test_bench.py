@@ -114,6 +114,35 @@ def test_unavailable_rows_say_why():
         assert "CUDA" in latency.unavailable(row, cpu) and latency.unavailable(row, latency.PRESETS["gpu"]) is None
 
 
+# Bytes per output channel beyond the one-byte codes: (scales and zero points, module buffers).
+QUANTIZED_LINEARS = {
+    "quanto_qfloat8": (2, 4),   # a bf16 scale per channel; the layer's bf16 input and output scales
+    "torchao_float8": (4, 0),   # an fp32 scale per channel
+    "torchao_int8": (5, 0),     # an fp32 scale and an int8 zero point per channel
+}
+
+
+@pytest.mark.parametrize("quantizer", list(QUANTIZED_LINEARS))
+def test_weight_bytes_count_a_quantized_subclass_by_its_inner_tensors(quantizer):
+    """A quantized weight reports its compute dtype (bf16, 2 bytes); its codes take one byte each."""
+    import types
+
+    model = torch.nn.Sequential(torch.nn.Linear(256, 512)).to(torch.bfloat16)
+    if quantizer.startswith("quanto"):
+        quanto = pytest.importorskip("optimum.quanto")
+        quanto.quantize(model, weights=quanto.qfloat8)
+        quanto.freeze(model)
+    else:
+        quantization = pytest.importorskip("torchao.quantization")
+        quantization.quantize_(model, quantization.Float8WeightOnlyConfig() if quantizer == "torchao_float8"
+                               else quantization.Int8WeightOnlyConfig())
+    weight = model[0].weight
+    assert weight.dtype == torch.bfloat16 and type(weight) is not torch.nn.Parameter
+    per_channel, buffers = QUANTIZED_LINEARS[quantizer]
+    expected = 512 * 256 + 512 * per_channel + 512 * 2 + buffers  # codes, scales, the bf16 bias, buffers
+    assert latency.component_weight_bytes(types.SimpleNamespace(components={"unet": model})) == {"unet": expected}
+
+
 def test_markdown_shows_reasons_and_failures(tmp_path):
     report = {
         "preset": "tiny", "preset_parameters": {"width": 64, "height": 64, "steps": 2, "warmup_steps": 1},
