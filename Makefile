@@ -40,7 +40,13 @@ FAST_TESTS := options plan dispatch dispatch_poisoning host_reads checkpoint fp8
 test-fast: build
 	$(PY) -m pytest -q -x -m "not slow" $(FAST_TESTS:%=tests/test_%.py)
 
-bench: build
+# The peers the latency table compares pyext with; torch pinned to the installed one, so that pip
+# fails rather than replace it.
+$(VENV)/.bench-deps: $(VENV)/.deps requirements-bench.txt
+	$(PY) -m pip install -q -r requirements-bench.txt "torch==$$($(PY) -c 'import torch; print(torch.__version__)')"
+	touch $@
+
+bench: build $(VENV)/.bench-deps
 	$(PY) -m bench.run
 
 bench-kernels: build

@@ -12,6 +12,7 @@ Outputs in DIR: latency.json, latency.md, latency.png, images/<row>.pt, logs/<ro
 from __future__ import annotations
 
 import argparse
+import contextlib
 import functools
 import json
 import os
@@ -56,7 +57,9 @@ PRESETS = {
     # The guide's setting: one 512x512 image, 50 DDIM steps, classifier-free guidance (UNet batch 2).
     # A 3-step warm-up: a UNet call per step, so pyext's captured UNet has run eagerly, captured and
     # replayed, and inductor's has compiled and recorded its CUDA graph before the timed run.
-    "gpu": Preset("full", "cuda", 512, 512, 50, 3, 3, 900, check_steps=2),
+    "gpu": Preset("full", "cuda", 512, 512, 50, 3, 3, 900, check_steps=2, skip=(
+        ("torchao_int8_weight_only", "an int8 row is the CPU presets' peer of fp8 weights; on CUDA the fp8 rows are"),
+        ("torchao_int8_dynamic", "an int8 row is the CPU presets' peer of fp8 weights; on CUDA the fp8 rows are"))),
     # The same full SD1.5 architecture, scaled to finish all rows in minutes on 2 cores:
     # 256x256 instead of 512x512 (latents 32x32 instead of 64x64), 2 steps instead of 50,
     # median of 3 timed runs after a 1-step warm-up. A long row timeout leaves torch.compile its chance.
@@ -66,7 +69,10 @@ PRESETS = {
     # second thread only adds noise.
     "tiny": Preset("tiny", "cpu", 64, 64, 2, 1, 1, 120, threads=1, emulated_bf16=True, skip=(
         ("torch_compile", "not run in preset tiny: inductor needs minutes on CPU; see presets cpu/gpu"),
-        ("torch_compile_freezing", "not run in preset tiny: inductor needs minutes on CPU; see preset cpu"))),
+        ("torch_compile_freezing", "not run in preset tiny: inductor needs minutes on CPU; see preset cpu"),
+        # torchao_fp8_dynamic runs: torchao refuses the CPU before anything is compiled.
+        *((row, "not run in preset tiny: its torch.compile needs minutes on CPU; see presets cpu/gpu")
+          for row in ("torchao_fp8_weight_only", "torchao_int8_weight_only", "torchao_int8_dynamic")))),
 }
 
 # row -> (half precision?, steps applied in order). Cumulative like the guide's table, with two
@@ -82,6 +88,15 @@ ROWS = {
     "sdpa_attention": (True, ("channels_last", "sdpa_attention")),
     "xformers": (True, ("channels_last", "xformers")),
     "pyext_fp8": (True, ("channels_last", "sdpa_attention", "pyext_fp8")),
+    # The peers of pyext_fp8 that diffusers' quantization guide names, on pyext_fp8's base: torchao's
+    # float8 configs, compiled as torchao documents (and its int8 configs, the CPU presets' peers of
+    # fp8 weights), optimum-quanto's qfloat8 weights, diffusers' own layerwise casting.
+    "torchao_fp8_weight_only": (True, ("channels_last", "sdpa_attention", "torchao_fp8_weight_only", "torchao_compile")),
+    "torchao_fp8_dynamic": (True, ("channels_last", "sdpa_attention", "torchao_fp8_dynamic", "torchao_compile")),
+    "torchao_int8_weight_only": (True, ("channels_last", "sdpa_attention", "torchao_int8_weight_only", "torchao_compile")),
+    "torchao_int8_dynamic": (True, ("channels_last", "sdpa_attention", "torchao_int8_dynamic", "torchao_compile")),
+    "quanto_fp8": (True, ("channels_last", "sdpa_attention", "quanto_fp8")),
+    "diffusers_layerwise_fp8": (True, ("channels_last", "sdpa_attention", "diffusers_layerwise_fp8")),
     "pyext_optimize": (False, ("pyext_optimize",)),
     "pyext_eager": (False, ("pyext_eager",)),
     "pyext_cudagraphs": (False, ("pyext_cudagraphs",)),
@@ -97,6 +112,17 @@ ROWS = {
 # the denoiser replays captured CUDA graphs), pyext_eager the same without them, pyext_cudagraphs
 # inductor's CUDA graphs instead.
 PYEXT_OPTIONS = {"pyext_optimize": {}, "pyext_eager": {"compile": "off"}, "pyext_cudagraphs": {"compile": "cudagraphs"}}
+
+# The torchao rows' configs: classes of torchao.quantization.
+TORCHAO_CONFIGS = {
+    "torchao_fp8_weight_only": "Float8WeightOnlyConfig",
+    "torchao_fp8_dynamic": "Float8DynamicActivationFloat8WeightConfig",
+    "torchao_int8_weight_only": "Int8WeightOnlyConfig",
+    "torchao_int8_dynamic": "Int8DynamicActivationInt8WeightConfig",
+}
+
+# Where the peers come from: `make bench` installs them from requirements-bench.txt; pyext needs none.
+PEER_PACKAGES = {**{row: "torchao" for row in TORCHAO_CONFIGS}, "quanto_fp8": "optimum.quanto"}
 
 # The guide's published Titan RTX figures (seconds), shown beside ours for reference.
 GUIDE_TITAN_RTX = {"original": 9.50, "fp16": 3.61, "channels_last": 3.30, "traced_unet": 3.21,
@@ -138,12 +164,23 @@ def unavailable(name: str, preset: Preset) -> str | None:
             return "xformers memory-efficient attention needs CUDA"
     if any("cudagraphs" in step for step in steps) and preset.device != "cuda":
         return "CUDA graphs need a CUDA device"
+    if name in PEER_PACKAGES and not _installed(PEER_PACKAGES[name]):
+        return f"{PEER_PACKAGES[name]} not installed (pip install -r requirements-bench.txt)"
     if "openvino" in steps:
         from bench.cpu_runtimes import unavailable as runtime_unavailable
         if preset.device != "cpu":
             return "the openvino row is for CPU presets"
         return runtime_unavailable("openvino")
     return None
+
+
+def _installed(module: str) -> bool:
+    import importlib.util
+
+    try:
+        return importlib.util.find_spec(module) is not None
+    except ModuleNotFoundError:  # a dotted name whose parent package is missing
+        return False
 
 
 # ---------------------------------------------------------------- row steps
@@ -217,6 +254,30 @@ def _apply_step(pipe, step, preset, notes: dict):
         report = pyext.quantize_fp8(pipe.unet)
         notes["pyext_fp8"] = (f"{len(report.converted)} UNet layers in fp8, their weights "
                               f"{report.bytes_before / 2**20:.1f} -> {report.bytes_after / 2**20:.1f} MiB")
+    elif step in TORCHAO_CONFIGS:
+        from torchao import quantization
+
+        cls = TORCHAO_CONFIGS[step]
+        # fp8 dynamic with row-wise scales (torchao's default is one per tensor): the setting of
+        # diffusers-torchao's published Flux figures
+        config = (getattr(quantization, cls)(granularity=quantization.PerRow()) if step == "torchao_fp8_dynamic"
+                  else getattr(quantization, cls)())
+        with _weights_note(pipe, notes, step, f"torchao {cls}"):
+            try:
+                quantization.quantize_(pipe.unet, config)
+            except AssertionError as e:  # torchao states what a config needs of the hardware as assertions
+                raise RowUnavailable(f"torchao refuses {cls} here: {e}")
+    elif step == "torchao_compile":  # torchao's and diffusers' documented line for a quantized denoiser
+        pipe.unet = torch.compile(pipe.unet, mode="max-autotune", fullgraph=True)
+    elif step == "quanto_fp8":
+        from optimum.quanto import freeze, qfloat8, quantize
+
+        with _weights_note(pipe, notes, step, "optimum-quanto qfloat8"):
+            quantize(pipe.unet, weights=qfloat8)
+            freeze(pipe.unet)
+    elif step == "diffusers_layerwise_fp8":  # stored in fp8, each layer cast up to the row's dtype to compute
+        with _weights_note(pipe, notes, step, "diffusers layerwise casting"):
+            pipe.unet.enable_layerwise_casting(storage_dtype=torch.float8_e4m3fn, compute_dtype=pipe.unet.dtype)
     elif step in PYEXT_OPTIONS:
         import pyext
 
@@ -242,6 +303,22 @@ def _apply_step(pipe, step, preset, notes: dict):
     else:
         raise ValueError(f"unknown step {step!r}")
     return pipe
+
+
+@contextlib.contextmanager
+def _weights_note(pipe, notes: dict, step: str, what: str):
+    """Notes what the quantization inside the block did to the UNet: its layers whose weight became
+    another type or dtype, and its weight bytes before and after."""
+    def kinds():
+        return {name: (type(m.weight), m.weight.dtype) for name, m in pipe.unet.named_modules()
+                if isinstance(getattr(m, "weight", None), torch.Tensor)}
+
+    before, bytes_before = kinds(), component_weight_bytes(pipe, ("unet",))["unet"]
+    yield
+    after = kinds()
+    changed = sum(after.get(name) != kind for name, kind in before.items())
+    notes[step] = (f"{what}: weights of {changed} UNet layers converted, UNet weights "
+                   f"{bytes_before / 2**20:.1f} -> {component_weight_bytes(pipe, ('unet',))['unet'] / 2**20:.1f} MiB")
 
 
 # ---------------------------------------------------------------- measuring one row

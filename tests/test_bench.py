@@ -14,7 +14,7 @@ pytestmark = pytest.mark.slow  # make test runs it; make test-fast leaves it out
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 # Rows that must produce a number on any machine (CPU included).
-ALWAYS_RUN = ("original", "fp16", "channels_last", "traced_unet", "sdpa_attention", "pyext_fp8")
+ALWAYS_RUN = ("original", "fp16", "channels_last", "traced_unet", "sdpa_attention", "pyext_fp8", "diffusers_layerwise_fp8")
 
 
 @pytest.fixture(scope="module")
@@ -48,6 +48,11 @@ def test_tiny_preset_reports_every_row(tiny_report):
     assert report["rows"]["original"]["psnr_db"] == float("inf")  # the reference against itself
     assert report["rows"]["fp16"]["dtype"] == "bfloat16"  # CPU runs bf16 for the half-precision rows
     assert report["rows"]["pyext_fp8"]["weight_bytes"] < report["rows"]["fp16"]["weight_bytes"]
+    peers = {name: report["rows"][name] for name in ("quanto_fp8", "diffusers_layerwise_fp8")}
+    for name, row in peers.items():  # the eager peers run where installed, their weights in fp8
+        assert "latency_s" in row or "not installed" in row["reason"], (name, row)
+        assert "latency_s" not in row or row["weight_bytes"] < report["rows"]["fp16"]["weight_bytes"], name
+    assert "torchao" in report["rows"]["torchao_fp8_dynamic"]["reason"]  # torchao refuses the CPU, or is missing
     assert report["weights"] == "random"
     assert report["unrelated_psnr_db"] < latency.MIN_PSNR_DB  # the threshold separates unrelated images
     assert {"torch", "diffusers", "pyext"} <= set(report["versions"])
@@ -112,6 +117,45 @@ def test_unavailable_rows_say_why():
     assert "tiny" in latency.unavailable("torch_compile", latency.PRESETS["tiny"])
     for row in ("pyext_cudagraphs", "torch_compile_cudagraphs"):
         assert "CUDA" in latency.unavailable(row, cpu) and latency.unavailable(row, latency.PRESETS["gpu"]) is None
+    for row in ("torchao_int8_weight_only", "torchao_int8_dynamic"):  # the CPU presets' peers only
+        assert "CPU" in latency.unavailable(row, latency.PRESETS["gpu"])
+
+
+def test_peer_rows_name_the_package_they_miss(monkeypatch):
+    monkeypatch.setattr(latency, "_installed", lambda module: False)
+    cpu = latency.PRESETS["cpu"]
+    for row, package in latency.PEER_PACKAGES.items():
+        assert latency.unavailable(row, cpu) == f"{package} not installed (pip install -r requirements-bench.txt)"
+    assert latency.unavailable("diffusers_layerwise_fp8", cpu) is None  # diffusers' own: nothing to install
+
+
+def test_torchao_rows_quantize_the_unet_or_say_why_before_compiling():
+    """Each torchao row's quantization on the tiny UNet, on CPU: the fp8 dynamic config is refused with
+    torchao's own reason; the others convert the UNet's linears, shrink its weights and keep its output."""
+    pytest.importorskip("torchao")
+    import pyext.offline
+
+    preset = latency.PRESETS["cpu"]
+    pipe = pyext.offline.build_pipeline("sd15", "tiny", dtype=torch.bfloat16)
+    inputs = (torch.randn(2, 4, 8, 8, dtype=torch.bfloat16), torch.tensor(10),
+              torch.randn(2, 77, pipe.unet.config.cross_attention_dim, dtype=torch.bfloat16))
+    with torch.no_grad():
+        expected = pipe.unet(*inputs).sample
+    with pytest.raises(latency.RowUnavailable, match="torchao refuses .* requires CUDA compute capability"):
+        latency._apply_step(pipe, "torchao_fp8_dynamic", preset, {})
+    for row in ("torchao_fp8_weight_only", "torchao_int8_weight_only", "torchao_int8_dynamic"):
+        unet = pipe.unet
+        pipe.unet = pyext.offline.build_pipeline("sd15", "tiny", dtype=torch.bfloat16).unet
+        before, notes = latency.component_weight_bytes(pipe, ("unet",))["unet"], {}
+        latency._apply_step(pipe, row, preset, notes)
+        assert latency.ROWS[row][1][-2:] == (row, "torchao_compile")
+        assert latency.component_weight_bytes(pipe, ("unet",))["unet"] < before, row  # linears only: convs stay bf16
+        assert "weights of" in notes[row] and "MiB" in notes[row]
+        with torch.no_grad():
+            out = pipe.unet(*inputs).sample
+        psnr = 10 * torch.log10(expected.float().pow(2).mean() / (out - expected).float().pow(2).mean())
+        assert psnr > 20, (row, psnr)
+        pipe.unet = unet
 
 
 # Bytes per output channel beyond the one-byte codes: (scales and zero points, module buffers).
