@@ -46,7 +46,7 @@ def optimize(pipe, options: OptimizeOptions | None = None, **changes):
     be undone exactly (a dtype cast or fp8 storage without keep_original_weights). Those the new
     options must ask for alike, else a PyextError says so before anything changes."""
     check_pipeline(pipe)
-    opts = (options or OptimizeOptions()).replace(**changes)  # a new object: the caller's is never changed
+    opts = _options("pyext.optimize", options, changes)
     state = _state.get(pipe, STATE)
     again = state is not None
     if not again:
@@ -77,6 +77,14 @@ def optimize(pipe, options: OptimizeOptions | None = None, **changes):
     return pipe
 
 
+def _options(where: str, options, changes: dict) -> OptimizeOptions:
+    """`options` with `changes` applied, a new object: the caller's is never changed."""
+    if options is not None and not isinstance(options, OptimizeOptions):
+        raise PyextError(f"{where}: options={options!r} is not an OptimizeOptions; pass pyext.OptimizeOptions(...) "
+                         f"or None, or each option as a keyword ({where}(pipe, fp8=\"denoiser\", ...))")
+    return (options or OptimizeOptions()).replace(**changes)
+
+
 @dataclass(frozen=True)
 class OptimizePlan:
     """What `optimize` would do with these options: the decision (every "auto" resolved, the
@@ -97,7 +105,7 @@ def plan(pipe, options: OptimizeOptions | None = None, **changes) -> OptimizePla
     find nothing to change: the report then says why); "skip" gives the reason. The same
     PyextErrors as optimize's are raised for options the pipeline cannot take."""
     check_pipeline(pipe)
-    opts = (options or OptimizeOptions()).replace(**changes)
+    opts = _options("pyext.plan", options, changes)
     state = _state.get(pipe, STATE)
     decision = decide(pipe, opts) if state is None else _check_again(state, decide(pipe, opts, state.decision.device))
     steps = tuple(step for technique in TECHNIQUES for step in technique.plan(pipe, decision))

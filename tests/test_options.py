@@ -1,5 +1,7 @@
 """Typed options: every bad value is refused with a PyextError naming the option, the value and
 what is allowed, before anything changes; the caller's options object is never mutated."""
+import re
+
 import pytest
 import torch
 import torch.nn as nn
@@ -56,6 +58,16 @@ def test_optimize_refuses_before_changing_anything(pipe, option, value):
     assert pipe.unet.attn_processors == processors
     assert not any(m._forward_pre_hooks for m in pipe.unet.modules())
     assert pyext.report(pipe).plan == "not optimized by pyext"
+
+
+@pytest.mark.parametrize("call", [pyext.optimize, pyext.plan])
+def test_options_that_are_not_an_options_object_are_refused(pipe, call):
+    before = state(pipe)
+    for options in ("fast", {"fp8": "denoiser"}):
+        message = rf"pyext\.{call.__name__}: options={re.escape(repr(options))} is not an OptimizeOptions.*keyword"
+        with pytest.raises(PyextError, match=message):
+            call(pipe, options)
+    assert same(before, state(pipe))
 
 
 def test_unavailable_backend_is_refused_before_changes(pipe):
