@@ -40,6 +40,13 @@ def _shards(path: str) -> list[str]:
 def save_pretrained(model: nn.Module, path: str, max_shard_size: str | int = "5GB", **kwargs) -> list[str]:
     """model.save_pretrained(path, max_shard_size=...) plus the manifest (fp8 layers and the
     checksum of every saved tensor); returns the fp8 layers' names."""
+    from diffusers import ModelMixin
+
+    if not isinstance(model, ModelMixin):  # from_pretrained rebuilds the model from its config: diffusers' API
+        raise PyextError(f"pyext.checkpoint.save_pretrained: model is a {type(model).__module__}."
+                         f"{type(model).__qualname__}, not a diffusers model (a diffusers.ModelMixin, such as a "
+                         "pipeline's unet or transformer); nothing was written. Save another module's weights with "
+                         "torch.save(model.state_dict())")
     # The class's method: the one pyext puts on converted instances writes dequantized weights.
     type(model).save_pretrained(model, path, max_shard_size=max_shard_size, safe_serialization=True, **kwargs)
     layers = {name: {"per_channel": m.per_channel, "compute_dtype": str(m.compute_dtype).removeprefix("torch.")}

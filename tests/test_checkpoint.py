@@ -170,3 +170,11 @@ def test_a_model_converted_by_quantize_fp8_saves_its_codes(tmp_path, monkeypatch
     assert saved["down.weight"].dtype == torch.uint8 and "down.weight_scale" in saved
     loaded = checkpoint.from_pretrained(Tiny, str(tmp_path))
     assert torch.equal(loaded.down.weight, model.down.weight)
+
+
+def test_a_module_that_is_not_a_diffusers_model_is_refused_before_writing(tmp_path):
+    model = nn.Sequential(FP8Linear.from_linear(nn.Linear(64, 64)))
+    with pytest.raises(PyextError, match=r"save_pretrained: model is a torch\.nn\.modules\.container\.Sequential, "
+                                         r"not a diffusers model.*ModelMixin.*nothing was written"):
+        checkpoint.save_pretrained(model, str(tmp_path / "out"))
+    assert not (tmp_path / "out").exists()
