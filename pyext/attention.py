@@ -60,6 +60,7 @@ from torch.overrides import TorchFunctionMode
 
 from pyext import _compat, _state, dispatch, ops, parallel, ring
 from pyext.dispatch import PyextError
+from pyext.reference.attention import attention_reference
 
 _SDPA = _compat.SDPA  # what F.scaled_dot_product_attention is
 STATE = "attention"  # pyext._state key of the _Layer on each patched attention module
@@ -249,7 +250,7 @@ class _Layer:
             return _pyext_attention(q, k, v, scale=scale, backend=self.backend, attn_mask=mask, return_lse=True)
 
         def reference(q, k, v, mask):
-            return ops.attention_reference(q, k, v, scale=scale, attn_mask=mask, return_lse=True)
+            return attention_reference(q, k, v, scale=scale, attn_mask=mask, return_lse=True)
 
         ring.check_split(q, k, attn_mask, ring_group, ulysses_group, whole)  # an error, not a fallback
         try:

@@ -32,8 +32,7 @@ from pyext._ext import cpu_capabilities, has_kernel
 from pyext.dispatch import PyextError
 from pyext.ops import (FP8, attention, fp8_conv2d, fp8_linear, fp8_linear_dynamic, fp8_quantize, fp8_upcast,
                        tile_blend_diffusers, tile_blend_normalized)
-from pyext.ops.fp8 import decode_codes
-from pyext.ops.fp8_dynamic import quantize_rows
+from pyext.reference.fp8 import decode_codes, quantize_rows
 
 DTYPES = {"bfloat16": torch.bfloat16, "float16": torch.float16, "float32": torch.float32}
 # Output tolerance relative to the magnitudes that feed an element (rounding of the output and

@@ -18,7 +18,7 @@ import torch
 from pyext._ext import EXT, has_kernel
 from pyext.dispatch import PyextError, select
 from pyext.ops import attention
-from pyext.ops.attention import attention_reference
+from pyext.reference.attention import attention_reference
 
 needs_kernel = pytest.mark.skipif(not has_kernel("attention"), reason="pyext._C has no attention kernel (not built)")
 DTYPES = [torch.bfloat16, torch.float16, torch.float32]

@@ -89,7 +89,7 @@ def test_launch_configs_are_judged_against_a_float64_slice_reference():
     import torch
 
     from pyext.kernels.attention import _slice_problem
-    from pyext.ops.attention import attention_reference, mask_as_bias
+    from pyext.reference.attention import attention_reference, mask_as_bias
 
     torch.manual_seed(0)
     for dtype in (torch.bfloat16, torch.float32):

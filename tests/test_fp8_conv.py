@@ -8,8 +8,8 @@ from pyext import PyextError
 from pyext._ext import EXT, cpu_capabilities
 from pyext.nn import quantize_fp8
 from pyext.ops import fp8_conv2d, fp8_quantize
-from pyext.ops.fp8 import fp8_upcast_reference
-from pyext.ops.fp8_conv import _cpp_reasons, fp8_conv2d_reference
+from pyext.ops.fp8_conv import _cpp_reasons
+from pyext.reference.fp8 import fp8_conv2d_reference, fp8_upcast_reference
 
 CL = torch.channels_last
 needs_fused = pytest.mark.skipif(EXT is None or "avx512_bf16" not in cpu_capabilities(),

@@ -13,7 +13,7 @@ from pyext.dispatch import PyextError
 from pyext.nn.fp8 import _GEMM_CHOICE, FP8Linear
 from pyext.offline import build_pipeline
 from pyext.ops import fp8_linear, fp8_linear_dynamic, fp8_quantize
-from pyext.ops.fp8_dynamic import quantize_rows
+from pyext.reference.fp8 import quantize_rows
 from tests.conftest import run_in_triton_interpreter
 
 
@@ -69,7 +69,7 @@ TRITON_QUANTIZE = """
 import json, torch
 from pyext.kernels.fp8_quantize_rows import quantize_rows_triton, same_quantization
 from pyext.ops import fp8_linear_dynamic, fp8_quantize
-from pyext.ops.fp8_dynamic import quantize_rows
+from pyext.reference.fp8 import quantize_rows
 torch.manual_seed(0)
 cases, differ = 0, []
 def compare(x, what):

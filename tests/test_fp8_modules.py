@@ -8,7 +8,7 @@ import torch.nn.functional as F
 
 import pyext
 from pyext.nn import FP8Conv2d, FP8Linear, quantize_fp8, restore_fp8
-from pyext.ops.fp8 import fp8_upcast_reference
+from pyext.reference.fp8 import fp8_upcast_reference
 
 
 def test_linear_layer_keeps_interface_and_matches_dequantized():

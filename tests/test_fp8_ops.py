@@ -8,7 +8,8 @@ import torch.nn.functional as F
 
 from pyext import PyextError, dispatch
 from pyext.ops import fp8_linear, fp8_quantize, fp8_upcast
-from pyext.ops.fp8 import FP8, call_linear, fp8_linear_reference, fp8_upcast_reference, scales_fuse_exactly
+from pyext.ops.fp8 import FP8, call_linear, scales_fuse_exactly
+from pyext.reference.fp8 import fp8_linear_reference, fp8_upcast_reference
 from pyext._ext import EXT, cuda_kernel_missing
 from torch.overrides import TorchFunctionMode
 from tests.conftest import needs_ext, run_in_triton_interpreter
@@ -546,7 +547,7 @@ def test_triton_linear_means_upcast_then_gemm_for_any_scale():
     result = run_in_triton_interpreter("""
 import json, torch
 from pyext.ops import fp8_linear, fp8_quantize
-from pyext.ops.fp8 import fp8_linear_reference
+from pyext.reference.fp8 import fp8_linear_reference
 torch.manual_seed(0)
 w, s = fp8_quantize(torch.randn(32, 32))
 x = torch.randn(4, 32, dtype=torch.float16)

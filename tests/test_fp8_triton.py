@@ -13,7 +13,7 @@ from tests.conftest import run_in_triton_interpreter
 SCRIPT = textwrap.dedent("""
     import json, torch
     from pyext.ops import fp8_linear, fp8_quantize
-    from pyext.ops.fp8 import fp8_upcast_reference
+    from pyext.reference.fp8 import fp8_upcast_reference
     import torch.nn.functional as F
     torch.manual_seed(0)
     out = []
@@ -33,7 +33,7 @@ SCRIPT = textwrap.dedent("""
     # Scales whose products leave fp16's range or underflow it: the kernel scales each decoded
     # weight before rounding it, as the upcast does, so it agrees with the reference there too.
     from pyext.kernels.fp8_linear import fp8_linear_triton
-    from pyext.ops.fp8 import fp8_linear_reference
+    from pyext.reference.fp8 import fp8_linear_reference
     special = []
     for scale in (200.0, 3e-7, 1e-30):
         x = torch.randn(4, 32, dtype=torch.float16)

@@ -258,7 +258,7 @@ def _slice_problem(out, q, k, v, scale, bias) -> str | None:
     whatever the user's matmul settings): each launch config is judged on its own, since a
     compiler can miscompile some, the default among them."""
     from pyext.kernels import relative_close
-    from pyext.ops.attention import attention_reference
+    from pyext.reference.attention import attention_reference
 
     rows = min(q.shape[2], 128)
     ref = attention_reference(q[:1, :1, :rows].double(), k[:1, :1].double(), v[:1, :1].double(), scale,

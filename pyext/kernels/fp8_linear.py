@@ -116,7 +116,7 @@ def _slice_problem(out, x2, w, scale, bias) -> str | None:
     """None when out's first rows match the reference there: each launch config is judged on its
     own, since a compiler can miscompile some, the default among them."""
     from pyext.kernels import relative_close
-    from pyext.ops.fp8 import fp8_linear_reference
+    from pyext.reference.fp8 import fp8_linear_reference
 
     rows = min(x2.shape[0], 64)
     return relative_close(out[:rows], fp8_linear_reference(x2[:rows], w, scale, bias))

@@ -1,7 +1,7 @@
 """Triton row quantization to e4m3 for the dynamic fp8 linear: one launch, one program per row.
 
 Each program reads its row twice (its amax, then its codes) and writes one byte per value and
-one fp32 scale, where PyTorch's ops (pyext.ops.fp8_dynamic.quantize_rows) make four passes over
+one fp32 scale, where PyTorch's ops (pyext.reference.fp8.quantize_rows) make four passes over
 x and write an fp32 copy of it. The results are quantize_rows' bit for bit: the scale is the
 amax times the fp32 reciprocal of 448, the quotients are divided with IEEE rounding (`div_rn`;
 Triton's `/` is approximate on a GPU) and rounded to e4m3 in integer arithmetic, nearest even,
@@ -119,7 +119,7 @@ def same_quantization(a: tuple[torch.Tensor, torch.Tensor], b: tuple[torch.Tenso
 
 def _problem(out, x2d) -> str | None:
     """None when a config's codes and scales of the first rows are quantize_rows' own."""
-    from pyext.ops.fp8_dynamic import quantize_rows
+    from pyext.reference.fp8 import quantize_rows
 
     rows = min(x2d.shape[0], 64)
     same = same_quantization((out[0][:rows], out[1][:rows]), quantize_rows(x2d[:rows]))

@@ -4,8 +4,8 @@ Self- and cross-attention (k/v length may differ from q length), fp16 / bf16 / f
 an optional mask (boolean: True takes part, as SDPA's; or an additive float bias), grouped
 query heads (k/v with fewer heads, as SDPA's enable_gqa) and each row's log-sum-exp. With a
 mask, a row whose scores are all -inf gives 0 (as SDPA does) and log-sum-exp -inf. The reference
-computes in fp32 and is the test oracle; the fast backends never materialise the
-(seq_q, seq_kv) score matrix.
+(pyext.reference.attention) computes in fp32 and is the test oracle; the fast backends never
+materialise the (seq_q, seq_kv) score matrix.
 """
 from __future__ import annotations
 
@@ -23,6 +23,7 @@ from pyext.dispatch import Backend, PyextError
 from pyext.kernels import interpreter_advisory, triton_devices, triton_unavailable
 from pyext.ops._library import define, like_strides
 from pyext.ops._triton import TRITON_NOTES, triton_dtypes
+from pyext.reference.attention import attention_reference, mask_as_bias
 
 DTYPES = (torch.bfloat16, torch.float16, torch.float32)
 # (batch, heads, q length, kv length, head_dim[, k/v heads, mask, log-sum-exp]) the op tests run
@@ -79,41 +80,6 @@ def _check_mask(q, k, mask) -> None:
     if mask.dim() > 4 or any(m not in (1, n) for m, n in zip(reversed(mask.shape), reversed(full))):
         _fail(f"attn_mask of shape {tuple(mask.shape)} does not broadcast to (batch, heads, q length, kv length) "
               f"= {full}")
-
-
-def mask_as_bias(mask: torch.Tensor) -> torch.Tensor:
-    """A mask as the additive float32 bias the kernels take, 4-D, still broadcastable: a boolean
-    mask's False is -inf. Dims an expanded mask broadcasts over (stride 0) shrink to size 1 first,
-    so only the mask's own values are converted."""
-    for dim in range(mask.dim()):
-        if mask.stride(dim) == 0 and mask.shape[dim] > 1:
-            mask = mask.narrow(dim, 0, 1)
-    if mask.dtype == torch.bool:
-        bias = torch.zeros(mask.shape, dtype=torch.float32, device=mask.device).masked_fill_(~mask, -math.inf)
-    else:
-        bias = mask.float()
-    return bias.reshape((1,) * (4 - bias.dim()) + tuple(bias.shape))
-
-
-def _grouped(k: torch.Tensor, heads: int) -> torch.Tensor:
-    """k or v with each head repeated for its group of query heads (SDPA's enable_gqa)."""
-    return k if k.shape[1] == heads else k.repeat_interleave(heads // k.shape[1], dim=1)
-
-
-def attention_reference(q, k, v, scale: Optional[float] = None, attn_mask=None, return_lse: bool = False):
-    """Naive attention in fp32, or float64 for float64 inputs (materialises the scores): the
-    oracle, not a fast path. Returns the output, or (output, log-sum-exp) with return_lse."""
-    scale = q.shape[-1] ** -0.5 if scale is None else scale
-    ct = torch.promote_types(q.dtype, torch.float32)
-    s = torch.matmul(q.to(ct), _grouped(k, q.shape[1]).to(ct).transpose(-1, -2)) * scale
-    if attn_mask is not None:
-        s = s + mask_as_bias(attn_mask)
-    lse = torch.logsumexp(s, dim=-1)
-    p = torch.exp(s - lse[..., None])
-    if attn_mask is not None:  # every key masked: 0 (without a mask, all -inf is fp32 overflow: NaN)
-        p.masked_fill_(torch.isneginf(lse)[..., None], 0.0)
-    out = torch.matmul(p, _grouped(v, q.shape[1]).to(ct)).to(q.dtype)
-    return (out, lse) if return_lse else out
 
 
 def _scale(q, scale) -> float:

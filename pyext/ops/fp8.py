@@ -2,8 +2,8 @@
 
 Public functions validate their inputs (clear errors naming the op) and call the
 `torch.ops.pyext.*` custom ops, which pick a backend through `pyext.dispatch`.
-The reference backend is the semantics every other backend must match bit for
-bit (upcast) or to the compute dtype's rounding (linear: upcast, then GEMM).
+The reference backend (pyext.reference.fp8) is the semantics every other backend must match
+bit for bit (upcast) or to the compute dtype's rounding (linear: upcast, then GEMM).
 """
 from __future__ import annotations
 
@@ -20,9 +20,8 @@ from pyext.ops._alias import apart_from
 from pyext.ops._library import define
 from pyext.kernels import interpreter_advisory, triton_devices, triton_unavailable
 from pyext.ops._triton import TRITON_NOTES, triton_dtypes
+from pyext.reference.fp8 import FP8, FP8_MAX, fp8_linear_reference, fp8_upcast_reference
 
-FP8 = torch.float8_e4m3fn
-FP8_MAX = 448.0
 FP8_MIN_SUBNORMAL = 2.0 ** -9  # the smallest nonzero e4m3 magnitude
 COMPUTE_DTYPES = (torch.bfloat16, torch.float16, torch.float32)
 
@@ -147,53 +146,6 @@ def scales_fuse_exactly(scale: torch.Tensor, dtype: torch.dtype) -> bool:
     for NaN/inf scales. Reads the scales (a sync on a GPU)."""
     s, info = scale.abs(), torch.finfo(dtype)
     return bool(((s * FP8_MAX <= info.max) & ((s == 0) | (s * FP8_MIN_SUBNORMAL >= info.tiny))).all())
-
-
-# ----------------------------------------------------------------------------- reference
-
-def _round_fp32_to(f: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
-    """IEEE round-to-nearest-even narrowing that keeps NaN sign/payload bits on every device.
-
-    PyTorch's own fp32 -> bf16 NaN bits differ between its scalar and vector paths
-    (0x7fc0 vs 0xffff), so the reference spells the rounding out in integer ops.
-    """
-    if dtype == torch.float32:
-        return f
-    bits = f.view(torch.int32)
-    nan = torch.isnan(f)
-    if dtype == torch.bfloat16:
-        rounded = (bits + 0x7FFF + ((bits >> 16) & 1)) >> 16
-        return torch.where(nan, bits >> 16, rounded).to(torch.int16).view(torch.bfloat16)
-    nan_bits = ((bits >> 16) & 0x8000) | 0x7E00 | ((bits >> 13) & 0x3FF)
-    return torch.where(nan, nan_bits.to(torch.int16), f.to(torch.float16).view(torch.int16)).view(torch.float16)
-
-
-def _decode_table() -> torch.Tensor:
-    """fp32 value of every e4m3 code, from PyTorch's own cast; NaN codes -> 0x7ff00000 with their sign."""
-    table = torch.arange(256, dtype=torch.uint8).view(FP8).float()
-    table[0x7F] = torch.tensor(0x7FF00000, dtype=torch.int32).view(torch.float32)
-    table[0xFF] = torch.tensor(-(2**31) | 0x7FF00000, dtype=torch.int32).view(torch.float32)
-    return table
-
-
-_DECODE = _decode_table()
-
-
-def decode_codes(codes: torch.Tensor) -> torch.Tensor:
-    """fp32 values of a uint8 tensor of e4m3 codes (a table lookup: works on any device)."""
-    return _DECODE.to(codes.device)[codes.long()]
-
-
-def fp8_upcast_reference(w: torch.Tensor, scale: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
-    """The semantics of fp8_upcast: round(fp32(w) * scale) to dtype. `w` is fp8 or its uint8 codes.
-    A NaN code keeps its own NaN whatever the scale (NaN * NaN could return either operand)."""
-    decoded = decode_codes(w.view(torch.uint8))
-    f = torch.where(decoded.isnan(), decoded, decoded * scale.reshape(-1, *[1] * (w.dim() - 1)))
-    return _round_fp32_to(f, dtype)
-
-
-def fp8_linear_reference(x, w, scale, bias=None):
-    return F.linear(x, fp8_upcast_reference(w, scale, x.dtype), bias)
 
 
 # ----------------------------------------------------------------------------- backends

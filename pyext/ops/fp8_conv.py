@@ -11,15 +11,14 @@ from __future__ import annotations
 from typing import Optional
 
 import torch
-import torch.nn.functional as F
 
 from pyext import dispatch
 from pyext._ext import cpu_capabilities, kernel_missing
 from pyext.dispatch import Backend
 from pyext.ops._library import define
 from pyext.ops.fp8 import (COMPUTE_DTYPES, LINEAR_TOLERANCE, _check_dtype, _fail, check_codes, check_public,
-                           example_weight, fp8_upcast_reference, relative_close, sample_codes, sample_scale,
-                           scales_fuse_exactly)
+                           example_weight, relative_close, sample_codes, sample_scale, scales_fuse_exactly)
+from pyext.reference.fp8 import fp8_conv2d_reference
 
 
 def _pair(v) -> list[int]:
@@ -45,10 +44,6 @@ def _is_channels_last(t: torch.Tensor) -> bool:
 def _out_format(x: torch.Tensor, w: torch.Tensor):
     """The output's memory format: channels-last when x or the weight is (torch's conv rule)."""
     return torch.channels_last if _is_channels_last(x) or _is_channels_last(w) else torch.contiguous_format
-
-
-def fp8_conv2d_reference(x, w, scale, bias=None, stride=1, padding=0, dilation=1, groups=1):
-    return F.conv2d(x, fp8_upcast_reference(w, scale, x.dtype), bias, stride, padding, dilation, groups)
 
 
 def _cpp_unavailable() -> Optional[str]:

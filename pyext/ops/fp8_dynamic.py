@@ -28,12 +28,11 @@ from pyext import dispatch
 from pyext.dispatch import Backend
 from pyext.kernels import interpreter_advisory, triton_devices, triton_unavailable
 from pyext.ops._library import define
-from pyext.ops.fp8 import (FP8, FP8_MAX, LINEAR_TOLERANCE, _fail, call_linear, check_linear, check_public,
-                           decode_codes, example_linear, relative_close, sample_codes, sample_scale)
+from pyext.ops.fp8 import (LINEAR_TOLERANCE, _fail, call_linear, check_linear, check_public, example_linear,
+                           relative_close, sample_codes, sample_scale)
+from pyext.reference.fp8 import FP8, fp8_linear_dynamic_reference, quantize_rows
 
 OP = "fp8_linear_dynamic"
-TINY = torch.finfo(torch.float32).tiny
-INV_FP8_MAX = 1.0 / FP8_MAX  # rounded to fp32 where it multiplies an fp32 tensor, on every device
 ALIGN = 16  # cuBLASLt's fp8 GEMM takes in- and out-features in multiples of 16
 
 
@@ -44,36 +43,11 @@ def check_dynamic(x, w, scale, bias) -> None:
         _fail(OP, f"x has 0 input features (x {tuple(x.shape)}); each row needs at least one value to scale by")
 
 
-def quantize_rows(x2d: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """(e4m3 codes of x2d / sx, sx as an (M, 1) float32 column): each row scaled to its own amax."""
-    # No fp32 copy of x before the division (type promotion makes the quotient fp32), and the
-    # clamp in place: on a GPU, quantizing is memory traffic, so fewer passes over x matter.
-    sx = torch.linalg.vector_norm(x2d, float("inf"), dim=-1, keepdim=True, dtype=torch.float32)
-    # Times the fp32 reciprocal, not divided by 448: PyTorch's GPU division by a number multiplies
-    # by its reciprocal, its CPU division does not; a product is the same on every device.
-    sx = sx.mul_(INV_FP8_MAX).clamp_min_(TINY)  # NaN stays NaN
-    return torch.div(x2d, sx).clamp_(-FP8_MAX, FP8_MAX).to(FP8), sx
-
-
-def _rows(x: torch.Tensor) -> torch.Tensor:
-    return x.reshape(-1, x.shape[-1])
-
-
-def fp8_linear_dynamic_reference(x, w, scale, bias=None):
-    """The semantics, in fp32 on any device: decoded codes, fp32 products and sums, then the scales."""
-    xq, sx = quantize_rows(_rows(x))
-    acc = xq.float() @ decode_codes(w).t()
-    y = acc * sx * scale.reshape(1, -1)
-    if bias is not None:
-        y = y + bias.float()
-    return y.to(x.dtype).reshape(*x.shape[:-1], w.shape[0])
-
-
 def _scaled_mm(x, w, scale, bias, quantize=quantize_rows):
     n = w.shape[0]
     if x.numel() == 0:  # no rows: nothing for the GEMM to do
         return x.new_empty((*x.shape[:-1], n))
-    xq, sx = quantize(_rows(x).contiguous())
+    xq, sx = quantize(x.reshape(-1, x.shape[-1]).contiguous())
     sw = scale.reshape(1, -1).expand(1, n).contiguous()  # row-wise scaling takes one scale per column
     y = torch._scaled_mm(xq, w.view(FP8).t(), scale_a=sx, scale_b=sw, bias=bias, out_dtype=x.dtype)
     return y.reshape(*x.shape[:-1], n)
