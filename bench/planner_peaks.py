@@ -66,8 +66,9 @@ def profile_peaks(fn, modules: dict) -> tuple[int, dict[str, int]]:
     return max((t for _, t in live), default=0), per
 
 
-def measure(arch: str, scale: int = 4) -> dict:
-    """The planner's estimate and the measured peak of one tiny pipeline, 2 steps on the CPU."""
+def measure(arch: str, scale: int = 4, dtype="auto") -> dict:
+    """The planner's estimate and the measured peak of one tiny pipeline, 2 steps on the CPU, in
+    `dtype` (optimize's option: "auto" is bf16 on a CPU that computes it natively, else fp32)."""
     import pyext
     from pyext import offline, planner
 
@@ -75,10 +76,11 @@ def measure(arch: str, scale: int = 4) -> dict:
     size = {k: v * scale for k, v in call.items() if k in ("height", "width")}
     geometry = dict(size, frames=call.get("num_frames"))
     pipe = offline.build_pipeline(arch, "tiny")
-    decision = pyext.plan(pipe, **geometry).decision
-    elem = torch.tensor([], dtype=decision.dtype or torch.float32).element_size()
-    sizes = planner.component_sizes(decision.components, decision.geometry, elem, host=True)
-    pyext.optimize(pipe, **geometry)
+    decision = pyext.plan(pipe, dtype=dtype, **geometry).decision
+    compute = decision.dtype or torch.float32
+    elem = torch.tensor([], dtype=compute).element_size()
+    sizes = planner.component_sizes(decision.components, decision.geometry, elem, host=compute)
+    pyext.optimize(pipe, dtype=dtype, **geometry)
     modules = {name: (getattr(m, "decoder", None) or m) if decision.components.roles[name] == "vae" else m
                for name, m in decision.components.modules.items()}
     weights = sum(c.weight_bytes for c in sizes)
@@ -86,8 +88,9 @@ def measure(arch: str, scale: int = 4) -> dict:
         peak, per = profile_peaks(lambda: offline.run_example(pipe, arch, steps=2, **size, **CALL.get(arch, {})),
                                   modules)
     estimate = decision.plan.peak_bytes
-    return {"arch": arch, "geometry": {"height": decision.geometry.height, "width": decision.geometry.width,
-                                       "frames": decision.geometry.frames},
+    return {"arch": arch, "dtype": str(compute).removeprefix("torch."),
+            "geometry": {"height": decision.geometry.height, "width": decision.geometry.width,
+                         "frames": decision.geometry.frames},
             "plan": decision.plan.name, "estimate_bytes": estimate, "measured_bytes": weights + peak,
             "weight_bytes": weights, "ratio": estimate / (weights + peak),
             "components": {c.name: {"role": c.role, "class": type(decision.components.modules[c.name]).__name__,
@@ -95,35 +98,39 @@ def measure(arch: str, scale: int = 4) -> dict:
                            for c in sizes}}
 
 
-def measure_tiled_vae(arch: str = "sd15", side: int = 1024) -> dict:
+def measure_tiled_vae(arch: str = "sd15", side: int = 1024, dtype="auto") -> dict:
     """The decode alone, untiled and with pyext's exact tiling on the CPU (which keeps each
-    stage's whole-image state in host memory), against the planner's two estimates."""
+    stage's whole-image state in host memory), in `dtype` (optimize's option), against the
+    planner's two estimates."""
     import pyext
     from pyext import offline, planner
 
     row = {"arch": arch, "side": side}
     for tiling in ("off", "on"):
         pipe = offline.build_pipeline(arch, "tiny")
-        decision = pyext.plan(pipe, height=side, width=side, vae_tiling=tiling).decision
-        vae = next(c for c in planner.component_sizes(decision.components, decision.geometry, 4, host=True)
+        decision = pyext.plan(pipe, height=side, width=side, vae_tiling=tiling, dtype=dtype).decision
+        compute = decision.dtype or torch.float32
+        elem = torch.tensor([], dtype=compute).element_size()
+        vae = next(c for c in planner.component_sizes(decision.components, decision.geometry, elem, host=compute)
                    if c.role == "vae")
-        pyext.optimize(pipe, height=side, width=side, vae_tiling=tiling)
-        latent = torch.randn(1, pipe.vae.config.latent_channels, side // 8, side // 8)
+        pyext.optimize(pipe, height=side, width=side, vae_tiling=tiling, dtype=dtype)
+        latent = torch.randn(1, pipe.vae.config.latent_channels, side // 8, side // 8).to(pipe.vae.dtype)
         with torch.no_grad():
             peak, _ = profile_peaks(lambda: pipe.vae.decode(latent), {})
         estimate = vae.tiled_activation_bytes if tiling == "on" else vae.activation_bytes
+        row["dtype"] = str(compute).removeprefix("torch.")
         row[f"tiling_{tiling}"] = {"estimate_bytes": estimate, "measured_bytes": peak, "ratio": estimate / peak}
     return row
 
 
 def render(rows: list[dict]) -> str:
     mib = 2**20
-    lines = ["| family | geometry | estimated peak | measured peak | estimate / measured | largest activation "
-             "(estimated / measured) |", "|---|---|---:|---:|---:|---|"]
+    lines = ["| family | dtype | geometry | estimated peak | measured peak | estimate / measured | largest activation "
+             "(estimated / measured) |", "|---|---|---|---:|---:|---:|---|"]
     for r in rows:
         g = r["geometry"]
         comp = max(r["components"].items(), key=lambda kv: kv[1]["measured_bytes"])
-        lines.append(f"| {r['arch']} | {g['width']}x{g['height']}" + (f"x{g['frames']}" if g["frames"] > 1 else "")
+        lines.append(f"| {r['arch']} | {r['dtype']} | {g['width']}x{g['height']}" + (f"x{g['frames']}" if g["frames"] > 1 else "")
                      + f" | {r['estimate_bytes'] / mib:.1f} MiB | {r['measured_bytes'] / mib:.1f} MiB | "
                      f"{r['ratio']:.2f} | {comp[0]} ({comp[1]['class']}): {comp[1]['estimate_bytes'] / mib:.1f} / "
                      f"{comp[1]['measured_bytes'] / mib:.1f} MiB |")
@@ -132,7 +139,7 @@ def render(rows: list[dict]) -> str:
 
 def render_tiled(row: dict) -> str:
     mib = 2**20
-    lines = [f"VAE decode alone ({row['arch']}, {row['side']}x{row['side']}, CPU):", "",
+    lines = [f"VAE decode alone ({row['arch']}, {row['side']}x{row['side']}, {row['dtype']}, CPU):", "",
              "| tiling | estimated peak | measured peak | estimate / measured |", "|---|---:|---:|---:|"]
     for mode in ("off", "on"):
         r = row[f"tiling_{mode}"]
@@ -142,24 +149,26 @@ def render_tiled(row: dict) -> str:
 
 
 def render_result(result: dict) -> str:
-    return f"{render(result['rows'])}\n\n{render_tiled(result['tiled_vae'])}"
+    return "\n\n".join([render(result["rows"])] + [render_tiled(row) for row in result["tiled_vae"]])
 
 
 def main(argv=None):
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--archs", default=",".join(ARCHS))
     p.add_argument("--scale", type=int, default=4, help="geometry: this many times the example's height and width")
+    p.add_argument("--dtypes", default="float32,bfloat16", help="optimize's dtype option, each in turn")
     p.add_argument("--out", help="write the results (JSON, with machine, commit and versions) here")
     args = p.parse_args(argv)
     warnings.filterwarnings("ignore")
     from bench.latency import save_results
 
-    rows = []
-    for arch in args.archs.split(","):
-        rows.append(measure(arch, args.scale))
-        print(render(rows[-1:]).splitlines()[-1], flush=True)
+    rows, dtypes = [], [getattr(torch, name) for name in args.dtypes.split(",")]
+    for dtype in dtypes:
+        for arch in args.archs.split(","):
+            rows.append(measure(arch, args.scale, dtype))
+            print(render(rows[-1:]).splitlines()[-1], flush=True)
     result = save_results("planner_peaks", "cpu", args.out, scale=args.scale, rows=rows,
-                          tiled_vae=measure_tiled_vae())
+                          tiled_vae=[measure_tiled_vae(dtype=dtype) for dtype in dtypes])
     print(render_result(result))
     return result
 

@@ -108,7 +108,7 @@ def plans(archs, budgets, device: str, capability, devices: int = 1) -> list[dic
                "split_reason": split.reason, "plans": {}}
         for budget in budgets:
             p = planner.plan(components, geo, parse_bytes(budget), elem, allow_offload=device != "cpu",
-                             host=device == "cpu", split_ways=split.ways, graphs=device == "cuda")
+                             host=dtype if device == "cpu" else None, split_ways=split.ways, graphs=device == "cuda")
             row["plans"][budget] = {"plan": p.name, "peak_bytes": p.peak_bytes, "fits": p.fits}
         rows.append(row)
     return rows

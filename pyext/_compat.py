@@ -313,3 +313,13 @@ def cpu_has_native_bf16() -> bool:
     GEMMs and convolutions, over 100x slower than fp32 ones (2-core AVX2: 4.8 s vs 0.04 s for
     512x1920 @ 1920x1920)."""
     return bool(torch.ops.mkldnn._is_mkldnn_bf16_supported())
+
+
+@functools.lru_cache(maxsize=None)
+def cpu_conv3d_im2col(dtype: torch.dtype) -> bool:
+    """Whether torch's CPU Conv3d in `dtype` lowers to im2col (its slow_conv3d, with a column
+    buffer of kernel-volume times the input) rather than running in oneDNN: the choice depends on
+    the dtype and on what this CPU computes natively (bf16 on AVX512-BF16 or AMX)."""
+    x, w = torch.empty(1, 8, 3, 8, 8, dtype=dtype), torch.empty(8, 8, 3, 3, 3, dtype=dtype)
+    backend = torch._C._select_conv_backend(x, w, None, [1] * 3, [1] * 3, [1] * 3, False, [0] * 3, 1, None)
+    return backend.name.startswith("Slow")

@@ -141,10 +141,11 @@ def decide(pipe, opts: OptimizeOptions, default_device: torch.device | None = No
     if budget is None and device.type == "cuda":
         budget = torch.cuda.get_device_properties(device).total_memory
     elem = min(torch.tensor([], dtype=dtype or first.dtype).element_size(), 4)
+    host = (dtype or first.dtype) if device.type == "cpu" else None  # what the CPU computes in
     can_offload = device.type != "cpu" and not multi_device
     graphs = device.type == "cuda" and opts.compile in ("auto", "capture")  # (pyext.graphs; resident plans only)
     plan = planner.plan(comps, geo, budget, elem, allow_offload=can_offload, fp8_skip=opts.fp8_skip,
-                        host=device.type == "cpu", split_ways=sequence.ways, graphs=graphs)
+                        host=host, split_ways=sequence.ways, graphs=graphs)
 
     if opts.offload != "auto":
         offload_mode, offload_reason = opts.offload, f"offload={opts.offload!r}"
@@ -169,7 +170,7 @@ def decide(pipe, opts: OptimizeOptions, default_device: torch.device | None = No
                                        f"of {budget / planner.GB:.1f} GB): untiled, exact"
     fp8 = plan.fp8 if opts.fp8 == "auto" else opts.fp8
     if (fp8, offload_mode, tiling) != (plan.fp8, plan.offload, plan.vae_tiling):  # the plan in force is the options'
-        plan = planner.as_asked(comps, geo, budget, fp8, offload_mode, tiling, elem, opts.fp8_skip, device.type == "cpu",
+        plan = planner.as_asked(comps, geo, budget, fp8, offload_mode, tiling, elem, opts.fp8_skip, host,
                                 sequence.ways, graphs=graphs and (opts.compile == "capture" or plan.graphs))
     fp8_gemm, fp8_gemm_reason = _fp8_gemm(opts, device)
     return Decision(opts, comps, families, device, dtype, geo, sequence, plan, fp8, fp8_gemm, fp8_gemm_reason,

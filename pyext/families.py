@@ -191,28 +191,35 @@ def vae_compression(pipe) -> tuple[int, int]:
 @dataclass(frozen=True)
 class VaeFamily:
     """What the planner needs of a VAE's decode that cannot be read off the model, measured by
-    `python -m bench.planner_peaks` (docs/benchmarks.md).
+    `python -m bench.planner_peaks` in bf16 and fp32 (docs/benchmarks.md).
 
     maps: feature maps of the decoder's full-resolution width (the input width of its last
-        convolution) alive at the decode's peak, per output frame held.
+        convolution) alive at the decode's peak, per output frame held, in the compute dtype.
+    fp32_maps: more such maps that the decoder computes in fp32 whatever its dtype.
+    columns: more maps, in the compute dtype, for the im2col buffers of a CPU's 3-D convolution
+        (torch lowers fp32 and fp16 Conv3d to im2col on a CPU; bf16 runs in oneDNN without them).
     frames: output frames the decoder holds at once; None: every frame (one batch).
     """
 
     name: str
     classes: tuple[str, ...] = ()
     maps: float = 40.0
+    fp32_maps: float = 0.0
+    columns: float = 27.0
     frames: int | None = None
 
 
 # Unknown VAEs take the default descriptor: as many maps as the most memory-hungry measured.
 VAE_FAMILIES = (
-    VaeFamily("kl", ("AutoencoderKL",), maps=6.0),
-    VaeFamily("deep-compression", ("AutoencoderDC",), maps=5.0),
+    VaeFamily("kl", ("AutoencoderKL",), maps=6.0, columns=0.0),
+    # its linear attention computes in fp32
+    VaeFamily("deep-compression", ("AutoencoderDC",), maps=2.4, fp32_maps=2.4, columns=0.0),
     # causal 3-D VAEs that decode one latent frame (four output frames) at a time with a cache
-    VaeFamily("wan", ("AutoencoderKLWan", "AutoencoderKLQwenImage"), maps=36.0, frames=4),
-    VaeFamily("cogvideox", ("AutoencoderKLCogVideoX",), maps=37.0),
-    VaeFamily("hunyuanvideo", ("AutoencoderKLHunyuanVideo",), maps=33.0),
-    VaeFamily("ltx-video", ("AutoencoderKLLTXVideo",), maps=32.0),
+    VaeFamily("wan", ("AutoencoderKLWan",), maps=13.5, columns=24.0, frames=4),
+    VaeFamily("qwenimage", ("AutoencoderKLQwenImage",), maps=16.5, columns=24.0, frames=4),
+    VaeFamily("cogvideox", ("AutoencoderKLCogVideoX",), maps=25.0, columns=15.0),
+    VaeFamily("hunyuanvideo", ("AutoencoderKLHunyuanVideo",), maps=17.0, columns=16.0),
+    VaeFamily("ltx-video", ("AutoencoderKLLTXVideo",), maps=7.0, columns=25.0),
 )
 _VAE_BY_CLASS = MappingProxyType({cls: fam for fam in VAE_FAMILIES for cls in fam.classes})
 

@@ -12,6 +12,7 @@ from collections import Counter
 from dataclasses import dataclass, field, replace
 from typing import Literal
 
+import torch
 import torch.nn as nn
 
 from pyext import _compat, parallel
@@ -151,15 +152,18 @@ def _heads(config: dict, width: int) -> int:
     return config.get("num_attention_heads") or config.get("num_heads") or max(1, width // 64)
 
 
-def activation_bytes(module: nn.Module, role: str, geo: Geometry, elem: int) -> int:
-    """Peak activation bytes of one forward, with memory-efficient attention.
+def activation_bytes(module: nn.Module, role: str, geo: Geometry, elem: int,
+                     host: torch.dtype | None = None) -> int:
+    """Peak activation bytes of one forward, with memory-efficient attention; `host`: the dtype a
+    CPU computes it in (None: a GPU).
 
     UNet-like denoisers and controlnets: UNET_MAPS feature maps of the first block's width at
     latent resolution, per latent frame. Transformer denoisers: TOKEN_TENSORS tensors of tokens x
     width, tokens = latent frames / temporal patch x latent pixels / patch^2 + text tokens. VAE
     decode: its VaeFamily's maps of its full-resolution width at image resolution, per frame it
-    holds. Conditioning encoders: TEXT_TENSORS tensors of text tokens x width, plus the scores of
-    their eager attention.
+    holds (on a CPU, with its 3-D convolutions' im2col columns where torch lowers them so).
+    Conditioning encoders: TEXT_TENSORS tensors of text tokens x width, plus the scores of their
+    eager attention.
     """
     config = _config(module)
     h, w = geo.height // geo.spatial, geo.width // geo.spatial
@@ -172,35 +176,37 @@ def activation_bytes(module: nn.Module, role: str, geo: Geometry, elem: int) -> 
     if role == "vae":
         family = vae_family_of(module)
         frames = geo.frames if family.frames is None else min(family.frames, geo.frames)
-        return int(family.maps * full_resolution_width(module) * geo.height * geo.width * frames * elem)
+        maps = family.maps + (family.columns if host is not None and _compat.cpu_conv3d_im2col(host) else 0.0)
+        per_map = full_resolution_width(module) * geo.height * geo.width * frames
+        return int((maps * elem + family.fp32_maps * 4) * per_map)
     if role == "text_encoder":
         width, tokens = model_width(module), geo.text_tokens
         return (TEXT_TENSORS * tokens * width + SCORE_TENSORS * _heads(config, width) * tokens**2) * elem
     return 0
 
 
-def tiled_activation_bytes(module: nn.Module, role: str, geo: Geometry, act: int, host: bool) -> int:
+def tiled_activation_bytes(module: nn.Module, role: str, geo: Geometry, act: int, host: torch.dtype | None) -> int:
     """A tiled VAE's peak: one tile's share of the full decode's, except pyext's exact tiling of a
     2-D KL VAE on a CPU (`host`), which keeps each stage's whole-image activation in the same RAM:
     there it is EXACT_ON_HOST of the untiled peak (docs/vae.md)."""
     if role != "vae":
         return act
-    if host and vae_kind(module) == "kl2d":
+    if host is not None and vae_kind(module) == "kl2d":
         return int(act * EXACT_ON_HOST)
     return act * min(TILE_PX**2, geo.height * geo.width) // (geo.height * geo.width)
 
 
 def component_sizes(components: Components, geo: Geometry, elem: int = 2,
-                    fp8_skip: tuple[str, ...] = DEFAULT_SKIP, host: bool = False,
+                    fp8_skip: tuple[str, ...] = DEFAULT_SKIP, host: torch.dtype | None = None,
                     split_ways: int = 1) -> list[ComponentSize]:
-    """Each component's sizes on one device; `host`: the pipeline computes on the CPU, in the
+    """Each component's sizes on one device; `host`: the dtype the pipeline computes in on the CPU, in the
     memory it is planned for; `split_ways`: the denoisers' sequence is split over that many
     devices (each holds every weight and its share of the tokens)."""
     out = []
     for name, module in components.modules.items():
         role = components.roles[name]
         total, fp8_total, leaf = _weight_bytes(module, elem, skip_patterns(module, fp8_skip))
-        act = activation_bytes(module, role, geo, elem) // (split_ways if role == "denoiser" else 1)
+        act = activation_bytes(module, role, geo, elem, host) // (split_ways if role == "denoiser" else 1)
         out.append(ComponentSize(name, role, total, fp8_total, act, tiled_activation_bytes(module, role, geo, act, host),
                                  _largest_block(module, elem) or total, leaf))
     return out
@@ -234,7 +240,8 @@ def peak_bytes(sizes: list[ComponentSize], geo: Geometry, fp8: str, offload: str
 
 
 def as_asked(components: Components, geo: Geometry, budget_bytes: int | None, fp8: str, offload: str,
-             vae_tiling: bool, elem: int = 2, fp8_skip: tuple[str, ...] = DEFAULT_SKIP, host: bool = False,
+             vae_tiling: bool, elem: int = 2, fp8_skip: tuple[str, ...] = DEFAULT_SKIP,
+             host: torch.dtype | None = None,
              split_ways: int = 1, graphs: bool = False) -> Plan:
     """The plan that options fixing fp8, offload and tiling make, with its estimated peak."""
     graphs = graphs and offload == "off"
@@ -245,7 +252,7 @@ def as_asked(components: Components, geo: Geometry, budget_bytes: int | None, fp
 
 
 def plan(components: Components, geo: Geometry, budget_bytes: int | None, elem: int = 2,
-         allow_offload: bool = True, fp8_skip: tuple[str, ...] = DEFAULT_SKIP, host: bool = False,
+         allow_offload: bool = True, fp8_skip: tuple[str, ...] = DEFAULT_SKIP, host: torch.dtype | None = None,
          split_ways: int = 1, graphs: bool = False) -> Plan:
     """The fastest candidate that fits. graphs: the denoisers would replay captured CUDA graphs; a
     resident plan whose graphs' memory does not fit is taken without them before anything slower."""

@@ -411,7 +411,7 @@ def test_vae_tiling_auto_only_when_the_budget_needs_it(arch, kind):
     assert not pipe.vae.use_tiling  # images stay exactly the untiled decode
     pyext.restore(pipe)
     d = decide(pipe, OptimizeOptions(height=1024, width=1024))
-    sizes = planner.component_sizes(d.components, d.geometry, 4, host=True)
+    sizes = planner.component_sizes(d.components, d.geometry, 4, host=torch.float32)
     untiled, tiled = (planner.peak_bytes(sizes, d.geometry, "off", "off", t) for t in (False, True))
     assert tiled < untiled
     vae_size = next(c for c in sizes if c.role == "vae")
