@@ -66,7 +66,7 @@ def print_text(info: dict) -> None:
           f"(PYEXT_DISPATCH); cache {info['dispatch_cache']}")
     for d in info["decisions"]:
         timings = ", ".join(f"{b} {t * 1e3:.3g} ms" for b, t in sorted(d["timings"].items(), key=lambda x: x[1]))
-        print(f"  {d['device']}: {d['op']} {d['key']} -> {d['backend']} ({timings})")
+        print(f"  {d['device']}, {d['time']}: {d['op']} {d['key']} -> {d['backend']} ({timings})")
     for u in info["unusable"]:
         print(f"  unusable on {u['device']} since {u['time']}: {u['op']} {u['backend']} for {u['variant']}: "
               f"{u['reason']}")

@@ -23,16 +23,18 @@ per-backend reasoning, reads no environment variable and takes no lock; only the
 backend's `guard` runs again. The slow path, taken once per signature, works as follows.
 
 Automatic choice has two modes (`PYEXT_DISPATCH=measured|static`):
-- static, the default on CPU: the first backend in registration order that can take the
-  input and that neither `advisory` nor `slower` passes by. The CPU orders come from
-  measurements (bench/attention.py, bench/fp8.py); measuring at run time costs a CPU far
-  more than it gains (docs: dispatch).
-- measured, the default on CUDA: for each key (op, device name, dtypes, shape bucket) the
-  first call times every backend that can take the input (a warm-up, then a few timed runs;
-  CUDA events on a GPU), keeps the fastest, and caches the choice in memory and in a JSON
-  file per device (`cache_dir()`), invalidated when the pyext, torch or Triton version
-  changes. Nothing is measured while torch.compile traces or a CUDA graph is captured: the
-  cached choice, else the static one, is used there.
+- measured, the default on every device: for each key (op, device identity, dtypes, shape
+  bucket) the first call times every backend that can take the input on that input (a warm-up,
+  then a few timed runs; CUDA events on a GPU), keeps the fastest, and caches the choice in
+  memory and in a JSON file per device identity (`cache_dir()`), invalidated when the pyext,
+  torch or Triton version changes. A CPU's identity is its model name, the ISA flags the kernels
+  choose by and torch's thread count, so a cache made on one CPU never decides for another.
+  The price is paid once per machine and key, not per process (`time_call` bounds it).
+  Nothing is measured while torch.compile traces or a CUDA graph is captured: the cached
+  choice, else the static one, is used there.
+- static: the first backend in registration order that can take the input and that neither
+  `advisory` nor `slower` passes by; the `slower` rules were measured on other machines
+  (bench/attention.py, bench/fp8.py) and serve where nothing can be timed.
 
 Self-check, in both modes: before a backend is first chosen automatically for an op on a
 device and variant (dtype, head dim, ...), it runs once on a small valid input of that
@@ -245,11 +247,11 @@ MODES = ("measured", "static")
 
 
 def mode(device: torch.device) -> str:
-    """PYEXT_DISPATCH if set, else measured on CUDA and static elsewhere."""
+    """PYEXT_DISPATCH if set, else measured: the machine at hand decides, not a rule from another."""
     value = os.environ.get("PYEXT_DISPATCH", "")
     if value and value not in MODES:
         raise PyextError(f"PYEXT_DISPATCH={value!r} is not a dispatch mode; use one of {', '.join(MODES)}")
-    return value or ("measured" if device.type == "cuda" else "static")
+    return value or "measured"
 
 
 def can_measure(device: torch.device) -> bool:
@@ -259,18 +261,43 @@ def can_measure(device: torch.device) -> bool:
     return not (device.type == "cuda" and torch.cuda.is_current_stream_capturing())
 
 
-@functools.lru_cache(maxsize=None)  # asked on every slow-path choice: no /proc read or driver query each time
+# The /proc/cpuinfo flags that change which kernel path runs or how fast torch's own is (oneDNN
+# takes AMX where it exists): two CPUs that differ in them are different machines to dispatch.
+CPU_FLAGS = ("avx2", "fma", "avx512f", "avx512bw", "avx512vl", "avx512_vbmi", "avx512_bf16", "avx512_fp16",
+             "amx_tile", "amx_bf16", "amx_int8", "amx_fp16")
+
+
+@functools.lru_cache(maxsize=None)  # no /proc read on every slow-path choice
+def cpu_model() -> tuple[str, tuple[str, ...]]:
+    """(model name, the CPU_FLAGS it has) from /proc/cpuinfo; ("unknown", ()) where there is none."""
+    model, flags = "", set()
+    try:
+        with open("/proc/cpuinfo") as f:
+            for line in f:
+                key, _, value = line.partition(":")
+                key = key.strip()
+                if key == "model name" and not model:
+                    model = value.strip()
+                elif key == "flags" and not flags:
+                    flags = set(value.split())
+    except OSError:
+        pass
+    return model or "unknown", tuple(f for f in CPU_FLAGS if f in flags)
+
+
+@functools.lru_cache(maxsize=None)
+def _cuda_name(index: int | None) -> str:
+    return torch.cuda.get_device_name(index)
+
+
 def device_name(device: torch.device) -> str:
-    """Names the hardware (cache files and keys are per device model, not per index)."""
+    """The device's identity, which cache files and keys are per: a GPU's model; a CPU's model,
+    ISA flags and torch's thread count now (the same cores with fewer threads time differently)."""
     if device.type == "cuda":
-        return torch.cuda.get_device_name(device)
+        return _cuda_name(device.index)
     if device.type == "cpu":
-        try:
-            with open("/proc/cpuinfo") as f:
-                model = next((line.split(":", 1)[1].strip() for line in f if line.startswith("model name")), "")
-        except OSError:
-            model = ""
-        return f"cpu {model or 'unknown'}"
+        model, flags = cpu_model()
+        return f"cpu {model} [{' '.join(flags) or 'no simd flags'}] {torch.get_num_threads()} threads"
     return device.type
 
 
@@ -298,7 +325,7 @@ def cache_dir() -> str:
 
 # ----------------------------------------------------------------------------- the per-device cache
 
-CACHE_FORMAT = 2  # 2: marks per variant, with their time
+CACHE_FORMAT = 3  # 2: marks per variant, with their time; 3: decisions with theirs, per CPU identity
 
 
 @dataclass
@@ -392,7 +419,7 @@ def reset() -> None:
 
 
 def decisions() -> list[dict]:
-    """[{op, key, backend, timings: {backend: seconds}, device}] for every measured key known here."""
+    """[{op, key, backend, timings: {backend: seconds}, time, device}] for every measured key known here."""
     _load_all()
     return [dict(d, device=c.name) for c in _CACHES.values() for d in c.decisions.values()]
 
@@ -514,12 +541,18 @@ def time_call(fn: Callable[[], Any], device: torch.device, warmup: int = 1, runs
     return sorted(times)[len(times) // 2]
 
 
+# What measuring a key costs on a CPU, at most: each candidate runs once to be checked (its warm-up),
+# then up to TIMED_RUNS times; once if that first call alone took SLOWER_BY times the fastest's so
+# far (it cannot win), and twice if it took over LONG_CALL_S (its median of one is enough).
+TIMED_RUNS, SLOWER_BY, LONG_CALL_S = 3, 4.0, 0.2
+
+
 def measured_choice(what: str, key: str, device: torch.device, runs: dict[str, Callable[[], Any]],
                     close: Callable | None = None, check: Callable | None = None) -> dict:
-    """The decision {op, key, backend, timings[, rejected]} for the fastest of `runs` on `device`,
-    measured on the first call for (what, key) and cached. A run that raises, whose output misses
-    the first run's (`close(out, first)`), or that fails `check(out)` on its own (the first too),
-    is rejected with its reason and not timed."""
+    """The decision {op, key, backend, timings, time[, rejected]} for the fastest of `runs` on
+    `device`, measured on the first call for (what, key) and cached. A run that raises, whose
+    output misses the first run's (`close(out, first)`), or that fails `check(out)` on its own
+    (the first too), is rejected with its reason and not timed."""
     cache = _cache(device)
     full_key = f"{what}|{key}"
     with _LOCK:
@@ -529,7 +562,9 @@ def measured_choice(what: str, key: str, device: torch.device, runs: dict[str, C
         timings, rejected, first = {}, {}, None  # first: (label, output) of the first run that succeeds
         for label, fn in runs.items():
             try:
+                start = time.perf_counter()
                 out = fn()
+                first_s = time.perf_counter() - start
                 if check is not None:
                     problem = check(out)
                 elif close is not None and first is not None:
@@ -541,7 +576,13 @@ def measured_choice(what: str, key: str, device: torch.device, runs: dict[str, C
                 if problem:
                     rejected[label] = problem
                     continue
-                timings[label] = time_call(fn, device)
+                if device.type != "cpu":  # the first call compiled or autotuned: warm up again, on events
+                    timings[label] = time_call(fn, device)
+                elif first_s > SLOWER_BY * min(timings.values(), default=math.inf):
+                    timings[label] = first_s
+                else:
+                    timings[label] = time_call(fn, device, warmup=0,
+                                               runs=1 if first_s > LONG_CALL_S else TIMED_RUNS)
             except (PyextError, torch.OutOfMemoryError):
                 raise
             except Exception as err:
@@ -549,7 +590,8 @@ def measured_choice(what: str, key: str, device: torch.device, runs: dict[str, C
         if not timings:
             raise PyextError(f"pyext.{what}: every candidate failed: "
                              + "; ".join(f"{k}: {v}" for k, v in rejected.items()))
-        decision = {"op": what, "key": key, "backend": min(timings, key=timings.get), "timings": timings}
+        decision = {"op": what, "key": key, "backend": min(timings, key=timings.get), "timings": timings,
+                    "time": time.strftime("%Y-%m-%dT%H:%M:%S%z")}
         if rejected:
             decision["rejected"] = rejected
         cache.decisions[full_key] = decision

@@ -15,6 +15,11 @@ if "PYEXT_CACHE_DIR" not in os.environ:
     os.environ["PYEXT_CACHE_DIR"] = tempfile.mkdtemp(prefix="pyext_test_dispatch_")
     atexit.register(shutil.rmtree, os.environ["PYEXT_CACHE_DIR"], ignore_errors=True)
 
+# The suite dispatches in the static order, the same on every machine, so that each test takes
+# the path it names: measured dispatch (the default) would pick by timings on a busy machine.
+# Tests of measured dispatch set it themselves; tests of backends force them by name.
+os.environ.setdefault("PYEXT_DISPATCH", "static")
+
 # Under pytest-xdist (`make test` runs one worker per core), each worker computes on one thread:
 # workers with torch's default of a thread per core would oversubscribe the cores, and OpenMP's
 # waiting threads spin. Tests of threaded code set the thread counts they need themselves.

@@ -47,7 +47,7 @@ def make_op(*backends, pure=True, check=None):
 @pytest.fixture(autouse=True)
 def fresh(tmp_path, monkeypatch):
     monkeypatch.setenv("PYEXT_CACHE_DIR", str(tmp_path))
-    monkeypatch.delenv("PYEXT_DISPATCH", raising=False)
+    monkeypatch.setenv("PYEXT_DISPATCH", "static")  # the suite's mode (conftest); tests of measured set it
     dispatch.reset()
     yield
     dispatch._OPS.pop(OP, None)
@@ -320,14 +320,12 @@ def test_nothing_is_measured_while_compiling(monkeypatch):
     assert dispatch.select(OP, (torch.randn(4),)).name == "good"  # the traced choice was not kept
 
 
-def test_bad_mode_and_forced_backends():
+def test_bad_mode_and_forced_backends(monkeypatch):
     make_op(Backend("broken", raises))
-    os.environ["PYEXT_DISPATCH"] = "fastest"
-    try:
+    with monkeypatch.context() as bad:
+        bad.setenv("PYEXT_DISPATCH", "fastest")
         with pytest.raises(PyextError, match="PYEXT_DISPATCH='fastest'.*measured, static"):
             dispatch.select(OP, (torch.randn(2),))
-    finally:
-        del os.environ["PYEXT_DISPATCH"]
     assert dispatch.select(OP, (torch.randn(2),), forced="broken").name == "broken"  # forcing skips the check
     assert dispatch.unusable() == []
 
@@ -466,3 +464,50 @@ print(json.dumps(dict(cases=cases, problems=problems)))
 """)
     triton = [b for op in real_ops().values() for b in op.backends if b.advisory is interpreter_advisory]
     assert problems["problems"] == [] and problems["cases"] >= len(triton)
+
+
+def test_the_default_mode_measures_on_every_device(monkeypatch):
+    """No rule measured on another machine decides: without PYEXT_DISPATCH the CPU times too."""
+    monkeypatch.delenv("PYEXT_DISPATCH")
+    assert dispatch.mode(torch.device("cpu")) == dispatch.mode(torch.device("cuda")) == "measured"
+    make_op(Backend("slow", lambda x: (time.sleep(0.02), x + x)[1]), Backend("fast", lambda x: x * 2))
+    assert dispatch.select(OP, (torch.randn(8),)).name == "fast"
+    [decision] = dispatch.decisions()
+    assert set(decision["timings"]) == {"slow", "fast"} and decision["time"][:4].isdigit()
+
+
+def test_a_cpu_cache_is_per_cpu_model_flags_and_threads(monkeypatch):
+    """Decisions made on one CPU, or with another thread count, never decide for another."""
+    monkeypatch.setenv("PYEXT_DISPATCH", "measured")
+    make_op(Backend("a", lambda x: x + x), Backend("b", lambda x: x * 2))
+    cpu = torch.device("cpu")
+    here = dispatch.device_name(cpu)
+    model, flags = dispatch.cpu_model()
+    assert model in here and all(f in here for f in flags) and f"{torch.get_num_threads()} threads" in here
+    dispatch.select(OP, (torch.randn(8),))
+    assert [d["device"] for d in dispatch.decisions()] == [here]
+    threads = torch.get_num_threads()
+    try:
+        torch.set_num_threads(threads + 1)
+        assert dispatch.device_name(cpu) != here
+        dispatch.select(OP, (torch.randn(9),))  # another signature, so not a kept choice
+        assert sorted(d["device"] for d in dispatch.decisions()) == sorted([here, dispatch.device_name(cpu)])
+    finally:
+        torch.set_num_threads(threads)
+    monkeypatch.setattr(dispatch, "cpu_model", lambda: ("Other CPU", ("avx2", "amx_bf16")))
+    assert dispatch.device_name(cpu) != here and "amx_bf16" in dispatch.device_name(cpu)
+
+
+def test_measuring_a_key_costs_one_call_of_a_candidate_that_cannot_win(monkeypatch):
+    monkeypatch.setenv("PYEXT_DISPATCH", "measured")
+    runs = {"fast": 0, "slow": 0}
+
+    def fast():
+        runs["fast"] += 1
+
+    def slow():
+        runs["slow"] += 1
+        time.sleep(0.05)
+
+    decision = dispatch.measured_choice("made_up", "k", torch.device("cpu"), {"fast": fast, "slow": slow})
+    assert decision["backend"] == "fast" and runs == {"fast": 1 + dispatch.TIMED_RUNS, "slow": 1}

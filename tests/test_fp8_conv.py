@@ -4,11 +4,10 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
-from pyext import PyextError
+from pyext import PyextError, dispatch
 from pyext._ext import EXT, cpu_capabilities
 from pyext.nn import quantize_fp8
 from pyext.ops import fp8_conv2d, fp8_quantize
-from pyext.ops.fp8_conv import _cpp_reasons
 from pyext.reference.fp8 import fp8_conv2d_reference, fp8_upcast_reference
 
 CL = torch.channels_last
@@ -95,6 +94,7 @@ def test_opcheck(backend):
 
 
 def _conv_calls(model, x):
+    model(x)  # dispatch's first choice for a signature self-checks the backend on a small input
     with torch.profiler.profile() as prof:
         y = model(x)
     counts = {e.key: e.count for e in prof.key_averages()}
@@ -118,10 +118,10 @@ def test_module_takes_the_fused_path_on_its_kernel_layout_codes():
         y_cl, fused, aten = _conv_calls(model, inp)
         assert fused == 2 and aten == 0 and y_cl.is_contiguous(memory_format=CL)
         assert rel_err(y_cl, ref) < 0.06  # fp8 weights: ~30 dB
-    model.to(memory_format=torch.contiguous_format)  # (out, in, kh, kw) codes: upcast + torch's conv
+    model.to(memory_format=torch.contiguous_format)  # (out, in, kh, kw) codes: the kernel reorders them
     assert model[1].weight.is_contiguous()
     y_nchw, fused, aten = _conv_calls(model, x)
-    assert fused == 0 and aten == 2 and y_nchw.is_contiguous()
+    assert fused == 2 and aten == 0 and y_nchw.is_contiguous()
     assert rel_err(y_cl, y_nchw) < 1e-2
     model.to(memory_format=CL)
     assert model[1].weight.is_contiguous(memory_format=CL) and rel_err(model(x), y_cl) == 0
@@ -169,7 +169,26 @@ def test_cpp_declines_scales_it_cannot_apply_after_the_dot_product(bad):
     while |scale| * 448 is a finite bf16 and no weight underflows: other scales go to the reference."""
     x, wq, s, _ = make(1, 4, 6, 6, 8, 3)
     s[2] = bad
-    reasons = _cpp_reasons(x, wq.view(torch.uint8), s, None, [1, 1], [1, 1], [1, 1], 1)
+    op = dispatch.ops()["fp8_conv2d"]
+    cpp = next(b for b in op.backends if b.name == "cpp")
+    reasons = dispatch.input_reasons(op, cpp, (x, wq.view(torch.uint8), s, None, [1, 1], [1, 1], [1, 1], 1))
     assert any("scales must be finite" in r for r in reasons)
     y, ref = fp8_conv2d(x, wq, s, None, 1, 1), fp8_conv2d_reference(x, wq, s, None, 1, 1)
     assert torch.equal(y.isnan(), ref.isnan()) and torch.equal(y.isinf(), ref.isinf())
+
+
+@needs_fused
+def test_the_module_choice_goes_through_measured_dispatch(monkeypatch):
+    """FP8Conv2d asks dispatch, which times the fused kernel against the upcast into a reused
+    buffer on the first call of a shape and keeps the faster; forgetting the choices forgets it."""
+    monkeypatch.setenv("PYEXT_DISPATCH", "measured")
+    dispatch.reset()
+    model = nn.Sequential(nn.GroupNorm(4, 16), nn.Conv2d(16, 32, 3, padding=1)).to(torch.bfloat16)
+    quantize_fp8(model, skip=())
+    conv = model[1]
+    x = torch.randn(1, 16, 9, 7, dtype=torch.bfloat16).contiguous(memory_format=CL)
+    y = conv(x)
+    made = [d for d in dispatch.decisions() if d["op"] == "fp8_conv2d"]
+    assert any(set(d["timings"]) == {"cpp", "upcast", "reference"} for d in made)
+    assert rel_err(y, fp8_conv2d(x, conv.fp8_weight, conv.scale, conv.bias.to(x.dtype), 1, 1, backend="upcast")) < 1e-2
+    dispatch.reset()

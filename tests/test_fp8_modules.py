@@ -160,11 +160,11 @@ def test_conv_upcast_buffer_is_shared_on_cpu_only():
     """A captured CUDA graph keeps the addresses it writes: off the CPU each upcast weight gets a
     tensor of its own from the caching allocator, never the shared buffer, which grows by being
     replaced (and freed) when a larger layer comes."""
-    from pyext.nn.fp8 import _workspace
+    from pyext.ops.fp8_conv import workspace
 
-    a, b = (_workspace(8, torch.float32, torch.device("cpu")) for _ in range(2))
+    a, b = (workspace(8, torch.float32, torch.device("cpu")) for _ in range(2))
     assert a._base is not None and a._base is b._base  # the control: CPU layers share the thread's buffer
-    assert all(_workspace(8, torch.float32, torch.device("meta"))._base is None for _ in range(2))
+    assert all(workspace(8, torch.float32, torch.device("meta"))._base is None for _ in range(2))
 
 @pytest.mark.parametrize("make", [lambda: nn.Linear(32, 24), lambda: nn.Conv2d(6, 8, 3, padding=1)])
 def test_plain_state_dicts_load_quantized_and_dense_ones_save(make):

@@ -12,7 +12,6 @@ from __future__ import annotations
 import contextlib
 import contextvars
 import re
-import threading
 from collections import Counter
 from dataclasses import dataclass, field
 
@@ -22,8 +21,7 @@ import torch.nn as nn
 from pyext import _state, dispatch
 from pyext.dispatch import PyextError
 from pyext.ops.fp8 import FP8, call_linear, fp8_quantize, fp8_upcast
-from pyext.ops.fp8_conv import _cpp_reasons as _fp8_conv_cpp_reasons
-from pyext.ops.fp8_conv import _cpp_unavailable as _fp8_conv_cpp_unavailable
+from pyext.ops.fp8_conv import upcast_weight
 
 # Names (regexes, searched in the module's qualified name) kept in full precision by
 # default: norms, embeddings/modulation and the first and last layers, where fp8
@@ -131,8 +129,9 @@ def check_gemm(gemm, what: str = "pyext.quantize_fp8: gemm") -> None:
 
 
 # (device, dtype, rows bucket, in, out) -> "weight_only" | "dynamic": measured_choice's answer, kept
-# here so that a repeated call costs one dict lookup.
+# here so that a repeated call costs one dict lookup; dropped with dispatch's own choices.
 _GEMM_CHOICE: dict[tuple, str] = {}
+dispatch.on_forget(_GEMM_CHOICE.clear)
 
 
 class FP8Linear(_FP8Storage, nn.Linear):
@@ -191,25 +190,6 @@ class FP8Linear(_FP8Storage, nn.Linear):
         return super().extra_repr() + ", " + self._fp8_extra_repr() + f", gemm={self.gemm}"
 
 
-# On CPU, one upcast buffer per thread and dtype, shared by all FP8Conv2d layers and grown
-# to the largest: reusing it avoids page faults for every fresh multi-MB weight. Per thread,
-# so two pipelines running in two threads never share one.
-_WORKSPACE = threading.local()
-
-
-def _workspace(numel: int, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
-    """A buffer for an upcast weight. On a GPU a fresh tensor: torch's caching allocator
-    reuses memory without page faults, and a CUDA graph must own what it writes (a shared
-    buffer that later grew would leave a captured graph writing into freed memory)."""
-    if device.type != "cpu":
-        return torch.empty(numel, dtype=dtype, device=device)
-    buffers = _WORKSPACE.__dict__.setdefault("buffers", {})
-    buf = buffers.get((device, dtype))
-    if buf is None or buf.numel() < numel:
-        buf = buffers[(device, dtype)] = torch.empty(numel, dtype=dtype, device=device)
-    return buf[:numel]
-
-
 class FP8Conv2d(_FP8Storage, nn.Conv2d):
     @classmethod
     def from_conv(cls, conv: nn.Conv2d, per_channel: bool = True, keep_original: bool = False) -> "FP8Conv2d":
@@ -230,7 +210,7 @@ class FP8Conv2d(_FP8Storage, nn.Conv2d):
         any channels-last conv weight, the output is then channels-last even for an NCHW input
         (torch's conv rule), so the layers after it run channels-last too: measured on the SD1.5
         UNet in NCHW, 0.92x the bf16 step with these codes, 1.09x with (out, in, kh, kw) codes,
-        which take the upcast path. `module.to(memory_format=torch.contiguous_format)` still
+        which then took the upcast path (the kernel now reorders them on every call). `module.to(memory_format=torch.contiguous_format)` still
         gives (out, in, kh, kw) codes."""
         self.weight.data = self.weight.data.contiguous(memory_format=torch.channels_last)
 
@@ -239,19 +219,13 @@ class FP8Conv2d(_FP8Storage, nn.Conv2d):
         if x.dtype != self.compute_dtype:
             x = x.to(self.compute_dtype)
         bias = self.bias if self.bias is None or self.bias.dtype == x.dtype else self.bias.to(x.dtype)
-        args = (x, self.weight, self.scale, bias, self.stride, self.padding, self.dilation, self.groups)
-        if torch.compiler.is_compiling() and isinstance(self.padding, tuple):
-            # One op in the graph, which chooses its backend when it runs: the choice below reads
-            # the CPU's features and the scales, which a trace would break on.
-            return torch.ops.pyext.fp8_conv2d(*args, None)
-        if self.weight.is_contiguous(memory_format=torch.channels_last) and isinstance(self.padding, tuple) and \
-                _fp8_conv_cpp_unavailable() is None and not _fp8_conv_cpp_reasons(*args):
-            # Reads the fp8 codes in place; an NCHW x is reordered to channels-last first.
-            return torch.ops.pyext.fp8_conv2d(*args, "cpp")
-        # Otherwise upcast the whole weight into a reused buffer, in its memory layout, then torch's conv.
-        w8 = self.fp8_weight if self.weight.is_contiguous() else self.fp8_weight.permute(0, 2, 3, 1)
-        weight = fp8_upcast(w8, self.scale, x.dtype, out=_workspace(w8.numel(), x.dtype, x.device).view(w8.shape))
-        return self._conv_forward(x, weight if self.weight.is_contiguous() else weight.permute(0, 3, 1, 2), bias)
+        if isinstance(self.padding, str) or self.padding_mode != "zeros":
+            # Padding the op's schema cannot express: torch's conv pads, on the upcast weight.
+            return self._conv_forward(x, upcast_weight(self.weight, self.scale, x.dtype), bias)
+        # Dispatch chooses: the C++ GEMM that reads the codes in place, or the upcast into a reused
+        # buffer and torch's conv (timed on this machine where both can take the input).
+        return torch.ops.pyext.fp8_conv2d(x, self.weight, self.scale, bias, self.stride, self.padding,
+                                          self.dilation, self.groups, None)
 
     def extra_repr(self) -> str:
         return super().extra_repr() + ", " + self._fp8_extra_repr()

@@ -1,16 +1,19 @@
 """fp8_conv2d: a convolution whose weight stays in fp8 (e4m3) storage.
 
 The C++ backend runs the convolution as an implicit GEMM over channels-last
-activations (an NCHW input is reordered first, as oneDNN does) and decodes the fp8 weight inside the GEMM's packing step (the GEMM of
-fp8_linear), so no full-precision copy of the weight is ever written. It takes bf16
-on CPUs with AVX512_BF16; everything else takes the reference (upcast + F.conv2d),
-and FP8Conv2d uses its own upcast-into-a-reused-buffer path for those inputs.
+activations (an NCHW input is reordered first, as oneDNN does) and decodes the fp8 weight
+inside the GEMM's packing step (the GEMM of fp8_linear), so no full-precision copy of the
+weight is ever written. It takes bf16 on CPUs with AVX512_BF16. The `upcast` backend decodes
+the weight with fp8_upcast's kernels into a reused buffer, then runs torch's convolution
+(oneDNN, cuDNN); dispatch times the two where both can take the input.
 """
 from __future__ import annotations
 
+import threading
 from typing import Optional
 
 import torch
+import torch.nn.functional as F
 
 from pyext import dispatch
 from pyext._ext import cpu_capabilities, kernel_missing
@@ -78,6 +81,39 @@ def _conv_cpp(x, w, scale, bias, stride, padding, dilation, groups):
     return torch.ops.pyext_C.fp8_conv2d(x, w.permute(0, 2, 3, 1), scale, bias, _pair(stride), _pair(padding))
 
 
+# On CPU, one upcast buffer per thread and dtype, shared by every convolution and grown to the
+# largest: reusing it avoids page faults for every fresh multi-MB weight. Per thread, so two
+# pipelines running in two threads never share one.
+_WORKSPACE = threading.local()
+
+
+def workspace(numel: int, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
+    """A buffer for an upcast weight. On a GPU a fresh tensor: torch's caching allocator
+    reuses memory without page faults, and a CUDA graph must own what it writes (a shared
+    buffer that later grew would leave a captured graph writing into freed memory)."""
+    if device.type != "cpu":
+        return torch.empty(numel, dtype=dtype, device=device)
+    buffers = _WORKSPACE.__dict__.setdefault("buffers", {})
+    buf = buffers.get((device, dtype))
+    if buf is None or buf.numel() < numel:
+        buf = buffers[(device, dtype)] = torch.empty(numel, dtype=dtype, device=device)
+    return buf[:numel]
+
+
+def upcast_weight(w: torch.Tensor, scale: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """The (out, in, kh, kw) codes decoded into workspace(), in their memory order: channels-last
+    codes give a channels-last weight (and so, by torch's conv rule, a channels-last output)."""
+    channels_last = _is_channels_last(w)
+    rows = w.permute(0, 2, 3, 1) if channels_last else w.contiguous()
+    out = workspace(rows.numel(), dtype, w.device).view(rows.shape)
+    torch.ops.pyext.fp8_upcast_out(rows, scale, out, None)
+    return out.permute(0, 3, 1, 2) if channels_last else out
+
+
+def _conv_upcast(x, w, scale, bias, stride, padding, dilation, groups):
+    return F.conv2d(x, upcast_weight(w, scale, x.dtype), bias, stride, padding, dilation, groups)
+
+
 # (batch, in channels, height, width, out channels, kernel, stride, padding, groups, channels-last x)
 # the op tests run every backend on; the reference also on what the C++ kernel refuses.
 CPP_TEST_SHAPES = ((1, 2, 5, 7, 3, 3, 1, 1, 1, True), (2, 6, 9, 8, 70, 3, 2, 1, 1, False),
@@ -88,14 +124,13 @@ _CPP = Backend(
     doc="C++ implicit GEMM over channels-last bf16 activations, fp8 decoded in the GEMM's packing step")
 dispatch.register("fp8_conv2d", _CPP)
 dispatch.register("fp8_conv2d", Backend(
+    "upcast", _conv_upcast, dtypes=COMPUTE_DTYPES,
+    test_shapes=CPP_TEST_SHAPES + ((1, 3, 6, 5, 4, 3, 1, 1, 1, False), (1, 4, 7, 7, 6, 3, 2, 0, 2, True)),
+    doc="fp8_upcast's kernel into a reused buffer (CPU; a fresh tensor on a GPU), then F.conv2d"))
+dispatch.register("fp8_conv2d", Backend(
     "reference", fp8_conv2d_reference, dtypes=COMPUTE_DTYPES,
     test_shapes=CPP_TEST_SHAPES + ((1, 3, 6, 5, 4, 3, 1, 1, 1, False), (1, 4, 7, 7, 6, 3, 2, 0, 2, True)),
     doc="F.conv2d on the upcast weight"))
-
-
-def _cpp_reasons(*args) -> list[str]:
-    """Why the C++ backend cannot take args (FP8Conv2d asks before it forces it), declared data included."""
-    return dispatch.input_reasons(dispatch.ops()["fp8_conv2d"], _CPP, args)
 
 
 def _sample(x, w, scale, bias, stride, padding, dilation, groups):
