@@ -614,7 +614,8 @@ def run(preset_name: str, out: str, model: str | None = None, rows: list[str] | 
             "preset": preset_name, "preset_parameters": asdict(preset), "repeats": spec["repeats"],
             "model": "sd15 " + (preset.size if not model else model), "weights": weights, "prompt": PROMPT,
             "seed": SEED, "guidance_scale": 7.5, "scheduler": "DDIMScheduler", "min_psnr_db": MIN_PSNR_DB,
-            "versions": versions(), "rows": results, "rows_planned": rows, "guide_titan_rtx_s": GUIDE_TITAN_RTX,
+            "versions": versions(), "commit": commit(), "rows": results, "rows_planned": rows,
+            "guide_titan_rtx_s": GUIDE_TITAN_RTX,
         }
         bar = tqdm(rows, desc="rows", unit="row")
         for name in bar:

@@ -25,21 +25,12 @@ def _label(name: str, row: dict) -> str:
     return name
 
 
-def write_markdown(report: dict, path: str) -> None:
+def table(report: dict) -> str:
+    """The rows' table and what each row's steps did (its notes): latency.md's body, and what
+    docs/benchmarks.md shows of a results file."""
     rows = report["rows"]
     base = rows.get("original", {}).get("latency_s")
-    p = report["preset_parameters"]
-    m = report["machine"]
     lines = [
-        f"# SD1.5 latency, preset `{report['preset']}`",
-        "",
-        f"{report['model']}, weights: **{report['weights']}**; {p['width']}x{p['height']}, {p['steps']} DDIM steps, "
-        f"batch 1 with classifier-free guidance (UNet batch 2), median of {report['repeats']} run(s) after a "
-        f"{p['warmup_steps']}-step warm-up; each row in its own process. Prompt: \"{report['prompt']}\".",
-        f"Machine: {m.get('gpu') or m.get('cpu')}, {m['cpu_count']} CPUs, torch threads {m['torch_threads']}"
-        + (f", load average at the end {', '.join(f'{x:.1f}' for x in m['load_average'])}" if "load_average" in m else "")
-        + ". " + ", ".join(f"{k} {v}" for k, v in report["versions"].items()) + ".",
-        "",
         "| row | dtype | latency | speed-up | denoiser it/s | text | denoise | VAE decode | peak mem | weights "
         "| max abs diff | PSNR vs original | check | guide, Titan RTX |",
         "|---|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---|---:|",
@@ -58,10 +49,29 @@ def write_markdown(report: dict, path: str) -> None:
             _fmt(st.get("vae_decode"), ".3f", " s"), _bytes(row["peak_memory_bytes"]), _bytes(row["weight_bytes"]), _fmt(row.get("max_abs_diff"), ".2e"),
             "identical" if psnr == float("inf") else _fmt(psnr, ".1f", " dB"), row.get("check", ""), guide + " |",
         ]))
-    unrelated = report.get("unrelated_psnr_db")
     notes = [f"- `{name}`: {note[:300]}" + ("..." if len(note) > 300 else "")
              for name, row in rows.items() for note in row.get("notes", {}).values()]
-    lines += ([""] + notes if notes else []) + [
+    return "\n".join(lines + ([""] + notes if notes else []))
+
+
+def write_markdown(report: dict, path: str) -> None:
+    rows = report["rows"]
+    p = report["preset_parameters"]
+    m = report["machine"]
+    lines = [
+        f"# SD1.5 latency, preset `{report['preset']}`",
+        "",
+        f"{report['model']}, weights: **{report['weights']}**; {p['width']}x{p['height']}, {p['steps']} DDIM steps, "
+        f"batch 1 with classifier-free guidance (UNet batch 2), median of {report['repeats']} run(s) after a "
+        f"{p['warmup_steps']}-step warm-up; each row in its own process. Prompt: \"{report['prompt']}\".",
+        f"Machine: {m.get('gpu') or m.get('cpu')}, {m['cpu_count']} CPUs, torch threads {m['torch_threads']}"
+        + (f", load average at the end {', '.join(f'{x:.1f}' for x in m['load_average'])}" if "load_average" in m else "")
+        + ". " + ", ".join(f"{k} {v}" for k, v in report["versions"].items()) + ".",
+        "",
+        table(report),
+    ]
+    unrelated = report.get("unrelated_psnr_db")
+    lines += [
         "",
         f"Peak memory: {next((r['peak_memory_kind'] for r in rows.values() if 'peak_memory_kind' in r), '-')}. "
         "Weights: bytes of parameters and buffers of UNet, text encoder and VAE.",
