@@ -95,6 +95,20 @@ def write_markdown(report: dict, path: str) -> None:
         f.write("\n".join(lines) + "\n")
 
 
+def results_block(report: dict) -> str:
+    """A results file's block in docs/benchmarks.md: the workload, the table, and how loaded the
+    machine was (on a shared machine, the noise)."""
+    p, rows = report["preset_parameters"], report["rows"]
+    lines = [f"Preset `{report['preset']}` ({report['model']}, {report['weights']} weights): {p['width']}x{p['height']}, "
+             f"{p['steps']} DDIM steps, median of {report['repeats']} run(s); "
+             f"`python -m bench.latency --preset {report['preset']} --rows {','.join(rows)}`.", "", table(report)]
+    loads = [r["load_average_1m"] for r in rows.values() if "load_average_1m" in r]
+    if loads:
+        lines += ["", f"1-minute load average at the end of each row: {min(loads):.1f} to {max(loads):.1f} on "
+                      f"{report['machine']['cpu_count']} CPUs."]
+    return "\n".join(lines)
+
+
 def write_chart(report: dict, path: str) -> None:
     import matplotlib
 

@@ -30,11 +30,13 @@ def _renderers() -> dict[str, Callable[[dict], str]]:
     from bench.fp8_accuracy import render as render_fp8_accuracy
     from bench.gpu_check import render as render_gpu_check
     from bench.parallel import render as render_parallel
+    from bench.plot import results_block as render_latency
     from bench.planner_peaks import render_result as render_planner_peaks
     from bench.vae import render_runs
 
     return {"dispatch_overhead_cpu": render_dispatch,
             "fp8_accuracy_cpu": lambda r: render_fp8_accuracy(r["rows"]),
+            "latency_peers_cpu": render_latency,
             "vae_memory_settings_cpu": lambda r: render_runs(r["rows"]),
             "planner_peaks_cpu": render_planner_peaks,
             "parallel_cpu_1": render_parallel,
