@@ -14,6 +14,7 @@ from __future__ import annotations
 import argparse
 import contextlib
 import functools
+import importlib.util
 import json
 import os
 import platform
@@ -151,7 +152,6 @@ def half_dtype(preset: Preset):
 
 def unavailable(name: str, preset: Preset) -> str | None:
     """Why a row cannot run here, when that is known without loading a model; else None."""
-    import importlib.util
 
     skipped = dict(preset.skip).get(name)
     if skipped:
@@ -175,7 +175,6 @@ def unavailable(name: str, preset: Preset) -> str | None:
 
 
 def _installed(module: str) -> bool:
-    import importlib.util
 
     try:
         return importlib.util.find_spec(module) is not None
@@ -670,9 +669,12 @@ def _row_context(device: str):
     pyext once and never computed (no thread pools), so each row starts clean without paying the
     imports again (seconds per row); diffusers and transformers import their classes lazily, so the
     pipeline's are named. For CUDA rows the server does not import diffusers: its import asks CUDA
-    for the device count, which marks every later fork of that process as unable to use CUDA."""
-    modules = ["torch", "transformers", "pyext", "bench.latency", "transformers.models.clip.modeling_clip",
-               "transformers.models.clip.tokenization_clip"]
+    for the device count, which marks every later fork of that process as unable to use CUDA, and
+    neither does transformers' CLIP model where torchao is installed (transformers then imports it,
+    which asks too)."""
+    modules = ["torch", "transformers", "pyext", "bench.latency", "transformers.models.clip.tokenization_clip"]
+    if device != "cuda" or importlib.util.find_spec("torchao") is None:
+        modules.append("transformers.models.clip.modeling_clip")
     if device != "cuda":
         modules += ["diffusers", "diffusers.pipelines.stable_diffusion.pipeline_stable_diffusion"]
     return preloaded_forkserver(modules)

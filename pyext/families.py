@@ -218,7 +218,7 @@ VAE_FAMILIES = (
     VaeFamily("wan", ("AutoencoderKLWan",), maps=13.5, columns=24.0, frames=4),
     VaeFamily("qwenimage", ("AutoencoderKLQwenImage",), maps=16.5, columns=24.0, frames=4),
     VaeFamily("cogvideox", ("AutoencoderKLCogVideoX",), maps=25.0, columns=15.0),
-    VaeFamily("hunyuanvideo", ("AutoencoderKLHunyuanVideo",), maps=17.0, columns=16.0),
+    VaeFamily("hunyuanvideo", ("AutoencoderKLHunyuanVideo",), maps=15.0, columns=18.0),
     VaeFamily("ltx-video", ("AutoencoderKLLTXVideo",), maps=7.0, columns=25.0),
 )
 _VAE_BY_CLASS = MappingProxyType({cls: fam for fam in VAE_FAMILIES for cls in fam.classes})

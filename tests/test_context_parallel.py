@@ -93,6 +93,7 @@ def _split_worker(rank: int, world: int, store_path: str, out_dir: str) -> None:
         oracle = attention_reference(q.double(), k_all.double(), v_all.double(), attn_mask=whole_mask)
         results[name] = {"split": (out.double() - oracle).abs().max().item(),
                          "one call": (whole.double() - oracle).abs().max().item(),
+                         "rounding": torch.finfo(dtype).eps / 2 * oracle.abs().max().item(),
                          "dtype": str(out.dtype), "shape": tuple(out.shape) == tuple(q.shape),
                          "finite": bool(out.isfinite().all())}
     for split, groups, bad in (("ring", (ring_group, None), torch.ones(2, 1, 7, 37, dtype=torch.bool)),
@@ -131,8 +132,10 @@ def test_ring_and_ulysses_attention_equal_one_call_over_all_keys(tmp_path):
         for name, r in results.items():
             dtype = SPLIT_CASES[name][1]
             assert r["dtype"] == str(dtype) and r["finite"] and r["shape"], (rank, name, r)
-            # each chunk's output is rounded to the dtype, then merged in fp32: within 2x one call's error
-            assert r["split"] <= 2 * r["one call"] + (1e-5 if dtype == torch.float32 else 0), (rank, name, r)
+            # each chunk's output is rounded to the dtype, then merged in fp32 and rounded again: within
+            # 2x one call's error and the one rounding more (half an ulp of the output)
+            slack = 1e-5 if dtype == torch.float32 else r["rounding"]
+            assert r["split"] <= 2 * r["one call"] + slack, (rank, name, r)
 
 
 def _fake_ring(group):
