@@ -428,7 +428,11 @@ def test_shared_components_copies_and_casts(arch, techniques):
     assert_same(run(opt, arch), reference)
     opt.to(torch.bfloat16)
     twin.to(torch.bfloat16)
-    assert_same(run(opt, arch), run(twin, arch), tol=0.05)  # both compute in bf16: its rounding, twice over
+    # Both compute in bf16, through different GEMMs on a bf16-native CPU (pyext's fp8 kernel, oneDNN):
+    # within twice plain diffusers' own bf16 rounding of this image, and never an unrelated image.
+    plain = run(twin, arch)
+    rounding = (plain - reference).abs().max().item()
+    assert_same(run(opt, arch), plain, tol=max(0.05, 2 * rounding))
     if techniques == "captured":  # graphs were replayed, not only eager calls
         assert graphs.captured(getattr(opt, DENOISER[arch])).replays > 0
 
