@@ -29,7 +29,8 @@ Automatic choice has two modes (`PYEXT_DISPATCH=measured|static`):
   memory and in a JSON file per device identity (`cache_dir()`), invalidated when the pyext,
   torch or Triton version changes. A CPU's identity is its model name, the ISA flags the kernels
   choose by and torch's thread count, so a cache made on one CPU never decides for another.
-  The price is paid once per machine and key, not per process (`time_call` bounds it).
+  The price is paid once per machine and key, not per process, and is bounded (`TIMED_RUNS`,
+  `SLOWER_BY`, `LONG_CALL_S`).
   Nothing is measured while torch.compile traces or a CUDA graph is captured: the cached
   choice, else the static one, is used there.
 - static: the first backend in registration order that can take the input and that neither
