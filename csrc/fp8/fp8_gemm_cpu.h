@@ -39,4 +39,19 @@ void fp8_gemm_bf16_avx512(const Fp8GemmArgs& a, int64_t unit_begin, int64_t unit
 // True when this CPU can run fp8_gemm_bf16_avx512 (AVX-512 F/BW/VL + AVX512_BF16).
 bool fp8_gemm_supported();
 
+// A panel: channels [n0, n0 + kFp8Panel) of w decoded to bf16 in the VNNI pair layout,
+// packed[k / 2][channel][k % 2], zero past N and K. The AVX-512 packer (fp8_gemm_supported()
+// CPUs) and the scalar one write the same bits.
+constexpr int64_t kFp8Panel = 64;
+void fp8_pack_panel_avx512(const uint8_t* w, int64_t N, int64_t K, int64_t n0, uint16_t* packed);
+void fp8_pack_panel_scalar(const uint8_t* w, int64_t N, int64_t K, int64_t n0, uint16_t* packed);
+
+// The same GEMM on torch's micro-kernel (fp8_gemm_cpu_brgemm.cpp), for a linear with an even K:
+// kOneDnn is at::native::cpublas::brgemm (oneDNN's AMX kernel where cpublas::could_pack(bf16)),
+// kStandIn a plain loop over the same layout, which the tests take as the oracle on every machine.
+enum class Microkernel { kOneDnn, kStandIn };
+constexpr int64_t kFp8BrgemmRows = 32;  // rows of x per unit: two AMX tiles of 16
+int64_t fp8_brgemm_units(int64_t M, int64_t N);
+void fp8_gemm_brgemm(const Fp8GemmArgs& a, int64_t unit_begin, int64_t unit_end, Microkernel mk, bool simd_pack);
+
 }  // namespace pyext::cpu

@@ -23,6 +23,7 @@ namespace {
 constexpr int kRows = 6;      // rows of x per register tile
 constexpr int kVecs = 4;      // 16-channel vectors per panel
 constexpr int kPanel = 16 * kVecs;
+static_assert(kPanel == kFp8Panel);
 
 struct FreeDeleter {
   void operator()(const void* p) const { std::free(const_cast<void*>(p)); }
@@ -180,6 +181,10 @@ T* grow(std::unique_ptr<T, FreeDeleter>& buf, size_t& capacity, size_t bytes, bo
 
 }  // namespace
 
+void fp8_pack_panel_avx512(const uint8_t* w, int64_t N, int64_t K, int64_t n0, uint16_t* packed) {
+  pack_panel(w, N, K, n0, packed);
+}
+
 int64_t fp8_gemm_units(int64_t M, int64_t N) {
   return ((N + kPanel - 1) / kPanel) * ((M + kRows - 1) / kRows);
 }
@@ -236,5 +241,6 @@ namespace pyext::cpu {
 int64_t fp8_gemm_units(int64_t, int64_t) { return 0; }
 void fp8_gemm_bf16_avx512(const Fp8GemmArgs&, int64_t, int64_t) {}
 bool fp8_gemm_supported() { return false; }
+void fp8_pack_panel_avx512(const uint8_t*, int64_t, int64_t, int64_t, uint16_t*) {}
 }  // namespace pyext::cpu
 #endif

@@ -4,6 +4,7 @@
 // (fp8_linear_entry, at the end; fp8_linear_entry.h). Input validation with user-facing messages lives in
 // pyext/ops/fp8.py; the TORCH_CHECKs here only guard the raw-pointer kernels.
 #include <ATen/core/Tensor.h>
+#include <ATen/native/CPUBlas.h>
 #include <ATen/ops/empty.h>
 #include <ATen/ops/mm.h>
 #include <ATen/ops/addmm.h>
@@ -59,8 +60,10 @@ bool scales_fuse_exactly(const at::Tensor& scale) {
   });
 }
 
-// Multiply-adds a thread must get to be worth waking the pool (a GEMM unit is 6 x 64 x K).
-int64_t fused_gemm_grain(int64_t K) { return std::max<int64_t>(1, (int64_t{1} << 20) / (6 * 64 * K)); }
+// Units a thread must get to be worth waking the pool: 2^20 multiply-adds (a unit is rows x 64 x K).
+int64_t fused_gemm_grain(int64_t K, int64_t rows = 6) {
+  return std::max<int64_t>(1, (int64_t{1} << 20) / (rows * kFp8Panel * K));
+}
 
 // Upcasts rows [row0, row0 + nrows) of a (rows, cols) fp8 matrix into dst,
 // in parallel. A single (per-tensor) scale is split by element chunks instead.
@@ -240,6 +243,40 @@ at::Tensor fp8_linear_cpu(const at::Tensor& x, const at::Tensor& w, const at::Te
   return y.view(out_shape);
 }
 
+// torch packs bf16 for its brgemm micro-kernel here: oneDNN is on and the CPU has AMX (where it has
+// not, brgemm's bf16 kernels are no faster than fp8_gemm_bf16_avx512, which stays).
+bool brgemm_available() { return at::native::cpublas::could_pack(at::kBFloat16); }
+
+// The GEMM on torch's brgemm (fp8_gemm_cpu_brgemm.cpp) for bf16 x and an even K. Scales that do not
+// fuse exactly take fp8_linear_cpu's upcast path, as there. stand_in and scalar_pack are the
+// tests' switches: the stand-in micro-kernel (any CPU) and the scalar packer (any AVX-512 CPU too).
+at::Tensor fp8_linear_brgemm_cpu(const at::Tensor& x, const at::Tensor& w, const at::Tensor& scale,
+                                 const std::optional<at::Tensor>& bias, bool stand_in, bool scalar_pack) {
+  check_fp8_weight(w, scale);
+  TORCH_CHECK(w.dim() == 2 && x.size(-1) == w.size(1) && w.size(1) % 2 == 0 && x.scalar_type() == at::kBFloat16,
+              "pyext fp8_linear brgemm: x must be bf16 with an even K matching the weight");
+  TORCH_CHECK(stand_in || brgemm_available(), "pyext fp8_linear brgemm: torch's brgemm has no AMX kernel for bf16 "
+              "on this CPU (cpublas::could_pack)");
+  const int64_t K = w.size(1), N = w.size(0), M = K ? x.numel() / K : 0;
+  const at::Tensor wc = w.contiguous(), sc = scale.contiguous();
+  if (M == 0 || N == 0 || K == 0 || !scales_fuse_exactly(sc)) return fp8_linear_cpu(x, w, scale, bias, -1);
+  const at::Tensor x2 = x.reshape({M, K}).contiguous();
+  const at::Tensor bc = bias ? bias->contiguous() : at::Tensor();
+  TORCH_CHECK(!bias || (bc.scalar_type() == at::kBFloat16 && bc.numel() == N), "pyext fp8_linear: bias must be bf16[N]");
+  std::vector<int64_t> out_shape(x.sizes().begin(), x.sizes().end());
+  out_shape.back() = N;
+  at::Tensor y = at::empty({M, N}, x.options());
+  const Fp8GemmArgs args{reinterpret_cast<const uint16_t*>(x2.data_ptr()), static_cast<const uint8_t*>(wc.data_ptr()),
+                         sc.data_ptr<float>(), sc.numel() == 1,
+                         bias ? reinterpret_cast<const uint16_t*>(bc.data_ptr()) : nullptr,
+                         reinterpret_cast<uint16_t*>(y.data_ptr()), M, N, K};
+  const Microkernel mk = stand_in ? Microkernel::kStandIn : Microkernel::kOneDnn;
+  const bool simd_pack = !scalar_pack && fp8_gemm_supported();
+  at::parallel_for(0, fp8_brgemm_units(M, N), fused_gemm_grain(K, kFp8BrgemmRows),
+                   [&](int64_t b, int64_t e) { fp8_gemm_brgemm(args, b, e, mk, simd_pack); });
+  return y.view(out_shape);
+}
+
 // Convolution as an implicit GEMM over channels-last activations (see fp8_gemm_cpu.h).
 // x: (B, C, H, W) bf16 in channels-last memory; w: (N, kh, kw, C) uint8 codes.
 // Returns (B, N, OH, OW) bf16 in channels-last memory.
@@ -363,11 +400,15 @@ TORCH_LIBRARY_FRAGMENT(pyext_C, m) {
   m.def("fp8_conv2d(Tensor x, Tensor w, Tensor scale, Tensor? bias, int[] stride, int[] padding) -> Tensor");
   m.def("fp8_upcast_out(Tensor w, Tensor scale, Tensor(a!) out) -> ()");
   m.def("fp8_linear(Tensor x, Tensor w, Tensor scale, Tensor? bias, int tile_rows=0) -> Tensor");
+  m.def("fp8_linear_brgemm(Tensor x, Tensor w, Tensor scale, Tensor? bias, bool stand_in=False, "
+        "bool scalar_pack=False) -> Tensor");
+  m.def("fp8_brgemm_available() -> bool", brgemm_available);
 }
 
 TORCH_LIBRARY_IMPL(pyext_C, CPU, m) {
   m.impl("fp8_upcast_out", fp8_upcast_out_cpu);
   m.impl("fp8_linear", fp8_linear_cpu);
+  m.impl("fp8_linear_brgemm", fp8_linear_brgemm_cpu);
   m.impl("fp8_conv2d", fp8_conv2d_cpu);
 }
 

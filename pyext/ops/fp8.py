@@ -185,6 +185,21 @@ def _linear_cpp(x, w, scale, bias):
     return torch.ops.pyext_C.fp8_linear(x, w, scale, bias)
 
 
+def _linear_brgemm(x, w, scale, bias):
+    return torch.ops.pyext_C.fp8_linear_brgemm(x, w, scale, bias)
+
+
+def _brgemm_missing() -> str | None:
+    missing = kernel_missing("fp8_linear_brgemm")
+    if missing is None and not torch.ops.pyext_C.fp8_brgemm_available():
+        return "torch's brgemm micro-kernel has no AMX bf16 kernel here (a CPU without AMX, or oneDNN off)"
+    return missing
+
+
+def _odd_k(x, w, scale, bias) -> list[str]:
+    return [f"in features {w.shape[1]} are odd; brgemm's VNNI layout pairs them"] if w.shape[1] % 2 else []
+
+
 def _linear_upcast_cublas(x, w, scale, bias):
     weight = torch.empty(w.shape, dtype=x.dtype, device=w.device)  # the caching allocator: no page faults
     _upcast_ext(w, scale, weight)
@@ -193,6 +208,8 @@ def _linear_upcast_cublas(x, w, scale, bias):
 
 # (rows of x, in features, out features, per-channel scale, bias) the op tests run every backend on.
 LINEAR_TEST_SHAPES = ((5, 40, 7, True, True), (1, 33, 70, False, False), (70, 96, 48, True, False))
+# brgemm's: even in features; blocks of rows and panels of channels, whole and with tails.
+BRGEMM_TEST_SHAPES = ((5, 40, 7, True, True), (70, 96, 130, True, False), (33, 2, 64, False, True))
 
 dispatch.register("fp8_linear", Backend(
     "cpp", _linear_cpp, unavailable=partial(kernel_missing, "fp8_linear"), devices=("cpu",),
@@ -200,6 +217,12 @@ dispatch.register("fp8_linear", Backend(
     doc="C++: bf16 on AVX512_BF16 CPUs: a GEMM that decodes fp8 in its packing step; small layers: "
         "a plain loop over the upcast weight; otherwise weight tiles upcast into a cache-sized buffer, "
         "torch GEMM per tile"))
+dispatch.register("fp8_linear", Backend(
+    "brgemm", _linear_brgemm, unavailable=_brgemm_missing, reasons=_odd_k, devices=("cpu",),
+    dtypes=(torch.bfloat16,), test_shapes=BRGEMM_TEST_SHAPES,
+    notes={torch.float16: "torch's fp16 brgemm needs AMX-FP16", torch.float32: "bf16 activations only"},
+    doc="C++ on AMX CPUs: 64-channel panels decoded once per thread into the VNNI layout of torch's "
+        "oneDNN brgemm, scale and bias in the fp32 epilogue"))
 dispatch.register("fp8_linear", Backend(
     "upcast_cublas", _linear_upcast_cublas, unavailable=partial(cuda_kernel_missing, "fp8_upcast_out"),
     devices=("cuda",), dtypes=COMPUTE_DTYPES, test_shapes=LINEAR_TEST_SHAPES,

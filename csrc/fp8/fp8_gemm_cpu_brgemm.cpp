@@ -1,0 +1,123 @@
+// The fp8-weight GEMM on torch's oneDNN micro-kernel, at::native::cpublas::brgemm, on the AMX
+// tiles of CPUs where torch packs bf16 for it (see fp8_gemm_cpu.h).
+//
+// A thread runs a contiguous range of (64-channel panel, block of rows) units. It decodes each of
+// its panels once, into the VNNI pair layout brgemm takes (kept in L2, reused by every block of
+// rows), has brgemm accumulate a block in fp32, and then applies the per-channel scale and the
+// bias and rounds to bf16 (the epilogue). The stand-in micro-kernel is a plain loop over the same
+// layout: the oracle the tests check the decode, blocking and epilogue with on every machine.
+#include <ATen/native/CPUBlas.h>
+#include <c10/util/BFloat16.h>
+#include <c10/util/Exception.h>
+
+#include <algorithm>
+#include <array>
+#include <cstdlib>
+#include <memory>
+#include <new>
+
+#include "common/half_rounding.h"
+#include "fp8/fp8_e4m3.h"
+#include "fp8/fp8_gemm_cpu.h"
+
+namespace pyext::cpu {
+namespace {
+
+struct FreeDeleter {
+  void operator()(void* p) const { std::free(p); }
+};
+
+template <typename T>
+T* grow(std::unique_ptr<T, FreeDeleter>& buf, size_t& capacity, size_t bytes) {
+  if (capacity < bytes) {
+    buf.reset(static_cast<T*>(std::aligned_alloc(64, (bytes + 63) / 64 * 64)));  // the SIMD packer's stores
+    if (!buf) throw std::bad_alloc();  // at::parallel_for rethrows it on the caller's thread
+    capacity = bytes;
+  }
+  return buf.get();
+}
+
+// bf16 bits of every e4m3 code (exact: bf16 keeps e4m3's 3 mantissa bits and its range).
+const std::array<uint16_t, 256>& bf16_of_code() {
+  static const std::array<uint16_t, 256> table = [] {
+    std::array<uint16_t, 256> t{};
+    for (uint32_t c = 0; c < 256; ++c) t[c] = float_to_bf16(fp8_e4m3_decode(c));
+    return t;
+  }();
+  return table;
+}
+
+// C[m][n] = sum over k of A[m][k] * B[k][n], B in the VNNI pair layout: B[k / 2][n][k % 2] with
+// ld_b channels per pair row. Products in fp32, summed in order.
+void stand_in_brgemm(int64_t M, int64_t N, int64_t K, int64_t ld_a, int64_t ld_b, int64_t ld_c, const uint16_t* A,
+                     const uint16_t* B, float* C) {
+  for (int64_t m = 0; m < M; ++m)
+    for (int64_t n = 0; n < N; ++n) {
+      float acc = 0.0f;
+      for (int64_t k = 0; k < K; ++k)
+        acc += bf16_to_float(A[m * ld_a + k]) * bf16_to_float(B[((k / 2) * ld_b + n) * 2 + k % 2]);
+      C[m * ld_c + n] = acc;
+    }
+}
+
+void multiply(Microkernel mk, int64_t M, int64_t N, int64_t K, const uint16_t* A, const uint16_t* B, float* C) {
+  if (mk == Microkernel::kStandIn) return stand_in_brgemm(M, N, K, K, kFp8Panel, kFp8Panel, A, B, C);
+  at::native::cpublas::brgemm(M, N, K, K, kFp8Panel, kFp8Panel, false, reinterpret_cast<const c10::BFloat16*>(A),
+                              reinterpret_cast<const c10::BFloat16*>(B), C, true);
+}
+
+// y[m0 + r][n0 + c] = bf16(C[r][c] * scale + bias) for the block's rows and the panel's channels.
+void epilogue(const Fp8GemmArgs& a, const float* C, int64_t m0, int64_t rows, int64_t n0, int64_t cols) {
+  float scale[kFp8Panel], bias[kFp8Panel];
+  for (int64_t c = 0; c < cols; ++c) {
+    scale[c] = a.scale[a.per_tensor ? 0 : n0 + c];
+    bias[c] = a.bias ? bf16_to_float(a.bias[n0 + c]) : 0.0f;
+  }
+  for (int64_t r = 0; r < rows; ++r) {
+    uint16_t* y = a.y + (m0 + r) * a.N + n0;
+    for (int64_t c = 0; c < cols; ++c) y[c] = float_to_bf16(C[r * kFp8Panel + c] * scale[c] + bias[c]);
+  }
+}
+
+}  // namespace
+
+void fp8_pack_panel_scalar(const uint8_t* w, int64_t N, int64_t K, int64_t n0, uint16_t* packed) {
+  const std::array<uint16_t, 256>& bf16 = bf16_of_code();
+  for (int64_t p = 0; p < (K + 1) / 2; ++p)
+    for (int64_t c = 0; c < kFp8Panel; ++c) {
+      const int64_t n = n0 + c;
+      for (int64_t j = 0; j < 2; ++j) {
+        const int64_t k = 2 * p + j;
+        packed[(p * kFp8Panel + c) * 2 + j] = n < N && k < K ? bf16[w[n * K + k]] : 0;
+      }
+    }
+}
+
+int64_t fp8_brgemm_units(int64_t M, int64_t N) {
+  return ((N + kFp8Panel - 1) / kFp8Panel) * ((M + kFp8BrgemmRows - 1) / kFp8BrgemmRows);
+}
+
+void fp8_gemm_brgemm(const Fp8GemmArgs& a, int64_t unit_begin, int64_t unit_end, Microkernel mk, bool simd_pack) {
+  TORCH_CHECK(!a.conv && a.K % 2 == 0, "pyext fp8 brgemm: a linear with an even K only");
+  // Per-thread scratch, reused across calls and layers: the decoded panel and the fp32 block.
+  thread_local std::unique_ptr<uint16_t, FreeDeleter> panel_buf;
+  thread_local std::unique_ptr<float, FreeDeleter> acc_buf;
+  thread_local size_t panel_cap = 0, acc_cap = 0;
+  uint16_t* packed = grow(panel_buf, panel_cap, static_cast<size_t>(a.K) * kFp8Panel * sizeof(uint16_t));
+  float* acc = grow(acc_buf, acc_cap, kFp8BrgemmRows * kFp8Panel * sizeof(float));
+  const int64_t blocks = (a.M + kFp8BrgemmRows - 1) / kFp8BrgemmRows;
+  int64_t decoded = -1;
+  for (int64_t u = unit_begin; u < unit_end; ++u) {
+    const int64_t panel = u / blocks, n0 = panel * kFp8Panel, m0 = (u % blocks) * kFp8BrgemmRows;
+    if (panel != decoded) {
+      (simd_pack ? fp8_pack_panel_avx512 : fp8_pack_panel_scalar)(a.w, a.N, a.K, n0, packed);
+      decoded = panel;
+    }
+    const int64_t rows = std::min(kFp8BrgemmRows, a.M - m0), cols = std::min<int64_t>(kFp8Panel, a.N - n0);
+    multiply(mk, rows, cols, a.K, a.x + m0 * a.K, packed, acc);
+    epilogue(a, acc, m0, rows, n0, cols);
+  }
+  if (mk == Microkernel::kOneDnn) at::native::cpublas::brgemm_release(true);  // the thread's AMX tile state
+}
+
+}  // namespace pyext::cpu

@@ -1,0 +1,121 @@
+"""The fp8 linear on torch's brgemm micro-kernel (csrc/fp8/fp8_gemm_cpu_brgemm.cpp).
+
+What does not depend on the micro-kernel (the decode into the VNNI layout, blocks of rows, panels
+of channels, the epilogue's scale, bias and rounding) runs on every machine with the stand-in, a
+plain loop over the same layout. Where torch's brgemm has an AMX kernel for bf16 (its
+cpublas::could_pack), the real micro-kernel runs against the stand-in too.
+"""
+import pytest
+import torch
+
+from pyext import dispatch
+from pyext._ext import has_kernel
+from pyext.ops.fp8 import example_weight, fp8_linear
+from pyext.reference.fp8 import FP8
+
+pytestmark = pytest.mark.skipif(not has_kernel("fp8_linear_brgemm"), reason="pyext._C is not built")
+
+# (rows, in features, out features): one row, a block of rows and its tail (32), one panel and its
+# tail (64), K from one VNNI pair to a width diffusion uses.
+SHAPES = [(1, 2, 1), (3, 40, 7), (31, 96, 64), (32, 130, 65), (33, 64, 130), (70, 320, 200), (5, 1280, 96)]
+
+
+def brgemm(x, w, scale, bias, **switches):
+    return torch.ops.pyext_C.fp8_linear_brgemm(x, w, scale, bias, **switches)
+
+
+def amx_brgemm() -> bool:
+    return bool(torch.ops.pyext_C.fp8_brgemm_available())
+
+
+def case(m, k, n, per_channel, with_bias, seed=0):
+    g = torch.Generator().manual_seed(seed)
+    x = torch.randn(m, k, generator=g).bfloat16()
+    w, scale = example_weight((n, k), per_channel, "cpu", g)
+    bias = torch.randn(n, generator=g).bfloat16() if with_bias else None
+    return x, w, scale, bias
+
+
+def exact_product(x, w, scale, bias):
+    """fp64 of what the GEMM computes before its last rounding: bf16 x times the decoded weight."""
+    weight = w.view(FP8).double() * scale.double().reshape(-1, 1)
+    y = x.double() @ weight.T
+    return y + bias.double() if bias is not None else y
+
+
+def assert_rounded_from(out, exact):
+    """Within one bf16 rounding of the fp64 product, plus fp32 summation's error over K."""
+    err = (out.double() - exact).abs()
+    allowed = 2.0 ** -8 * exact.abs() + 1e-5 * exact.abs().max().clamp_min(1.0)
+    assert out.dtype == torch.bfloat16 and bool((err <= allowed).all()), float((err - allowed).max())
+
+
+@pytest.mark.parametrize("m,k,n", SHAPES)
+@pytest.mark.parametrize("per_channel,with_bias", [(True, True), (False, False), (True, False)])
+def test_the_stand_in_path_gives_the_rounded_product(m, k, n, per_channel, with_bias):
+    x, w, scale, bias = case(m, k, n, per_channel, with_bias)
+    out = brgemm(x, w, scale, bias, stand_in=True)
+    assert out.shape == (m, n)
+    assert_rounded_from(out, exact_product(x, w, scale, bias))
+
+
+@pytest.mark.parametrize("m,k,n", SHAPES)
+def test_the_simd_and_scalar_packers_write_the_same_panels(m, k, n):
+    """Through the stand-in, which sums in a fixed order: equal panels give equal bits (AVX-512
+    CPUs pack with the SIMD packer by default; elsewhere both runs take the scalar one)."""
+    x, w, scale, bias = case(m, k, n, True, True, seed=1)
+    w[0, 0] = 0x7F  # a NaN code: its row decodes to NaN, in both packers alike
+    simd = brgemm(x, w, scale, bias, stand_in=True)
+    scalar = brgemm(x, w, scale, bias, stand_in=True, scalar_pack=True)
+    assert torch.equal(simd.view(torch.int16), scalar.view(torch.int16))
+    assert bool(simd[:, 0].isnan().all()) and not bool(simd[:, 1:].isnan().any())
+
+
+def test_batched_input_keeps_its_leading_dimensions():
+    x, w, scale, bias = case(12, 40, 9, True, True)
+    out = brgemm(x.reshape(3, 4, 40), w, scale, bias, stand_in=True)
+    assert out.shape == (3, 4, 9) and torch.equal(out.reshape(12, 9), brgemm(x, w, scale, bias, stand_in=True))
+
+
+def test_scales_that_do_not_fuse_take_the_upcast_path():
+    """A scale whose decoded weights overflow bf16: the op's meaning (upcast, then GEMM) is inf
+    weights, which the fused epilogue cannot give; the kernel takes the upcast path."""
+    x, w, scale, bias = case(5, 40, 7, True, False)
+    scale[2] = 3e37
+    out = brgemm(x, w, scale, bias, stand_in=True)
+    expected = fp8_linear(x, w.view(FP8), scale, bias, backend="reference")
+    assert torch.equal(out.isnan(), expected.isnan()) and torch.equal(out.isinf(), expected.isinf())
+    finite = expected.isfinite()
+    assert torch.allclose(out[finite].float(), expected[finite].float(), rtol=3e-2, atol=3e-2)
+
+
+@pytest.mark.skipif(not has_kernel("fp8_linear_brgemm") or not amx_brgemm(),
+                    reason="torch's brgemm has no AMX bf16 kernel on this CPU")
+@pytest.mark.parametrize("m,k,n", SHAPES)
+def test_torchs_brgemm_matches_the_stand_in(m, k, n):
+    x, w, scale, bias = case(m, k, n, True, True, seed=2)
+    out = brgemm(x, w, scale, bias)
+    assert_rounded_from(out, exact_product(x, w, scale, bias))
+    stand_in = brgemm(x, w, scale, bias, stand_in=True)
+    assert ((out.float() - stand_in.float()).abs() <= 2.0 ** -7 * stand_in.float().abs() + 1e-4).all()
+
+
+def test_the_backend_refuses_odd_in_features_and_says_why():
+    op = dispatch.ops()["fp8_linear"]
+    backend = next(b for b in op.backends if b.name == "brgemm")
+    x, w, scale, _ = case(3, 33, 8, True, False)
+    assert any("odd" in r for r in dispatch.input_reasons(op, backend, (x, w, scale, None)))
+    x, w, scale, _ = case(3, 34, 8, True, False)
+    assert dispatch.input_reasons(op, backend, (x, w, scale, None)) == []
+    missing = backend.unavailable()
+    assert (missing is None) == amx_brgemm()
+    if missing:
+        assert "AMX" in missing
+
+
+def test_without_amx_the_real_path_is_an_error_not_a_wrong_answer():
+    if amx_brgemm():
+        pytest.skip("this CPU has torch's AMX brgemm")
+    x, w, scale, bias = case(3, 40, 7, True, True)
+    with pytest.raises(RuntimeError, match="brgemm"):
+        brgemm(x, w, scale, bias)
