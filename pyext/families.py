@@ -196,8 +196,10 @@ class VaeFamily:
     maps: feature maps of the decoder's full-resolution width (the input width of its last
         convolution) alive at the decode's peak, per output frame held, in the compute dtype.
     fp32_maps: more such maps that the decoder computes in fp32 whatever its dtype.
-    columns: more maps, in the compute dtype, for the im2col buffers of a CPU's 3-D convolution
-        (torch lowers fp32 and fp16 Conv3d to im2col on a CPU; bf16 runs in oneDNN without them).
+    conv3d_columns, conv2d_columns: more maps, in the compute dtype, for the im2col buffers of a
+        CPU's 3-D and 2-D convolutions, where torch lowers them so in that dtype rather than run
+        them in oneDNN (`_compat.cpu_conv_im2col`): Conv3d in fp32 and fp16, and every convolution
+        in bf16 and fp16 on a CPU without native bf16.
     frames: output frames the decoder holds at once; None: every frame (one batch).
     """
 
@@ -205,21 +207,25 @@ class VaeFamily:
     classes: tuple[str, ...] = ()
     maps: float = 40.0
     fp32_maps: float = 0.0
-    columns: float = 27.0
+    conv3d_columns: float = 27.0
+    conv2d_columns: float = 30.0
     frames: int | None = None
 
 
 # Unknown VAEs take the default descriptor: as many maps as the most memory-hungry measured.
 VAE_FAMILIES = (
-    VaeFamily("kl", ("AutoencoderKL",), maps=6.0, columns=0.0),
+    VaeFamily("kl", ("AutoencoderKL",), maps=6.0, conv3d_columns=0.0, conv2d_columns=7.0),
     # its linear attention computes in fp32
-    VaeFamily("deep-compression", ("AutoencoderDC",), maps=2.4, fp32_maps=2.4, columns=0.0),
+    VaeFamily("deep-compression", ("AutoencoderDC",), maps=2.4, fp32_maps=2.4, conv3d_columns=0.0,
+              conv2d_columns=14.4),
     # causal 3-D VAEs that decode one latent frame (four output frames) at a time with a cache
-    VaeFamily("wan", ("AutoencoderKLWan",), maps=13.5, columns=24.0, frames=4),
-    VaeFamily("qwenimage", ("AutoencoderKLQwenImage",), maps=16.5, columns=24.0, frames=4),
-    VaeFamily("cogvideox", ("AutoencoderKLCogVideoX",), maps=25.0, columns=15.0),
-    VaeFamily("hunyuanvideo", ("AutoencoderKLHunyuanVideo",), maps=15.0, columns=18.0),
-    VaeFamily("ltx-video", ("AutoencoderKLLTXVideo",), maps=7.0, columns=25.0),
+    VaeFamily("wan", ("AutoencoderKLWan",), maps=13.5, conv3d_columns=24.0, conv2d_columns=0.0, frames=4),
+    VaeFamily("qwenimage", ("AutoencoderKLQwenImage",), maps=16.5, conv3d_columns=24.0, conv2d_columns=0.0,
+              frames=4),
+    # (their spatial up-samplers are 2-D convolutions)
+    VaeFamily("cogvideox", ("AutoencoderKLCogVideoX",), maps=25.0, conv3d_columns=15.0, conv2d_columns=24.5),
+    VaeFamily("hunyuanvideo", ("AutoencoderKLHunyuanVideo",), maps=15.0, conv3d_columns=18.0, conv2d_columns=30.0),
+    VaeFamily("ltx-video", ("AutoencoderKLLTXVideo",), maps=7.0, conv3d_columns=25.0, conv2d_columns=0.0),
 )
 _VAE_BY_CLASS = MappingProxyType({cls: fam for fam in VAE_FAMILIES for cls in fam.classes})
 

@@ -174,25 +174,37 @@ def activation_bytes(module: nn.Module, role: str, geo: Geometry, elem: int,
             return UNET_MAPS * geo.batch * geo.latent_frames * config["block_out_channels"][0] * h * w * elem
         return TOKEN_TENSORS * geo.batch * (_image_tokens(config, geo) + geo.text_tokens) * model_width(module) * elem
     if role == "vae":
-        family = vae_family_of(module)
-        frames = geo.frames if family.frames is None else min(family.frames, geo.frames)
-        maps = family.maps + (family.columns if host is not None and _compat.cpu_conv3d_im2col(host) else 0.0)
-        per_map = full_resolution_width(module) * geo.height * geo.width * frames
-        return int((maps * elem + family.fp32_maps * 4) * per_map)
+        return vae_decode_bytes(module, geo, elem, host)
     if role == "text_encoder":
         width, tokens = model_width(module), geo.text_tokens
         return (TEXT_TENSORS * tokens * width + SCORE_TENSORS * _heads(config, width) * tokens**2) * elem
     return 0
 
 
-def tiled_activation_bytes(module: nn.Module, role: str, geo: Geometry, act: int, host: torch.dtype | None) -> int:
+def vae_decode_bytes(module: nn.Module, geo: Geometry, elem: int, host: torch.dtype | None,
+                     columns: bool = True) -> int:
+    """A VAE decode's peak activation (activation_bytes); `columns=False` leaves out the im2col
+    buffers of a CPU's convolutions."""
+    family = vae_family_of(module)
+    frames = geo.frames if family.frames is None else min(family.frames, geo.frames)
+    maps = family.maps
+    if columns and host is not None:
+        maps += family.conv3d_columns * _compat.cpu_conv_im2col(host, 3) + \
+            family.conv2d_columns * _compat.cpu_conv_im2col(host, 2)
+    per_map = full_resolution_width(module) * geo.height * geo.width * frames
+    return int((maps * elem + family.fp32_maps * 4) * per_map)
+
+
+def tiled_activation_bytes(module: nn.Module, role: str, geo: Geometry, act: int, host: torch.dtype | None,
+                           elem: int) -> int:
     """A tiled VAE's peak: one tile's share of the full decode's, except pyext's exact tiling of a
     2-D KL VAE on a CPU (`host`), which keeps each stage's whole-image activation in the same RAM:
-    there it is EXACT_ON_HOST of the untiled peak (docs/vae.md)."""
+    there it is EXACT_ON_HOST of the untiled peak's maps (its convolutions' columns are a tile's,
+    small beside them; docs/vae.md)."""
     if role != "vae":
         return act
     if host is not None and vae_kind(module) == "kl2d":
-        return int(act * EXACT_ON_HOST)
+        return int(vae_decode_bytes(module, geo, elem, host, columns=False) * EXACT_ON_HOST)
     return act * min(TILE_PX**2, geo.height * geo.width) // (geo.height * geo.width)
 
 
@@ -207,7 +219,7 @@ def component_sizes(components: Components, geo: Geometry, elem: int = 2,
         role = components.roles[name]
         total, fp8_total, leaf = _weight_bytes(module, elem, skip_patterns(module, fp8_skip))
         act = activation_bytes(module, role, geo, elem, host) // (split_ways if role == "denoiser" else 1)
-        out.append(ComponentSize(name, role, total, fp8_total, act, tiled_activation_bytes(module, role, geo, act, host),
+        out.append(ComponentSize(name, role, total, fp8_total, act, tiled_activation_bytes(module, role, geo, act, host, elem),
                                  _largest_block(module, elem) or total, leaf))
     return out
 
