@@ -95,6 +95,22 @@ def has_hooks(module) -> bool:
     return has_accelerate_hook(module) or has_diffusers_hooks(module)
 
 
+def torch_function_mode_active() -> bool:
+    """A TorchFunctionMode (pyext's exact VAE tiling, a profiler or tracer of torch calls) sees each
+    torch function called now."""
+    return torch._C._is_torch_function_mode_enabled()
+
+
+def torch_hooks(module) -> bool:
+    """torch hooks on this module's calls (forward, pre-forward, backward), its own or global ones."""
+    from torch.nn.modules import module as nn_module
+
+    own = (module._forward_hooks, module._forward_pre_hooks, module._backward_hooks, module._backward_pre_hooks)
+    every = (nn_module._global_forward_hooks, nn_module._global_forward_pre_hooks, nn_module._global_backward_hooks,
+             nn_module._global_backward_pre_hooks)
+    return any(own) or any(every)
+
+
 def group_offload_config(module):
     """diffusers' GroupOffloadingConfig of the first group-offloaded submodule, or None."""
     name = _resolve("group_offload_hook")
@@ -316,10 +332,12 @@ def cpu_has_native_bf16() -> bool:
 
 
 @functools.lru_cache(maxsize=None)
-def cpu_conv3d_im2col(dtype: torch.dtype) -> bool:
-    """Whether torch's CPU Conv3d in `dtype` lowers to im2col (its slow_conv3d, with a column
-    buffer of kernel-volume times the input) rather than running in oneDNN: the choice depends on
-    the dtype and on what this CPU computes natively (bf16 on AVX512-BF16 or AMX)."""
-    x, w = torch.empty(1, 8, 3, 8, 8, dtype=dtype), torch.empty(8, 8, 3, 3, 3, dtype=dtype)
-    backend = torch._C._select_conv_backend(x, w, None, [1] * 3, [1] * 3, [1] * 3, False, [0] * 3, 1, None)
+def cpu_conv_im2col(dtype: torch.dtype, dims: int) -> bool:
+    """Whether torch's CPU convolution with `dims` spatial dimensions in `dtype` lowers to im2col
+    (its slow_conv2d / slow_conv3d, with a column buffer of kernel-size times the input) rather
+    than running in oneDNN: the choice depends on the dtype and on what this CPU computes natively
+    (bf16 on AVX512-BF16 or AMX). Asked of a 3x3 (x3) convolution of a VAE decoder's size."""
+    shape = (1, 64, 64, 64) if dims == 2 else (1, 8, 3, 8, 8)
+    x, w = torch.empty(shape, dtype=dtype), torch.empty(shape[1], shape[1], *[3] * dims, dtype=dtype)
+    backend = torch._C._select_conv_backend(x, w, None, [1] * dims, [1] * dims, [1] * dims, False, [0] * dims, 1, None)
     return backend.name.startswith("Slow")

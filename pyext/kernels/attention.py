@@ -183,16 +183,19 @@ def _attention_fwd(
             v2 = _load_part(v_base, keys, key_ok, svs, svd, P0 + P1, P2, D)
             acc2 = acc2 * alpha[:, None] + tl.dot(p, v2, input_precision=PRECISION)
 
-    if HAS_BIAS:  # a row the mask hides entirely has l_i = 0 and acc = 0: output 0, as SDPA gives
-        inv = 1.0 / tl.where(l_i > 0.0, l_i, float("inf"))
-    else:
-        inv = 1.0 / l_i
+    # A row the mask hides entirely has l_i = 0: output 0, as SDPA gives, even where a masked key's
+    # v is NaN (acc holds 0 * NaN then). Without a mask, l_i = 0 is fp32 overflow: softmax's NaN.
+    inv = 1.0 / l_i
+    hidden = (l_i == 0.0) & HAS_BIAS
     out_ty = O.dtype.element_ty
-    _store_part(o_base, rows, row_ok, sos, sod, (acc0 * inv[:, None]).to(out_ty), 0, P0, D)
+    _store_part(o_base, rows, row_ok, sos, sod, tl.where(hidden[:, None], 0.0, acc0 * inv[:, None]).to(out_ty),
+                0, P0, D)
     if P1 > 0:
-        _store_part(o_base, rows, row_ok, sos, sod, (acc1 * inv[:, None]).to(out_ty), P0, P1, D)
+        _store_part(o_base, rows, row_ok, sos, sod, tl.where(hidden[:, None], 0.0, acc1 * inv[:, None]).to(out_ty),
+                    P0, P1, D)
     if P2 > 0:
-        _store_part(o_base, rows, row_ok, sos, sod, (acc2 * inv[:, None]).to(out_ty), P0 + P1, P2, D)
+        _store_part(o_base, rows, row_ok, sos, sod, tl.where(hidden[:, None], 0.0, acc2 * inv[:, None]).to(out_ty),
+                    P0 + P1, P2, D)
     if RETURN_LSE:  # natural log; a fully masked row gives -inf + log2(0) = -inf
         tl.store(Lse + bh * SQ + rows, (m_i + tl.math.log2(l_i)) * _LN2, mask=row_ok)
 

@@ -173,9 +173,10 @@ def _sdpa(q, k, v, scale, mask, lse):
     if mask is not None and mask.dtype not in (torch.bool, q.dtype):
         mask = mask.to(q.dtype)  # SDPA takes a bias in q's dtype only
     out = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, scale=scale, enable_gqa=k.shape[1] != q.shape[1])
-    if mask is not None and q.device.type != "cpu":
-        # A row whose every key is masked is 0 in this op; SDPA's CPU kernels give that, its GPU
-        # kernels give NaN or an average of v. One pass over the mask, no host read.
+    if mask is not None:
+        # A row whose every key is masked is 0 in this op; SDPA's GPU kernels give NaN or an average
+        # of v there, its CPU kernels 0 * v (NaN where a masked key's v is NaN). One pass over the
+        # mask, no host read.
         hidden = ~mask.any(-1, keepdim=True) if mask.dtype == torch.bool else torch.isneginf(mask).all(-1, keepdim=True)
         out = out.masked_fill(hidden, 0.0)
     return out, None

@@ -40,7 +40,8 @@ def attention_reference(q, k, v, scale: Optional[float] = None, attn_mask=None, 
         s = s + mask_as_bias(attn_mask)
     lse = torch.logsumexp(s, dim=-1)
     p = torch.exp(s - lse[..., None])
-    if attn_mask is not None:  # every key masked: 0 (without a mask, all -inf is fp32 overflow: NaN)
-        p.masked_fill_(torch.isneginf(lse)[..., None], 0.0)
-    out = torch.matmul(p, _grouped(v, q.shape[1]).to(ct)).to(q.dtype)
+    out = torch.matmul(p, _grouped(v, q.shape[1]).to(ct))
+    if attn_mask is not None:  # every key masked: 0, whatever v holds (without a mask, all -inf is
+        out.masked_fill_(torch.isneginf(lse)[..., None], 0.0)  # fp32 overflow: NaN)
+    out = out.to(q.dtype)
     return (out, lse) if return_lse else out
