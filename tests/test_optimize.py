@@ -129,6 +129,40 @@ def test_report_restore_and_idempotence(arch, references):
     assert pyext.report(pipe).plan == "not optimized by pyext"
 
 
+def module_state(pipe) -> dict:
+    """What restore must give back, per component: each module's class, instance-level forward
+    and hook counts; each parameter's and buffer's dtype, device, requires_grad, layout and value."""
+    from pyext.families import modules_of
+
+    state = {}
+    for cname, component in modules_of(pipe).items():
+        for name, m in component.named_modules():
+            hooks = tuple(len(getattr(m, h)) for h in ("_forward_hooks", "_forward_pre_hooks", "_backward_hooks"))
+            state[f"{cname}.{name}"] = (type(m), "forward" in m.__dict__, hooks)
+        for kind, tensors in (("p", component.named_parameters()), ("b", component.named_buffers())):
+            for name, t in tensors:
+                state[f"{cname}.{kind}.{name}"] = (t.dtype, t.device, t.requires_grad, t.is_contiguous(),
+                                                   type(t), t.detach().clone())
+    return state
+
+
+def test_restore_gives_back_every_attribute_it_changed():
+    """optimize's defaults and fp8 weights with their originals kept, then restore: every module,
+    parameter and buffer is as in a fresh pipeline, requires_grad included."""
+    fresh = module_state(build_pipeline("sd15", "tiny"))
+    pipe = build_pipeline("sd15", "tiny")
+    pyext.optimize(pipe, fp8="denoiser", keep_original_weights=True)
+    pyext.restore(pipe)
+    restored = module_state(pipe)
+    assert restored.keys() == fresh.keys()
+    for key, want in fresh.items():
+        got = restored[key]
+        if isinstance(want[-1], torch.Tensor):
+            assert got[:-1] == want[:-1] and torch.equal(got[-1], want[-1]), (key, got[:-1], want[:-1])
+        else:
+            assert got == want, key
+
+
 def test_a_second_call_decides_on_the_pipeline_the_first_call_undid():
     """The first call traced the UNet: the second decides once it is eager again, so it traces anew."""
     from pyext.traced import TracedUNet

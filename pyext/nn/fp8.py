@@ -58,6 +58,8 @@ class _FP8Storage:
     """Shared by both layers: fp8 codes + fp32 scales in cast-proof integer buffers."""
 
     def _store(self, weight: torch.Tensor, per_channel: bool, keep_original: bool) -> None:
+        # Codes take no gradient; the plain layer that restore gives back takes the original's flag.
+        self.original_requires_grad = weight.requires_grad
         if weight.device.type == "meta":  # a skeleton with the right shapes, filled later by load_state_dict
             codes = torch.empty(weight.shape, dtype=torch.uint8, device="meta")
             scale = torch.empty(weight.shape[0] if per_channel else 1, device="meta")
@@ -149,7 +151,7 @@ class FP8Linear(_FP8Storage, nn.Linear):
         new = cls.__new__(cls)
         nn.Module.__init__(new)
         new.in_features, new.out_features = linear.in_features, linear.out_features
-        new._store(linear.weight.detach(), per_channel, keep_original)
+        new._store(linear.weight, per_channel, keep_original)
         new.bias = linear.bias
         new.gemm = gemm
         return new
@@ -199,7 +201,7 @@ class FP8Conv2d(_FP8Storage, nn.Conv2d):
                      "transposed", "output_padding", "groups", "padding_mode"):
             setattr(new, attr, getattr(conv, attr))
         new._reversed_padding_repeated_twice = conv._reversed_padding_repeated_twice
-        new._store(conv.weight.detach(), per_channel, keep_original)
+        new._store(conv.weight, per_channel, keep_original)
         new.use_kernel_layout()
         new.bias = conv.bias
         return new
@@ -347,7 +349,7 @@ def plain_layer(module: nn.Module, original: bool = True) -> nn.Module:
         plain = nn.Conv2d(module.in_channels, module.out_channels, module.kernel_size, module.stride,
                           module.padding, module.dilation, module.groups, module.bias is not None,
                           module.padding_mode, device="meta")
-    plain.weight = nn.Parameter(weight, requires_grad=False)
+    plain.weight = nn.Parameter(weight.detach(), requires_grad=getattr(module, "original_requires_grad", True))
     plain.bias = module.bias
     return plain
 
