@@ -12,7 +12,7 @@ is what a pipeline replaying its captured denoiser (compile="capture") pays. Eac
 row also gives the errors of both against an fp32 reference on the same inputs, beside the error
 of SDPA's default in the same dtype; a row where either is more than twice SDPA's carries an
 `accuracy_error`. Each fp8 row gives its SQNR against the bf16 layer. Each GroupNorm row times
-what fuse_norms puts in a ResnetBlock2D (the GroupNormSiLU layer, dispatch's choice) against
+what fuse_norms puts in a ResnetBlock2D (fused_norm.norm_silu, dispatch's choice) against
 what diffusers runs there (F.group_norm, then F.silu), eagerly and replayed from CUDA graphs,
 with both errors against an fp32 reference.
 """
@@ -201,14 +201,14 @@ def bench_fp8_linear(shapes=LINEAR_SHAPES, device="cuda", ms=_ms) -> list[dict]:
 def bench_group_norm(shapes=GROUP_NORM_SHAPES, dtype=torch.float16, device="cuda", ms=_ms,
                      graph_ms=_graph_ms) -> list[dict]:
     from pyext import dispatch
-    from pyext.nn.fused_norm import MIN_FUSED_NUMEL, GroupNormSiLU
+    from pyext.nn.fused_norm import MIN_FUSED_NUMEL, norm_silu
     from pyext.ops import group_norm
 
     rows = []
     for name, b, c, h, w in shapes:
         g = torch.Generator(device).manual_seed(0)
         x = torch.randn(b, c, h, w, device=device, dtype=dtype, generator=g).contiguous(memory_format=torch.channels_last)
-        norm = GroupNormSiLU(32, c).to(device, dtype)
+        norm = torch.nn.GroupNorm(32, c).to(device, dtype)
         norm.weight.copy_(torch.rand(c, device=device, generator=g) + 0.5)
         norm.bias.copy_(torch.randn(c, device=device, generator=g) * 0.1)
         plain = lambda: F.silu(F.group_norm(x, 32, norm.weight, norm.bias, norm.eps))  # noqa: E731
@@ -224,10 +224,10 @@ def bench_group_norm(shapes=GROUP_NORM_SHAPES, dtype=torch.float16, device="cuda
         try:
             args = (x, 32, norm.weight, norm.bias, None, norm.eps, True)
             row["fused_backend"] = dispatch.select("group_norm", args).name if x.numel() >= MIN_FUSED_NUMEL else "plain"
-            row["fused_ms"] = ms(lambda: norm(x))
-            row["fused_err"] = _rel(norm(x), ref)
+            row["fused_ms"] = ms(lambda: norm_silu(norm, x))
+            row["fused_err"] = _rel(norm_silu(norm, x), ref)
             if graph_ms is not None:
-                row["fused_graph_ms"] = graph_ms(lambda: norm(x))
+                row["fused_graph_ms"] = graph_ms(lambda: norm_silu(norm, x))
         except Exception as e:
             row["fused_error"] = _failure(e)
         try:

@@ -253,6 +253,36 @@ def test_optimize_twice_equals_one_call_with_the_later_options(arch):
 GRAD_TOL = {torch.float32: 1e-4, torch.bfloat16: 2e-2}
 
 
+def hooked_norms(pipe) -> list:
+    """Norms that optimize's defaults fuse with their SiLU on a CPU: the UNet's first and the VAE
+    decoder's last resnet's."""
+    return [pipe.unet.down_blocks[0].resnets[0].norm1, pipe.vae.decoder.up_blocks[-1].resnets[-1].norm2]
+
+
+def hook(pipe) -> list:
+    """Forward hooks that record each norm's first output and hand on a new tensor (o * 1.0), as
+    feature extractors and adapters do."""
+    seen = [[] for _ in hooked_norms(pipe)]
+    for norm, out in zip(hooked_norms(pipe), seen):
+        norm.register_forward_hook(lambda m, i, o, out=out: (out.append(o.detach().clone()), o * 1.0)[1])
+    return seen
+
+
+@pytest.mark.parametrize("when", ["before", "after"])
+def test_hooks_see_what_plain_diffusers_modules_give(when):
+    """Forward hooks on modules optimize changed (norms fused with their SiLU), registered before
+    or after optimize, see plain diffusers' outputs, and the image is plain diffusers' with them."""
+    opt, twin = build_pipeline("sd15", "tiny"), build_pipeline("sd15", "tiny")
+    seen = hook(opt) if when == "before" else None
+    pyext.optimize(opt, **TECHNIQUES["defaults"])
+    assert any(e.technique == "fuse_norms" and e.status == "applied" for e in pyext.report(opt).entries)
+    seen = seen or hook(opt)
+    want = hook(twin)
+    assert_same(run(opt, "sd15"), run(twin, "sd15"))
+    for got, ref in zip(seen, want):
+        assert len(got) == len(ref) and all((g - r).abs().max() <= 1e-4 * r.abs().max() for g, r in zip(got, ref))
+
+
 def denoising_loss(unet) -> torch.Tensor:
     """One forward's denoising loss, the text embeddings without grad as in fine-tuning."""
     g = torch.Generator().manual_seed(0)

@@ -1,88 +1,139 @@
 """GroupNorm then SiLU in one pass (pyext.ops.group_norm), inside diffusers' ResnetBlock2D.
 
-A ResnetBlock2D runs norm1 -> nonlinearity and norm2 -> nonlinearity: two passes over the
-activation each (read, write, read, write) where one read and one write suffice. `fuse_norms`
-turns such a GroupNorm into a `GroupNormSiLU` (by __class__ swap: the same module, parameters,
-state_dict and hooks) whose output has been through SiLU already and is marked so, and the
-block's nonlinearity into a `SiLUAfterFusedNorm`, which hands a marked tensor on as it is and
-applies SiLU to anything else (the time embedding goes through the same module).
+A ResnetBlock2D runs norm1 -> nonlinearity and (time-embedding add ->) norm2 -> nonlinearity: two
+passes over the activation each (read, write, read, write) where one read and one write suffice.
+`fuse_norms` gives such a block the forward of `FusedResnetBlock2D` (by __class__ swap: the same
+module, parameters, state_dict and hooks): ResnetBlock2D's own, with each pair one call of the
+fused op and the time embedding's add folded into norm2's. The fusion lives in the block that owns
+both ops: its norm and SiLU modules stay plain, so whoever calls or hooks them gets what GroupNorm
+and SiLU give. A call runs ResnetBlock2D's forward instead wherever fusing could be seen: a hook,
+or a forward replaced per instance, on one of those modules (or a global module hook), a
+TorchFunctionMode watching torch's calls, modules swapped for others, inputs that need autograd
+(the op has no backward), arguments it does not know.
 
-The marking only holds where the norm's output goes straight into the nonlinearity, so each
-block is probed when fused: on a small random input, the fused block must give the plain
-block's output, else it is put back and reported with the difference. Blocks sharing one SiLU
-module are left plain. A forward hook added later on a fused norm sees the SiLU'd output.
+Each block is probed when fused: on a small random input, the fused block must give the plain
+block's output, else it stays plain and the report says by how much it differed. A block with
+hooks already on it stays plain: they would see the probe's calls.
 """
 from __future__ import annotations
 
+import functools
 from dataclasses import dataclass, field
 
 import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
+from pyext import _compat
 from pyext.ops.group_norm import DTYPES, group_norm
 
-_MARK = "_pyext_silu_applied"
 # Below this many elements the op's per-call cost (custom op and dispatch) outweighs the pass it
 # saves (measured on the UNet's 8x8 levels, where torch's GroupNorm + SiLU was faster).
 MIN_FUSED_NUMEL = 1 << 18
 
 
-class GroupNormSiLU(nn.GroupNorm):
-    """silu(group_norm(x)) in one pass; the output is marked for SiLUAfterFusedNorm."""
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        if (x.dtype not in DTYPES or not self.eps > 0  # what the op refuses, plain GroupNorm takes
-                or x.numel() < MIN_FUSED_NUMEL
-                or torch.is_grad_enabled() and any(t is not None and t.requires_grad for t in (x, self.weight, self.bias))):
-            y = F.silu(F.group_norm(x, self.num_groups, self.weight, self.bias, self.eps))  # the op has no backward
-        else:
-            y = group_norm(x, self.num_groups, self.weight, self.bias, self.eps, activation="silu")
-        setattr(y, _MARK, True)
-        return y
+def norm_silu(norm: nn.GroupNorm, x: torch.Tensor, shift: torch.Tensor | None = None) -> torch.Tensor:
+    """silu(norm(x + shift[:, :, None, None])): one pass of the fused op, or torch's two below the
+    size where that pays and for what the op refuses."""
+    if shift is not None and tuple(shift.shape) != tuple(x.shape[:2]):  # one the op does not take: broadcast
+        x, shift = x + shift[:, :, None, None], None
+    if x.dtype in DTYPES and norm.eps > 0 and x.numel() >= MIN_FUSED_NUMEL:
+        return group_norm(x, norm.num_groups, norm.weight, norm.bias, norm.eps, activation="silu", shift=shift)
+    if shift is not None:
+        x = x + shift[:, :, None, None]
+    return F.silu(F.group_norm(x, norm.num_groups, norm.weight, norm.bias, norm.eps))
 
 
-class SiLUAfterFusedNorm(nn.SiLU):
-    """SiLU, except on a tensor a GroupNormSiLU already put through it."""
+def _plain_module(m: nn.Module, kind: type) -> bool:
+    """m is a `kind` exactly, with no hook and no per-instance forward (how diffusers' and
+    accelerate's hooks wrap a module) that fusing would bypass."""
+    return type(m) is kind and "forward" not in m.__dict__ and not _compat.torch_hooks(m)
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return x if getattr(x, _MARK, False) else F.silu(x, inplace=self.inplace)
+
+def unseen(block: nn.Module, x: torch.Tensor) -> bool:
+    """Whether fusing this call is invisible: plain, unhooked norms and SiLU; no gradient asked for."""
+    if not (_plain_module(block.norm1, nn.GroupNorm) and _plain_module(block.norm2, nn.GroupNorm)
+            and _plain_module(block.nonlinearity, nn.SiLU)) or _compat.torch_function_mode_active():
+        return False  # (a TorchFunctionMode watches F.group_norm: pyext's exact VAE tiling does)
+    if torch.is_grad_enabled():
+        tensors = (x, block.norm1.weight, block.norm1.bias, block.norm2.weight, block.norm2.bias)
+        return not any(t is not None and t.requires_grad for t in tensors)
+    return True
 
 
-def _pairs(block: nn.Module) -> list[str]:
-    """The GroupNorms of a ResnetBlock2D-shaped block whose output goes to its SiLU nonlinearity."""
-    if type(getattr(block, "nonlinearity", None)) is not nn.SiLU:
-        return []
-    if getattr(block, "time_embedding_norm", None) == "scale_shift":
-        return []  # applies the time embedding between norm2 and the nonlinearity
-    return [name for name in ("norm1", "norm2") if type(getattr(block, name, None)) is nn.GroupNorm]
+def _resnet_block_2d() -> type:
+    from diffusers.models.resnet import ResnetBlock2D  # imported on first use: pyext imports no diffusers
+
+    return ResnetBlock2D
+
+
+@functools.lru_cache(maxsize=None)
+def fused_resnet_block_2d() -> type:
+    """FusedResnetBlock2D, made once diffusers is imported."""
+    base = _resnet_block_2d()
+
+    class FusedResnetBlock2D(base):
+        """ResnetBlock2D's forward with norm1 + SiLU and (time embedding +) norm2 + SiLU fused."""
+
+        def forward(self, input_tensor: torch.Tensor, temb: torch.Tensor, *args, **kwargs) -> torch.Tensor:
+            if args or kwargs or (temb is not None and self.time_emb_proj is None) or not unseen(self, input_tensor):
+                return base.forward(self, input_tensor, temb, *args, **kwargs)
+            hidden_states = norm_silu(self.norm1, input_tensor)
+            if self.upsample is not None:
+                if hidden_states.shape[0] >= 64:  # as the block does (nearest upsampling and large batches)
+                    input_tensor = input_tensor.contiguous()
+                    hidden_states = hidden_states.contiguous()
+                input_tensor = self.upsample(input_tensor)
+                hidden_states = self.upsample(hidden_states)
+            elif self.downsample is not None:
+                input_tensor = self.downsample(input_tensor)
+                hidden_states = self.downsample(hidden_states)
+            hidden_states = self.conv1(hidden_states)
+            shift = None
+            if self.time_emb_proj is not None and temb is not None:
+                shift = self.time_emb_proj(temb if self.skip_time_act else self.nonlinearity(temb))
+            hidden_states = norm_silu(self.norm2, hidden_states, shift)
+            hidden_states = self.conv2(self.dropout(hidden_states))
+            if self.conv_shortcut is not None:
+                if self.training:
+                    input_tensor = input_tensor.contiguous()
+                input_tensor = self.conv_shortcut(input_tensor)
+            return (input_tensor + hidden_states) / self.output_scale_factor
+
+    return FusedResnetBlock2D
+
+
+def is_fused(block: nn.Module) -> bool:
+    return type(block) is fused_resnet_block_2d()
+
+
+def fusable(block: nn.Module) -> bool:
+    """A diffusers ResnetBlock2D (the class itself) whose norms feed its SiLU directly: GroupNorm
+    modules, a SiLU nonlinearity, the "default" time-embedding norm (an add before norm2)."""
+    return (type(block) is _resnet_block_2d() and type(block.norm1) is nn.GroupNorm and type(block.norm2) is nn.GroupNorm
+            and type(block.nonlinearity) is nn.SiLU and block.time_embedding_norm == "default")
 
 
 def _probe_args(block: nn.Module):
     p = next(block.parameters())
     x = torch.randn(1, block.norm1.num_channels, 6, 5, generator=torch.Generator().manual_seed(0)).to(p)
-    proj = getattr(block, "time_emb_proj", None)
+    proj = block.time_emb_proj
     temb = torch.randn(1, proj.in_features, generator=torch.Generator().manual_seed(1)).to(p) if proj else None
     return x, temb
 
 
-def _set_classes(block: nn.Module, names: list[str], fused: bool) -> None:
-    for name in names:
-        getattr(block, name).__class__ = GroupNormSiLU if fused else nn.GroupNorm
-    block.nonlinearity.__class__ = SiLUAfterFusedNorm if fused else nn.SiLU
-
-
-def _probe(block: nn.Module, names: list[str]) -> str | None:
+def _probe(block: nn.Module) -> str | None:
     """None when the fused block gives the plain block's output on a small input, else why not
     (and the block is plain again)."""
     if any(p.device.type == "meta" for p in block.parameters()):
         return "parameters on the meta device (offloaded): nothing to probe with"
+    if any("forward" in m.__dict__ or _compat.torch_hooks(m) for m in block.modules()):
+        return "hooks on it would see the probe's calls"
     try:
         x, temb = _probe_args(block)
         with torch.no_grad():
-            _set_classes(block, names, False)
             plain = block(x, temb)
-            _set_classes(block, names, True)
+            block.__class__ = fused_resnet_block_2d()
             fused = block(x, temb)
         tolerance = 1e-4 if x.dtype == torch.float32 else 3e-2
         err = (fused.float() - plain.float()).abs().max().item()
@@ -92,7 +143,7 @@ def _probe(block: nn.Module, names: list[str]) -> str | None:
     except Exception as err:  # a block that wants other arguments or inputs
         reason = f"the probe could not run ({type(err).__name__}: {str(err)[:120]})"
     if reason:
-        _set_classes(block, names, False)
+        block.__class__ = _resnet_block_2d()
     return reason
 
 
@@ -102,35 +153,27 @@ class FuseReport:
     skipped: dict[str, str] = field(default_factory=dict)
 
     def __str__(self) -> str:
-        return f"{len(self.fused)} GroupNorm+SiLU pairs fused"
+        return f"{2 * len(self.fused)} GroupNorm+SiLU pairs fused in {len(self.fused)} ResnetBlock2D blocks"
 
 
 def fuse_norms(model: nn.Module) -> FuseReport:
-    """Fuse every probed-safe GroupNorm -> SiLU pair of the model's ResnetBlock2D-shaped blocks."""
+    """Fuse the GroupNorm -> SiLU pairs of every probed-safe ResnetBlock2D of the model."""
     report = FuseReport()
-    blocks = [(name, block, _pairs(block)) for name, block in model.named_modules()]
-    blocks = [(name, block, names) for name, block, names in blocks if names]
-    owners: dict[int, int] = {}
-    for _, block, _ in blocks:
-        owners[id(block.nonlinearity)] = owners.get(id(block.nonlinearity), 0) + 1
-    for name, block, names in blocks:
-        # A SiLU shared by blocks would pass marked tensors through in blocks left plain.
-        reason = ("its SiLU module is shared with other blocks" if owners[id(block.nonlinearity)] > 1
-                  else _probe(block, names))
-        if reason:
-            report.skipped[name] = reason
-        else:
-            report.fused += [f"{name}.{n}" for n in names]
+    for name, block in model.named_modules():
+        if fusable(block):
+            reason = _probe(block)
+            if reason:
+                report.skipped[name] = reason
+            else:
+                report.fused.append(name)
     return report
 
 
 def unfuse_norms(model: nn.Module) -> list[str]:
-    """Plain GroupNorm and SiLU modules again (nothing else was changed)."""
+    """Plain ResnetBlock2D forwards again (nothing else was changed)."""
     done = []
     for name, module in model.named_modules():
-        if type(module) is GroupNormSiLU:
-            module.__class__ = nn.GroupNorm
+        if is_fused(module):
+            module.__class__ = _resnet_block_2d()
             done.append(name)
-        elif type(module) is SiLUAfterFusedNorm:
-            module.__class__ = nn.SiLU
     return done

@@ -1,9 +1,9 @@
-"""GroupNorm + SiLU fused into one pass in ResnetBlock2D-shaped blocks (pyext.nn.fused_norm)."""
+"""GroupNorm + SiLU fused into one pass in diffusers' ResnetBlock2D blocks (pyext.nn.fused_norm)."""
 from __future__ import annotations
 
 import functools
 
-from pyext.nn.fused_norm import GroupNormSiLU, fuse_norms, unfuse_norms
+from pyext.nn.fused_norm import fuse_norms, is_fused, unfuse_norms
 from pyext.techniques.base import Entry, PerComponent
 from pyext.techniques.packing import AUTO_ROLES  # the conv models, built of ResnetBlock2D
 
@@ -17,14 +17,14 @@ class FuseNorms(PerComponent):
 
     def change(self, pipe, name: str, d) -> Entry:
         module = d.components.modules[name]
-        if any(type(m) is GroupNormSiLU for m in module.modules()):
+        if any(is_fused(m) for m in module.modules()):
             return self.already(name, "GroupNorm+SiLU fused before")
         report = fuse_norms(module)
         if report.fused:
             detail = str(report) + (f" ({len(report.skipped)} blocks left plain)" if report.skipped else "")
             return self.applied(name, detail, functools.partial(self._undo, module))
         reasons = sorted(set(report.skipped.values()))
-        return self.skipped(name, "no GroupNorm -> SiLU pair in a ResnetBlock2D-shaped block"
+        return self.skipped(name, "no ResnetBlock2D whose GroupNorms feed its SiLU"
                             + (" (" + "; ".join(reasons[:2]) + ")" if reasons else ""))
 
     def why_not(self, name: str, module, d) -> str | None:
@@ -39,4 +39,4 @@ class FuseNorms(PerComponent):
 
     @staticmethod
     def _undo(module) -> str:
-        return f"{len(unfuse_norms(module))} GroupNorm+SiLU pairs plain again"
+        return f"{len(unfuse_norms(module))} ResnetBlock2D blocks plain again"

@@ -17,6 +17,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from pyext import ops
+from pyext.nn.fused_norm import is_fused, norm_silu, unseen
 
 QUERY_CHUNK = 4096  # tokens per query chunk in lean_self_attention
 
@@ -230,7 +231,7 @@ def _splittable(module) -> bool:
     dropout, conv2, plus the (shortcut of the) input, over output_scale_factor (as in every
     AutoencoderKL: no resampling inside, no time projection, no scale-shift norm)."""
     from diffusers.models.resnet import ResnetBlock2D
-    return (isinstance(module, ResnetBlock2D) and type(module).forward is ResnetBlock2D.forward
+    return (isinstance(module, ResnetBlock2D) and (type(module).forward is ResnetBlock2D.forward or is_fused(module))
             and module.upsample is None and module.downsample is None and module.time_emb_proj is None
             and module.time_embedding_norm != "scale_shift")
 
@@ -244,16 +245,23 @@ def _activate(r, x: torch.Tensor) -> torch.Tensor:
     return r.nonlinearity(x)
 
 
+def _norm_then_activate(r, norm: nn.Module, x: torch.Tensor) -> torch.Tensor:
+    """The resnet's norm, then its nonlinearity: one pass where fuse_norms fused the block."""
+    if is_fused(r) and unseen(r, x):
+        return norm_silu(norm, x)
+    return _activate(r, norm(x))
+
+
 def resnet_first_half(r, x: torch.Tensor) -> torch.Tensor:
     """ResnetBlock2D up to its second GroupNorm: conv1's output."""
-    return r.conv1(_activate(r, r.norm1(x)))
+    return r.conv1(_norm_then_activate(r, r.norm1, x))
 
 
 def resnet_second_half(r, h: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
     """The rest of the block, from conv1's output h and the block's input x (its 1x1 shortcut,
     a per-pixel conv, runs here on x as in the block). Bit for bit the block's sum and division,
     in place on conv2's fresh output where no gradient is recorded."""
-    h = r.conv2(r.dropout(_activate(r, r.norm2(h))))
+    h = r.conv2(r.dropout(_norm_then_activate(r, r.norm2, h)))
     residual = r.conv_shortcut(x) if r.conv_shortcut is not None else x
     if torch.is_grad_enabled():
         return (residual + h) / r.output_scale_factor
