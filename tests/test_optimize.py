@@ -1,4 +1,6 @@
 """pyext.optimize on tiny offline pipelines: same images, report/restore, planner, composition."""
+import re
+
 import numpy as np
 import pytest
 import torch
@@ -275,6 +277,20 @@ def test_parse_bytes():
     for bad in ("lots", -3, 0, "-1GB", True):
         with pytest.raises(pyext.PyextError, match="memory_budget"):
             parse_bytes(bad)
+
+
+def test_fp8_on_a_cpu_reports_what_it_costs_in_time():
+    """The largest fp8 linear against a plain one on its dequantized weight, timed once per CPU and
+    kept with dispatch's decisions: the report gives the ratio, whichever way it goes."""
+    from pyext import dispatch
+
+    pipe = pyext.optimize(build_pipeline("sd15", "tiny"), fp8="denoiser", dtype="keep")
+    entry = next(e for e in pyext.report(pipe).entries if e.technique == "fp8" and e.status == "applied")
+    found = re.search(r"largest fp8 linear \((\d+)x(\d+)x(\d+) float32\) takes ([\d.]+)x the time", entry.detail)
+    assert found and float(found.group(4)) > 0, entry.detail
+    kept = dispatch.measured_choice("fp8_cost", f"{found.group(1)}x{found.group(2)}x{found.group(3)} float32",
+                                    torch.device("cpu"), dict.fromkeys(("fp8", "plain"), lambda: None))  # kept: not timed again
+    assert set(kept["timings"]) == {"fp8", "plain"}
 
 
 def test_budget_on_cpu_picks_fp8_not_offload():

@@ -5,8 +5,9 @@ import functools
 
 import torch
 import torch.nn as nn
+import torch.nn.functional as F
 
-from pyext import _compat
+from pyext import _compat, dispatch
 from pyext.nn import fp8_methods
 from pyext.nn.fp8 import FP8Conv2d, FP8Linear, quantize_fp8, restore_fp8
 from pyext.families import modules_of
@@ -74,6 +75,32 @@ class DType(Technique):
         return "cast back, original values reloaded (exact)"
 
 
+COST_ROWS = 256  # rows of the sample input cpu_cost times: a denoiser's tokens are more, a batch's text fewer
+
+
+def cpu_cost(module: nn.Module) -> str:
+    """What fp8 storage costs in time on this CPU, for the report: the module's largest fp8 linear
+    against a plain linear on its dequantized weight, on COST_ROWS random rows, timed once per CPU
+    identity (dispatch keeps the decision with its others)."""
+    layers = [m for m in module.modules() if isinstance(m, FP8Linear) and m.weight.device.type == "cpu"]
+    if not layers:
+        return ""
+    layer = max(layers, key=lambda m: m.in_features * m.out_features)
+    dtype = layer.compute_dtype
+    x = torch.randn(COST_ROWS, layer.in_features, generator=torch.Generator().manual_seed(0)).to(dtype)
+    weight, bias = layer.dequantized_weight(), None if layer.bias is None else layer.bias.to(dtype)
+    key = f"{COST_ROWS}x{layer.in_features}x{layer.out_features} {str(dtype).removeprefix('torch.')}"
+    with torch.no_grad():
+        decision = dispatch.measured_choice("fp8_cost", key, torch.device("cpu"),
+                                            {"fp8": lambda: layer(x), "plain": lambda: F.linear(x, weight, bias)})
+    timings = decision["timings"]
+    if not {"fp8", "plain"} <= timings.keys():
+        return ""
+    ratio = timings["fp8"] / timings["plain"]
+    return (f"; on this CPU its largest fp8 linear ({key}) takes {ratio:.2f}x the time of a plain one on the "
+            f"same weight ({'slower: fp8 saves memory here, not time' if ratio > 1.05 else 'no slower'})")
+
+
 class FP8(Technique):
     """Store eligible Linear/Conv2d weights in fp8 (pyext.nn.fp8), by role: fp8="denoiser" or "all"."""
 
@@ -105,7 +132,8 @@ class FP8(Technique):
         report = quantize_fp8(module, skip=d.options.fp8_skip, keep_original=d.options.keep_original_weights,
                               gemm=d.fp8_gemm)
         if report.converted:
-            return self.applied(name, f"{report}; GEMM {d.fp8_gemm}: {d.fp8_gemm_reason}", functools.partial(
+            cost = cpu_cost(module) if d.device.type == "cpu" else ""
+            return self.applied(name, f"{report}; GEMM {d.fp8_gemm}: {d.fp8_gemm_reason}{cost}", functools.partial(
                 self._undo, pipe, module, d.options.keep_original_weights), exact=d.options.keep_original_weights)
         if any(isinstance(m, (FP8Linear, FP8Conv2d)) for m in module.modules()):
             return self.already(name, f"fp8 layers present, none left to convert; GEMM {d.fp8_gemm}")
