@@ -534,6 +534,9 @@ def machine_info(device: str) -> dict:
         info["load_average"] = os.getloadavg()
     except (OSError, StopIteration):
         pass
+    from pyext.dispatch import cpu_model
+
+    info["cpu_flags"] = list(cpu_model()[1])  # the ISA the kernels and torch's oneDNN choose paths by
     if device == "cuda":
         info["gpu"] = torch.cuda.get_device_name(0)
         info["cuda"] = torch.version.cuda

@@ -39,6 +39,7 @@ def _renderers() -> dict[str, Callable[[dict], str]]:
             "latency_peers_cpu": render_latency,
             "vae_memory_settings_cpu": lambda r: render_runs(r["rows"]),
             "planner_peaks_cpu": render_planner_peaks,
+            "planner_peaks_cpu_avx2": render_planner_peaks,
             "parallel_cpu_1": render_parallel,
             "parallel_cpu_2": render_parallel,
             "parallel_sd3_cpu_2": render_parallel,
@@ -51,7 +52,8 @@ def _renderers() -> dict[str, Callable[[dict], str]]:
 
 def _provenance(result: dict) -> str:
     m, v = result["machine"], result["versions"]
-    where = m.get("gpu") or f"{m.get('cpu', 'unknown CPU')}, {m.get('cpu_count')} cores"
+    flags = f" ({' '.join(m['cpu_flags'])})" if m.get("cpu_flags") else ""
+    where = m.get("gpu") or f"{m.get('cpu', 'unknown CPU')}{flags}, {m.get('cpu_count')} cores"
     return (f"Measured on {where}, torch {v.get('torch')}, diffusers {v.get('diffusers')}, "
             f"at commit {result.get('commit', 'unknown')}.")
 
