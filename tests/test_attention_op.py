@@ -31,6 +31,9 @@ def cpu_paths():
     return list(torch.ops.pyext_C.attention_paths()) if has_kernel("attention") else []
 
 
+BF16_PATHS = ("amx", "avx512_bf16", "brgemm_stand_in")  # bf16 inputs only
+
+
 def make_qkv(b, h, sq, skv, d, dtype, spread=1.0):
     q = torch.randn(b, h, sq, d) * spread
     k = torch.randn(b, h, skv, d)
@@ -71,7 +74,7 @@ def _seed():
 def test_cpp_every_path(sq, skv, d, dtype):
     q, k, v = make_qkv(1, 2, sq, skv, d, dtype)
     for path in cpu_paths():
-        if path == "avx512_bf16" and dtype != torch.bfloat16:
+        if path in BF16_PATHS and dtype != torch.bfloat16:
             continue
         out = torch.ops.pyext_C.attention(q, k, v, d ** -0.5, path)[0]
         assert_close_to_oracle(out, q, k, v)
@@ -84,7 +87,7 @@ def test_cpp_long_sequences(d, dtype):
     """1025 keys: several 256-key softmax blocks plus a ragged tail; 1025 queries: a ragged query block."""
     q, k, v = make_qkv(1, 1, 1025, 1025, d, dtype)
     for path in cpu_paths():
-        if path in ("scalar",) and d > 64 or path == "avx512_bf16" and dtype != torch.bfloat16:
+        if path in ("scalar",) and d > 64 or path in BF16_PATHS and dtype != torch.bfloat16:
             continue  # the scalar path is covered at every size above; keep the suite fast
         assert_close_to_oracle(torch.ops.pyext_C.attention(q, k, v, d ** -0.5, path)[0], q, k, v)
 
@@ -99,7 +102,7 @@ def test_cpp_keys_in_chunks(b, h, sq, skv, d, dtype):
     (each with its own carry rows), every path."""
     q, k, v = make_qkv(b, h, sq, skv, d, dtype)
     for path in cpu_paths():
-        if path == "avx512_bf16" and dtype != torch.bfloat16:
+        if path in BF16_PATHS and dtype != torch.bfloat16:
             continue
         assert_close_to_oracle(torch.ops.pyext_C.attention(q, k, v, d ** -0.5, path)[0], q, k, v)
 
@@ -110,7 +113,7 @@ def test_cpp_large_scores_stay_stable(dtype):
     """Scores in the hundreds: the online softmax must subtract the running max, not overflow."""
     q, k, v = make_qkv(1, 2, 40, 300, 64, dtype, spread=30.0)
     for path in cpu_paths():
-        if path == "avx512_bf16" and dtype != torch.bfloat16:
+        if path in BF16_PATHS and dtype != torch.bfloat16:
             continue
         out = torch.ops.pyext_C.attention(q, k, v, 64 ** -0.5, path)[0]
         assert torch.isfinite(out).all()
@@ -122,13 +125,14 @@ def test_cpp_rejects_unknown_path():
     q, k, v = make_qkv(1, 1, 4, 4, 8, torch.float32)
     with pytest.raises(RuntimeError, match="not available"):
         torch.ops.pyext_C.attention(q, k, v, 1.0, "avx1024")
-    if "avx512_bf16" in cpu_paths():
+    for path in set(BF16_PATHS) & set(cpu_paths()):
         with pytest.raises(RuntimeError, match="bfloat16 inputs only"):
-            torch.ops.pyext_C.attention(q, k, v, 1.0, "avx512_bf16")
+            torch.ops.pyext_C.attention(q, k, v, 1.0, path)
 
 
 @needs_kernel
-@pytest.mark.parametrize("level,expect", [("scalar", ["scalar"]), ("avx2", ["avx2", "scalar"])])
+@pytest.mark.parametrize("level,expect", [("scalar", ["scalar", "brgemm_stand_in"]),
+                                          ("avx2", ["avx2", "scalar", "brgemm_stand_in"])])
 def test_simd_cap_env(level, expect):
     """PYEXT_CPU_SIMD caps the automatic choice (read per call), and results stay right."""
     if level not in EXT.cpu_capabilities():
@@ -301,12 +305,13 @@ def test_reference_matches_oracle():
 @pytest.mark.slow
 @pytest.mark.skipif(shutil.which("g++") is None, reason="needs g++ to build the sanitizer harness")
 def test_kernels_clean_under_sanitizers(tmp_path):
-    """Every kernel path (scalar/avx2/avx512/avx512_bf16), head dims 1..256, odd lengths, built
+    """Every kernel path (scalar/avx2/avx512/avx512_bf16, the AMX path's stand-in), head dims 1..256, odd lengths, built
     without torch under AddressSanitizer + UBSan: no out-of-bounds access, no UB."""
     root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
     src = os.path.join(root, "csrc")
-    units = [f"attention/attention_cpu_{isa}.cpp" for isa in ("scalar", "avx2", "avx512", "avx512_bf16")]
-    units.append("common/cpu_features.cpp")
+    units = [f"attention/attention_cpu_{isa}.cpp" for isa in ("scalar", "avx2", "avx512", "avx512_bf16",
+                                                                "brgemm_stand_in")]
+    units += ["common/cpu_features.cpp", "common/brgemm_stand_in.cpp"]
     exe = str(tmp_path / "harness")
     build = subprocess.run(
         ["g++", "-std=c++20", "-O1", "-g", "-fsanitize=address,undefined", "-fno-sanitize-recover=undefined",

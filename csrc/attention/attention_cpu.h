@@ -52,5 +52,10 @@ AttnKernel attention_kernel_scalar();
 AttnKernel attention_kernel_avx2();
 AttnKernel attention_kernel_avx512();
 AttnKernel attention_kernel_avx512_bf16dot();
+// bf16 inputs only, both products on a brgemm micro-kernel (attention_cpu_brgemm_impl.h): torch's
+// oneDNN brgemm on AMX CPUs (an AVX-512 unit), and the plain C++ stand-in (a portable unit) that
+// the tests check the packing, blocking and softmax with on every CPU.
+AttnKernel attention_kernel_amx();
+AttnKernel attention_kernel_brgemm_stand_in();
 
 }  // namespace pyext::cpu

@@ -16,6 +16,7 @@
 #include <vector>
 
 #include "attention/attention_cpu.h"
+#include "common/brgemm.h"
 #include "common/dtype_codes_torch.h"
 
 namespace pyext::cpu {
@@ -46,31 +47,39 @@ bool cpu_has_avx512_bf16() {
 #endif
 }
 
-// Kernel paths this process may use, fastest first, capped by PYEXT_CPU_SIMD.
+// Kernel paths this process may use, fastest first, capped by PYEXT_CPU_SIMD; then the stand-in
+// of the amx path, which is never the automatic choice (the tests run it on every CPU).
 std::vector<std::string> available_paths() {
   std::vector<std::string> paths;
   const SimdLevel level = simd_level();
+  if (level == SimdLevel::kAvx512 && cpu_has_avx512_bf16() && brgemm_amx_available()) paths.push_back("amx");
   if (level == SimdLevel::kAvx512 && cpu_has_avx512_bf16()) paths.push_back("avx512_bf16");
   if (level >= SimdLevel::kAvx512) paths.push_back("avx512");
   if (level >= SimdLevel::kAvx2) paths.push_back("avx2");
   paths.push_back("scalar");
+  paths.push_back("brgemm_stand_in");
   return paths;
+}
+
+bool bf16_only(const std::string& path) {
+  return path == "amx" || path == "avx512_bf16" || path == "brgemm_stand_in";
 }
 
 // `path` empty = the fastest available for the dtype; otherwise that path or an error.
 AttnKernel pick_kernel(const std::string& path, at::ScalarType dtype) {
   const std::vector<std::string> paths = available_paths();
   std::string use = path;
-  if (use.empty()) {
-    use = paths.front();
-    if (use == "avx512_bf16" && dtype != at::kBFloat16) use = paths[1];
-  }
+  if (use.empty())
+    use = *std::find_if(paths.begin(), paths.end(), [&](const std::string& p) {
+      return dtype == at::kBFloat16 || !bf16_only(p);  // (scalar takes every dtype)
+    });
   TORCH_CHECK(std::find(paths.begin(), paths.end(), use) != paths.end(), "pyext attention: kernel path '", use,
               "' is not available on this CPU (PYEXT_CPU_SIMD may cap it); available: ", c10::Join(", ", paths));
-  if (use == "avx512_bf16") {
-    TORCH_CHECK(dtype == at::kBFloat16, "pyext attention: the avx512_bf16 path takes bfloat16 inputs only");
-    return attention_kernel_avx512_bf16dot();
-  }
+  TORCH_CHECK(dtype == at::kBFloat16 || !bf16_only(use), "pyext attention: the ", use,
+              " path takes bfloat16 inputs only");
+  if (use == "amx") return attention_kernel_amx();
+  if (use == "brgemm_stand_in") return attention_kernel_brgemm_stand_in();
+  if (use == "avx512_bf16") return attention_kernel_avx512_bf16dot();
   if (use == "avx512") return attention_kernel_avx512();
   if (use == "avx2") return attention_kernel_avx2();
   return attention_kernel_scalar();

@@ -6,8 +6,6 @@
 // rows), has brgemm accumulate a block in fp32, and then applies the per-channel scale and the
 // bias and rounds to bf16 (the epilogue). The stand-in micro-kernel is a plain loop over the same
 // layout: the oracle the tests check the decode, blocking and epilogue with on every machine.
-#include <ATen/native/CPUBlas.h>
-#include <c10/util/BFloat16.h>
 #include <c10/util/Exception.h>
 
 #include <algorithm>
@@ -16,6 +14,7 @@
 #include <memory>
 #include <new>
 
+#include "common/brgemm.h"
 #include "common/half_rounding.h"
 #include "fp8/fp8_e4m3.h"
 #include "fp8/fp8_gemm_cpu.h"
@@ -47,23 +46,9 @@ const std::array<uint16_t, 256>& bf16_of_code() {
   return table;
 }
 
-// C[m][n] = sum over k of A[m][k] * B[k][n], B in the VNNI pair layout: B[k / 2][n][k % 2] with
-// ld_b channels per pair row. Products in fp32, summed in order.
-void stand_in_brgemm(int64_t M, int64_t N, int64_t K, int64_t ld_a, int64_t ld_b, int64_t ld_c, const uint16_t* A,
-                     const uint16_t* B, float* C) {
-  for (int64_t m = 0; m < M; ++m)
-    for (int64_t n = 0; n < N; ++n) {
-      float acc = 0.0f;
-      for (int64_t k = 0; k < K; ++k)
-        acc += bf16_to_float(A[m * ld_a + k]) * bf16_to_float(B[((k / 2) * ld_b + n) * 2 + k % 2]);
-      C[m * ld_c + n] = acc;
-    }
-}
-
 void multiply(Microkernel mk, int64_t M, int64_t N, int64_t K, const uint16_t* A, const uint16_t* B, float* C) {
-  if (mk == Microkernel::kStandIn) return stand_in_brgemm(M, N, K, K, kFp8Panel, kFp8Panel, A, B, C);
-  at::native::cpublas::brgemm(M, N, K, K, kFp8Panel, kFp8Panel, false, reinterpret_cast<const c10::BFloat16*>(A),
-                              reinterpret_cast<const c10::BFloat16*>(B), C, true);
+  (mk == Microkernel::kStandIn ? brgemm_bf16_stand_in : brgemm_bf16_onednn)(M, N, K, K, kFp8Panel, kFp8Panel, false,
+                                                                            A, B, C);
 }
 
 // y[m0 + r][n0 + c] = bf16(C[r][c] * scale + bias) for the block's rows and the panel's channels.
@@ -117,7 +102,7 @@ void fp8_gemm_brgemm(const Fp8GemmArgs& a, int64_t unit_begin, int64_t unit_end,
     multiply(mk, rows, cols, a.K, a.x + m0 * a.K, packed, acc);
     epilogue(a, acc, m0, rows, n0, cols);
   }
-  if (mk == Microkernel::kOneDnn) at::native::cpublas::brgemm_release(true);  // the thread's AMX tile state
+  if (mk == Microkernel::kOneDnn) brgemm_release_onednn();  // the thread's AMX tile state
 }
 
 }  // namespace pyext::cpu

@@ -4,7 +4,6 @@
 // (fp8_linear_entry, at the end; fp8_linear_entry.h). Input validation with user-facing messages lives in
 // pyext/ops/fp8.py; the TORCH_CHECKs here only guard the raw-pointer kernels.
 #include <ATen/core/Tensor.h>
-#include <ATen/native/CPUBlas.h>
 #include <ATen/ops/empty.h>
 #include <ATen/ops/mm.h>
 #include <ATen/ops/addmm.h>
@@ -22,6 +21,7 @@
 #include <unordered_set>
 #include <vector>
 
+#include "common/brgemm.h"
 #include "common/dtype_codes_torch.h"
 #include "common/half_rounding.h"
 #include "fp8/fp8_convert_cpu.h"
@@ -245,7 +245,7 @@ at::Tensor fp8_linear_cpu(const at::Tensor& x, const at::Tensor& w, const at::Te
 
 // torch packs bf16 for its brgemm micro-kernel here: oneDNN is on and the CPU has AMX (where it has
 // not, brgemm's bf16 kernels are no faster than fp8_gemm_bf16_avx512, which stays).
-bool brgemm_available() { return at::native::cpublas::could_pack(at::kBFloat16); }
+bool brgemm_available() { return brgemm_amx_available(); }
 
 // The GEMM on torch's brgemm (fp8_gemm_cpu_brgemm.cpp) for bf16 x and an even K. Scales that do not
 // fuse exactly take fp8_linear_cpu's upcast path, as there. stand_in and scalar_pack are the
