@@ -12,6 +12,7 @@ from __future__ import annotations
 import functools
 import importlib
 import inspect
+import re
 import types
 
 import torch
@@ -80,6 +81,15 @@ def check_names() -> dict[str, str]:
 
 
 # ----------------------------------------------------------------------------- hooks
+
+# PEFT's adapter layers (lora_A.<adapter>, lora_B.<adapter>, lora_embedding_A, ...): PEFT loads,
+# scales and swaps their weights in place, hotswap into slices of them.
+PEFT_ADAPTER_LAYER = re.compile(r"(^|\.)lora_")
+
+
+def is_peft_adapter_layer(name: str) -> bool:
+    return bool(PEFT_ADAPTER_LAYER.search(name))
+
 
 def has_accelerate_hook(module) -> bool:
     return hasattr(module, ACCELERATE_HOOK)

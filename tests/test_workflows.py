@@ -149,6 +149,27 @@ def test_lora_hotswap_after_optimize(arch, tmp_path):
     assert_same(images["opt"][1], images["twin"][1])
 
 
+@pytest.mark.parametrize("arch", ["sd15", "flux"])
+def test_lora_hotswap_of_a_lora_loaded_before_optimize(arch, tmp_path):
+    """A server's order: hotswap enabled and a default LoRA loaded, optimize once (fp8), then a
+    swap per request. The twin: plain diffusers on the weights the optimized denoiser computes
+    with (optimized, then restored), with the second LoRA loaded directly."""
+    first, second = make_lora(arch, tmp_path / "a", seed=1), make_lora(arch, tmp_path / "b", seed=2)
+    opt = build_pipeline(arch, "tiny")
+    opt.enable_lora_hotswap(target_rank=8)
+    opt.load_lora_weights(first, adapter_name="x")
+    pyext.optimize(opt, **TECHNIQUES["fp8"])
+    twin = copy.deepcopy(opt)
+    pyext.restore(twin)
+    twin.unload_lora_weights()
+    twin.load_lora_weights(second, adapter_name="x")
+    before = run(opt, arch)
+    opt.load_lora_weights(second, adapter_name="x", hotswap=True)
+    after = run(opt, arch)
+    assert (after - before).abs().max() > 10 * SAME  # the swap changed the LoRA
+    assert_same(after, run(twin, arch))
+
+
 @pytest.mark.parametrize("arch", ARCHS)
 def test_optimize_after_a_lora_is_loaded(arch, tmp_path):
     lora = make_lora(arch, tmp_path, seed=1)

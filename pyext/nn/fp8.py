@@ -18,7 +18,7 @@ from dataclasses import dataclass, field
 import torch
 import torch.nn as nn
 
-from pyext import _state, dispatch
+from pyext import _compat, _state, dispatch
 from pyext.dispatch import PyextError
 from pyext.ops.fp8 import FP8, call_linear, fp8_quantize, fp8_upcast
 from pyext.ops.fp8_conv import upcast_weight
@@ -252,8 +252,6 @@ class FP8Report:
 def skip_patterns(model: nn.Module, skip: tuple[str, ...] = DEFAULT_SKIP) -> tuple[str, ...]:
     """`skip` plus the model's own: diffusers' `_skip_layerwise_casting_patterns` (regexes) and
     the modules its loader keeps in fp32 (whole name components)."""
-    from pyext import _compat
-
     kept = [rf"(^|\.){re.escape(m)}(\.|$)" for m in _compat.keep_in_fp32_modules(model, torch.float16)]
     return tuple(dict.fromkeys((*skip, *_compat.skip_layerwise_casting_patterns(model), *kept)))
 
@@ -270,13 +268,10 @@ def layer_rules(model: nn.Module, patterns: tuple[str, ...]):
             yield name, module, why or _skip_reason(name, module, patterns)
 
 
-_ADAPTER = re.compile(r"(^|\.)lora_")  # PEFT's adapter layers (lora_A.<adapter>, lora_B.<adapter>, ...)
-
-
 def _skip_reason(name: str, module: nn.Module, patterns: tuple[str, ...]) -> str | None:
     if type(module) not in (nn.Linear, nn.Conv2d):
         return "already fp8" if isinstance(module, (FP8Linear, FP8Conv2d)) else "not a Linear/Conv2d"
-    if _ADAPTER.search(name):
+    if _compat.is_peft_adapter_layer(name):
         return "a LoRA adapter layer (PEFT loads, scales and swaps it in place)"
     for pattern in patterns:
         if re.search(pattern, name):

@@ -367,7 +367,8 @@ def pack(model: nn.Module, layers: tuple[type, ...] = (nn.Conv2d, nn.Linear)) ->
     for name, module in model.named_modules():
         if not isinstance(module, layers):
             continue
-        reason = skip_reason(module)
+        reason = ("a LoRA adapter layer (PEFT writes its weights in place, hotswap into slices a packed "
+                  "layout cannot take)") if _compat.is_peft_adapter_layer(name) else skip_reason(module)
         if reason:
             report.skipped[name] = reason
             continue
