@@ -202,7 +202,7 @@ def _print(rows: list[dict]) -> None:
 
 def main(argv=None) -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--json", help="also write the rows to this file")
+    ap.add_argument("--json", help="also write the rows, with the machine and its kernel paths, to this file")
     ap.add_argument("--repeats", type=int, default=5)
     ap.add_argument("--threads", type=int, help="torch.set_num_threads (CPU)")
     ap.add_argument("--vae-tokens", type=int, default=16384,
@@ -216,10 +216,11 @@ def main(argv=None) -> None:
         rows = run(WHOLE_IMAGE, args.repeats, 0, dtype=torch.float32)
     else:
         rows = run(repeats=args.repeats, vae_tokens=args.vae_tokens)
+    from bench.latency import describe_machine, save_results
+
+    print(describe_machine("cuda" if torch.cuda.is_available() else "cpu"))
     _print(rows)
-    if args.json:
-        with open(args.json, "w") as f:
-            json.dump(rows, f, indent=1)
+    save_results("attention", "cuda" if torch.cuda.is_available() else "cpu", args.json, rows=rows)
 
 
 if __name__ == "__main__":

@@ -11,7 +11,6 @@ from __future__ import annotations
 
 import argparse
 import copy
-import json
 import statistics
 import time
 
@@ -261,15 +260,16 @@ def print_rows(rows: list[dict]) -> None:
 
 def main(argv=None) -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--json", help="write the rows here")
+    ap.add_argument("--json", help="write the rows, with the machine and its kernel paths, here")
     ap.add_argument("--skip-unet", action="store_true", help="skip the full SD1.5 UNet (about a minute on 2 cores)")
     args = ap.parse_args(argv)
-    print(f"pyext {pyext.__version__}, torch {torch.__version__}, {torch.get_num_threads()} threads, weights random")
+    from bench.latency import describe_machine, save_results
+
+    device = "cuda" if torch.cuda.is_available() else "cpu"
+    print(f"pyext {pyext.__version__}, torch {torch.__version__}, weights random; {describe_machine(device)}")
     rows = run(args.skip_unet)
     print_rows(rows)
-    if args.json:
-        with open(args.json, "w") as f:
-            json.dump(rows, f, indent=1)
+    save_results("fp8", device, args.json, rows=rows)
 
 
 if __name__ == "__main__":

@@ -537,10 +537,36 @@ def machine_info(device: str) -> dict:
     from pyext.dispatch import cpu_model
 
     info["cpu_flags"] = list(cpu_model()[1])  # the ISA the kernels and torch's oneDNN choose paths by
+    info["kernel_paths"] = kernel_paths()
     if device == "cuda":
         info["gpu"] = torch.cuda.get_device_name(0)
         info["cuda"] = torch.version.cuda
     return info
+
+
+def kernel_paths() -> dict:
+    """Which CPU path pyext's kernels take here: attention's fastest C++ path, whether fp8_linear's
+    AMX backend (torch's brgemm) can run, and the SIMD level of the others."""
+    from pyext._ext import has_kernel
+
+    if not has_kernel("attention"):
+        return {"extension": "missing"}
+    return {"attention": torch.ops.pyext_C.attention_paths()[0],
+            "fp8_linear_amx": bool(torch.ops.pyext_C.fp8_brgemm_available()),
+            "simd": pyext_simd()}
+
+
+def pyext_simd() -> str:
+    from pyext._ext import cpu_capabilities
+
+    return cpu_capabilities()[-1] if cpu_capabilities() else "none"
+
+
+def describe_machine(device: str = "cpu") -> str:
+    """One line naming the CPU, its ISA flags and the kernel paths pyext takes on it."""
+    info = machine_info(device)
+    return (f"{info.get('gpu') or info['cpu']} [{' '.join(info.get('cpu_flags', [])) or 'no simd flags'}], "
+            f"{info['torch_threads']} threads; pyext paths: {info['kernel_paths']}")
 
 
 def versions() -> dict:

@@ -241,6 +241,20 @@ def test_make_bench_picks_the_preset_from_the_machine(monkeypatch):
                     ["--preset", "tiny", "--out", "x"]]
 
 
+def test_results_name_the_cpus_isa_and_the_kernel_paths_pyext_takes():
+    from pyext import dispatch
+    from pyext._ext import has_kernel
+
+    info = latency.machine_info("cpu")
+    assert set(info["cpu_flags"]) <= set(dispatch.CPU_FLAGS)
+    line = latency.describe_machine("cpu")
+    assert info["cpu"] in line and all(flag in line for flag in info["cpu_flags"])
+    if has_kernel("attention"):
+        paths = info["kernel_paths"]
+        assert paths["attention"] == torch.ops.pyext_C.attention_paths()[0] and paths["attention"] in line
+        assert paths["fp8_linear_amx"] <= ("amx_bf16" in info["cpu_flags"])  # torch's AMX brgemm only with AMX
+
+
 def test_fp8_layer_benches_run_on_small_shapes():
     from bench import fp8
 
