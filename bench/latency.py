@@ -21,6 +21,7 @@ import platform
 import multiprocessing
 import shutil
 import signal
+import statistics
 import subprocess
 import sys
 import tempfile
@@ -621,8 +622,26 @@ def prepare_rows(bench: str, rows: list[str] | None, known: list[str], out: str)
     return rows
 
 
+def merge_rounds(runs: list[dict], base: list[dict] | None) -> dict:
+    """One row's result over interleaved rounds: the first round's result, with the median of the
+    rounds' latencies, and the per-round ratio to `base` (the original row's rounds, each run just
+    before this row's in the same round): its median and range. On a noisy machine the ratio of
+    runs close in time is steadier than either latency."""
+    row = dict(runs[0])
+    timed = [r["latency_s"] for r in runs if "latency_s" in r]
+    if len(runs) == 1 or not timed:
+        return row
+    row["round_latencies_s"] = timed
+    row["latency_s"] = statistics.median(timed)
+    ratios = [r["latency_s"] / b["latency_s"] for r, b in zip(runs, base or []) if "latency_s" in r and "latency_s" in b]
+    if ratios:
+        row["vs_original"] = {"median": statistics.median(ratios), "min": min(ratios), "max": max(ratios),
+                              "rounds": len(ratios)}
+    return row
+
+
 def run(preset_name: str, out: str, model: str | None = None, rows: list[str] | None = None,
-        repeats: int | None = None) -> dict:
+        repeats: int | None = None, rounds: int = 1) -> dict:
     from tqdm import tqdm
 
     preset = PRESETS[preset_name]
@@ -643,17 +662,23 @@ def run(preset_name: str, out: str, model: str | None = None, rows: list[str] | 
             "model": "sd15 " + (preset.size if not model else model), "weights": weights, "prompt": PROMPT,
             "seed": SEED, "guidance_scale": 7.5, "scheduler": "DDIMScheduler", "min_psnr_db": MIN_PSNR_DB,
             "versions": versions(), "commit": commit(), "rows": results, "rows_planned": rows,
-            "guide_titan_rtx_s": GUIDE_TITAN_RTX,
+            "guide_titan_rtx_s": GUIDE_TITAN_RTX, "rounds": rounds,
         }
-        bar = tqdm(rows, desc="rows", unit="row")
-        for name in bar:
-            bar.set_postfix_str(name)
+        runs: dict[str, list[dict]] = {name: [] for name in rows}
+        # Rounds interleave the rows (A, B, ..., A, B, ...); a row that could not run once is not retried.
+        bar = tqdm([(r, name) for r in range(rounds) for name in rows], desc="rows", unit="row")
+        for round_index, name in bar:
+            if round_index and "latency_s" not in runs[name][0]:
+                continue
+            bar.set_postfix_str(f"{name} (round {round_index + 1} of {rounds})")
             reason = unavailable(name, preset)
             t0 = time.perf_counter()
-            results[name] = ({"reason": reason} if reason else
-                             _run_in_subprocess(ctx, name, spec_path, workdir, out, preset.row_timeout_s))
-            results[name]["row_wall_s"] = time.perf_counter() - t0  # the whole row: load, set-up, runs
-            tqdm.write(f"  {name:28s} {_short(results[name])}  (row took {results[name]['row_wall_s']:.1f} s)")
+            result = ({"reason": reason} if reason else
+                      _run_in_subprocess(ctx, name, spec_path, workdir, out, preset.row_timeout_s))
+            result["row_wall_s"] = time.perf_counter() - t0  # the whole row: load, set-up, runs
+            runs[name].append(result)
+            results[name] = merge_rounds(runs[name], runs["original"])
+            tqdm.write(f"  {name:28s} {_short(result)}  (row took {result['row_wall_s']:.1f} s)")
             _write_outputs(report, out, preset)  # after every row: a long run killed midway keeps its rows
     finally:
         shutil.rmtree(workdir, ignore_errors=True)
@@ -736,10 +761,16 @@ def main(argv=None):
     p.add_argument("--model", help="local folder or hub id of real SD1.5-style weights (default: random weights)")
     p.add_argument("--rows", help=f"comma-separated subset of {','.join(ROWS)}")
     p.add_argument("--repeats", type=int)
+    p.add_argument("--rounds", type=int, default=1,
+                   help="run every row this many times, interleaved; the table gives each row's median "
+                        "per-round ratio to the original row and its range")
     args = p.parse_args(argv)
+    if args.rounds < 1:
+        p.error("--rounds must be at least 1")
     # SIGTERM unwinds like Ctrl-C, so the running row's process is killed too (see _run_in_subprocess).
     signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))
-    report = run(args.preset, args.out, args.model, args.rows.split(",") if args.rows else None, args.repeats)
+    report = run(args.preset, args.out, args.model, args.rows.split(",") if args.rows else None, args.repeats,
+                 args.rounds)
     print(open(os.path.join(args.out, "latency.md")).read())
     return report
 

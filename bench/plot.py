@@ -30,21 +30,28 @@ def table(report: dict) -> str:
     docs/benchmarks.md shows of a results file."""
     rows = report["rows"]
     base = rows.get("original", {}).get("latency_s")
+    rounds = any("vs_original" in row for row in rows.values())  # interleaved rounds: their ratio column
     lines = [
-        "| row | dtype | latency | speed-up | denoiser it/s | text | denoise | VAE decode | peak mem | weights "
+        "| row | dtype | latency | speed-up | " + ("time / original's, per round (median, range) | " if rounds else "")
+        + "denoiser it/s | text | denoise | VAE decode | peak mem | weights "
         "| max abs diff | PSNR vs original | check | guide, Titan RTX |",
-        "|---|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---|---:|",
+        "|---|---|---:|---:|" + ("---:|" if rounds else "") + "---:|---:|---:|---:|---:|---:|---:|---:|---|---:|",
     ]
     for name, row in rows.items():
         guide = _fmt(report["guide_titan_rtx_s"].get(name), ".2f", " s")
         if "latency_s" not in row:
-            lines.append(f"| {name} | | n/a: {row['reason']} | | | | | | | | | | | {guide} |")
+            lines.append(f"| {name} | | n/a: {row['reason']} | | " + ("| " if rounds else "")
+                         + f"| | | | | | | | | {guide} |")
             continue
         st = row["stages_s"]
         psnr = row.get("psnr_db")
+        ratio = row.get("vs_original")
+        per_round = [f"{ratio['median']:.2f}x ({ratio['min']:.2f}-{ratio['max']:.2f}, {ratio['rounds']} rounds)"
+                     if ratio else "-"] if rounds else []
         lines.append(" | ".join([
             f"| {name}", row["dtype"], _fmt(row["latency_s"], ".3f", " s"),
-            _fmt(base / row["latency_s"] if base else None, ".2f", "x"), _fmt(row["denoiser_it_per_s"], ".2f"),
+            _fmt(base / row["latency_s"] if base else None, ".2f", "x"), *per_round,
+            _fmt(row["denoiser_it_per_s"], ".2f"),
             _fmt(st.get("text_encoding"), ".3f", " s"), _fmt(st.get("denoising"), ".3f", " s"),
             _fmt(st.get("vae_decode"), ".3f", " s"), _bytes(row["peak_memory_bytes"]), _bytes(row["weight_bytes"]), _fmt(row.get("max_abs_diff"), ".2e"),
             "identical" if psnr == float("inf") else _fmt(psnr, ".1f", " dB"), row.get("check", ""), guide + " |",

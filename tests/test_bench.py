@@ -187,6 +187,20 @@ def test_weight_bytes_count_a_quantized_subclass_by_its_inner_tensors(quantizer)
     assert latency.component_weight_bytes(types.SimpleNamespace(components={"unet": model})) == {"unet": expected}
 
 
+def test_interleaved_rounds_give_the_median_and_the_per_round_ratio_to_the_original():
+    original = [_fake_row(latency_s=t) for t in (2.0, 4.0, 3.0)]
+    row = [_fake_row(latency_s=t) for t in (1.0, 1.0, 3.0)]
+    merged = latency.merge_rounds(row, original)
+    assert merged["latency_s"] == 1.0 and merged["round_latencies_s"] == [1.0, 1.0, 3.0]
+    assert merged["vs_original"] == {"median": 0.5, "min": 0.25, "max": 1.0, "rounds": 3}
+    assert latency.merge_rounds(row[:1], original) == row[0]  # one round: the row as it ran
+    report = {"rows": {"original": latency.merge_rounds(original, original), "fp16": merged,
+                       "xformers": {"reason": "xformers not installed"}}, "guide_titan_rtx_s": {}}
+    lines = plot.table(report).splitlines()
+    assert "per round" in lines[0] and "0.50x (0.25-1.00, 3 rounds)" in lines[3]
+    assert len({line.count("|") for line in lines}) == 1  # every row has every column
+
+
 def test_markdown_shows_reasons_and_failures(tmp_path):
     report = {
         "preset": "tiny", "preset_parameters": {"width": 64, "height": 64, "steps": 2, "warmup_steps": 1},
