@@ -149,7 +149,7 @@ def test_lora_hotswap_after_optimize(arch, tmp_path):
     assert_same(images["opt"][1], images["twin"][1])
 
 
-@pytest.mark.parametrize("arch", ["sd15", "flux"])
+@pytest.mark.parametrize("arch", ARCHS)
 def test_lora_hotswap_of_a_lora_loaded_before_optimize(arch, tmp_path):
     """A server's order: hotswap enabled and a default LoRA loaded, optimize once (fp8), then a
     swap per request. The twin: plain diffusers on the weights the optimized denoiser computes
