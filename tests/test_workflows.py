@@ -301,7 +301,8 @@ def test_hooks_see_what_plain_diffusers_modules_give(when):
     want = hook(twin)
     assert_same(run(opt, "sd15"), run(twin, "sd15"))
     for got, ref in zip(seen, want):
-        assert len(got) == len(ref) and all((g - r).abs().max() <= 1e-4 * r.abs().max() for g, r in zip(got, ref))
+        # 1e-3: what pyext's attention and oneDNN's packed layers leave upstream on any CPU; a SiLU applied twice is O(1)
+        assert len(got) == len(ref) and all((g - r).abs().max() <= 1e-3 * r.abs().max() for g, r in zip(got, ref))
 
 
 def denoising_loss(unet) -> torch.Tensor:

@@ -15,6 +15,7 @@
 #include <memory>
 #include <new>
 
+#include "common/scratch.h"
 #include "fp8/fp8_gemm_cpu.h"
 
 namespace pyext::cpu {
@@ -24,10 +25,6 @@ constexpr int kRows = 6;      // rows of x per register tile
 constexpr int kVecs = 4;      // 16-channel vectors per panel
 constexpr int kPanel = 16 * kVecs;
 static_assert(kPanel == kFp8Panel);
-
-struct FreeDeleter {
-  void operator()(const void* p) const { std::free(const_cast<void*>(p)); }
-};
 
 // 32 e4m3fn codes -> 32 bf16, exact. Normal codes only need the exponent rebiased
 // (bf16 keeps e4m3's 3 mantissa bits); the 7 subnormal magnitudes come from a table,
@@ -168,17 +165,6 @@ void run_tile(const Fp8GemmArgs& a, int64_t m0, int64_t n0, const uint16_t* pack
   tile<R>(rows, taps, a.conv ? a.conv->C : a.K, packed, a, m0, n0);
 }
 
-template <typename T>
-T* grow(std::unique_ptr<T, FreeDeleter>& buf, size_t& capacity, size_t bytes, bool zero) {
-  if (capacity < bytes) {
-    buf.reset(static_cast<T*>(std::aligned_alloc(64, (bytes + 63) / 64 * 64)));
-    if (!buf) throw std::bad_alloc();  // at::parallel_for rethrows it on the caller's thread
-    capacity = bytes;
-    if (zero) std::memset(buf.get(), 0, bytes);
-  }
-  return buf.get();
-}
-
 }  // namespace
 
 void fp8_pack_panel_avx512(const uint8_t* w, int64_t N, int64_t K, int64_t n0, uint16_t* packed) {
@@ -194,8 +180,8 @@ void fp8_gemm_bf16_avx512(const Fp8GemmArgs& a, int64_t unit_begin, int64_t unit
   const int64_t taps = a.conv ? a.conv->kh * a.conv->kw : 1;
   // Per-thread scratch, reused across calls and layers: the packed panel, a zero row for
   // the padding of convolutions, and the tile's row pointers.
-  thread_local std::unique_ptr<uint16_t, FreeDeleter> panel_buf, zero_buf;
-  thread_local std::unique_ptr<const uint16_t*, FreeDeleter> rows_buf;
+  thread_local ScratchPtr<uint16_t> panel_buf, zero_buf;
+  thread_local ScratchPtr<const uint16_t*> rows_buf;
   thread_local size_t panel_cap = 0, zero_cap = 0, rows_cap = 0;
   uint16_t* packed = grow(panel_buf, panel_cap, static_cast<size_t>((a.K + 1) / 2) * kPanel * 2 * 2, false);
   const uint16_t* zeros = a.conv ? grow(zero_buf, zero_cap, static_cast<size_t>(a.conv->C) * 2, true) : nullptr;

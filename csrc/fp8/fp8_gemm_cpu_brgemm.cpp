@@ -10,31 +10,15 @@
 
 #include <algorithm>
 #include <array>
-#include <cstdlib>
-#include <memory>
-#include <new>
 
 #include "common/brgemm.h"
 #include "common/half_rounding.h"
+#include "common/scratch.h"
 #include "fp8/fp8_e4m3.h"
 #include "fp8/fp8_gemm_cpu.h"
 
 namespace pyext::cpu {
 namespace {
-
-struct FreeDeleter {
-  void operator()(void* p) const { std::free(p); }
-};
-
-template <typename T>
-T* grow(std::unique_ptr<T, FreeDeleter>& buf, size_t& capacity, size_t bytes) {
-  if (capacity < bytes) {
-    buf.reset(static_cast<T*>(std::aligned_alloc(64, (bytes + 63) / 64 * 64)));  // the SIMD packer's stores
-    if (!buf) throw std::bad_alloc();  // at::parallel_for rethrows it on the caller's thread
-    capacity = bytes;
-  }
-  return buf.get();
-}
 
 // bf16 bits of every e4m3 code (exact: bf16 keeps e4m3's 3 mantissa bits and its range).
 const std::array<uint16_t, 256>& bf16_of_code() {
@@ -85,8 +69,8 @@ int64_t fp8_brgemm_units(int64_t M, int64_t N) {
 void fp8_gemm_brgemm(const Fp8GemmArgs& a, int64_t unit_begin, int64_t unit_end, Microkernel mk, bool simd_pack) {
   TORCH_CHECK(!a.conv && a.K % 2 == 0, "pyext fp8 brgemm: a linear with an even K only");
   // Per-thread scratch, reused across calls and layers: the decoded panel and the fp32 block.
-  thread_local std::unique_ptr<uint16_t, FreeDeleter> panel_buf;
-  thread_local std::unique_ptr<float, FreeDeleter> acc_buf;
+  thread_local ScratchPtr<uint16_t> panel_buf;
+  thread_local ScratchPtr<float> acc_buf;
   thread_local size_t panel_cap = 0, acc_cap = 0;
   uint16_t* packed = grow(panel_buf, panel_cap, static_cast<size_t>(a.K) * kFp8Panel * sizeof(uint16_t));
   float* acc = grow(acc_buf, acc_cap, kFp8BrgemmRows * kFp8Panel * sizeof(float));

@@ -243,10 +243,6 @@ at::Tensor fp8_linear_cpu(const at::Tensor& x, const at::Tensor& w, const at::Te
   return y.view(out_shape);
 }
 
-// torch packs bf16 for its brgemm micro-kernel here: oneDNN is on and the CPU has AMX (where it has
-// not, brgemm's bf16 kernels are no faster than fp8_gemm_bf16_avx512, which stays).
-bool brgemm_available() { return brgemm_amx_available(); }
-
 // The GEMM on torch's brgemm (fp8_gemm_cpu_brgemm.cpp) for bf16 x and an even K. Scales that do not
 // fuse exactly take fp8_linear_cpu's upcast path, as there. stand_in and scalar_pack are the
 // tests' switches: the stand-in micro-kernel (any CPU) and the scalar packer (any AVX-512 CPU too).
@@ -255,7 +251,7 @@ at::Tensor fp8_linear_brgemm_cpu(const at::Tensor& x, const at::Tensor& w, const
   check_fp8_weight(w, scale);
   TORCH_CHECK(w.dim() == 2 && x.size(-1) == w.size(1) && w.size(1) % 2 == 0 && x.scalar_type() == at::kBFloat16,
               "pyext fp8_linear brgemm: x must be bf16 with an even K matching the weight");
-  TORCH_CHECK(stand_in || brgemm_available(), "pyext fp8_linear brgemm: torch's brgemm has no AMX kernel for bf16 "
+  TORCH_CHECK(stand_in || brgemm_amx_available(), "pyext fp8_linear brgemm: torch's brgemm has no AMX kernel for bf16 "
               "on this CPU (cpublas::could_pack)");
   const int64_t K = w.size(1), N = w.size(0), M = K ? x.numel() / K : 0;
   const at::Tensor wc = w.contiguous(), sc = scale.contiguous();
@@ -402,7 +398,7 @@ TORCH_LIBRARY_FRAGMENT(pyext_C, m) {
   m.def("fp8_linear(Tensor x, Tensor w, Tensor scale, Tensor? bias, int tile_rows=0) -> Tensor");
   m.def("fp8_linear_brgemm(Tensor x, Tensor w, Tensor scale, Tensor? bias, bool stand_in=False, "
         "bool scalar_pack=False) -> Tensor");
-  m.def("fp8_brgemm_available() -> bool", brgemm_available);
+  m.def("fp8_brgemm_available() -> bool", brgemm_amx_available);  // AMX: see common/brgemm.h
 }
 
 TORCH_LIBRARY_IMPL(pyext_C, CPU, m) {
