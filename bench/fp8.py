@@ -20,6 +20,7 @@ import torch.nn.functional as F
 
 import pyext
 from pyext.nn import FP8Conv2d, FP8Linear, quantize_fp8
+from pyext.nn.stored import stored_bytes
 from pyext.ops import fp8_quantize, fp8_upcast
 
 # (name, tokens M, in K, out N): SD1.5 at the cpu preset's 256x256 (latents 32x32, batch 2 for CFG), Flux scaled
@@ -58,7 +59,7 @@ def rounds(fns: dict, repeats: int, warmup: int) -> dict:
 
 
 def weight_bytes(module: nn.Module) -> int:
-    return sum(t.numel() * t.element_size() for t in list(module.parameters()) + list(module.buffers()))
+    return sum(stored_bytes(t) for t in list(module.parameters()) + list(module.buffers()))
 
 
 def bench_upcast(rows=4096, cols=4096) -> list[dict]:

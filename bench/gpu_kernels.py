@@ -167,18 +167,19 @@ def bench_fp8_linear(shapes=LINEAR_SHAPES, device="cuda", ms=_ms) -> list[dict]:
         weight_only = FP8Linear.from_linear(lin)
         dynamic = FP8Linear.from_linear(lin, gemm="dynamic")
         codes, scale = weight_only.fp8_weight, weight_only.scale
+        stored = weight_only.weight.codes  # the uint8 codes the ops take
         ref = lin(x).float()
         fns = {
             "bf16": lambda: lin(x),
             "weight_only": lambda: weight_only(x),
-            "weight_only_triton": lambda: torch.ops.pyext.fp8_linear(x, weight_only.weight, scale, lin.bias, "triton"),
-            "triton_kernel": lambda: fp8_linear_triton(x, weight_only.weight, scale, lin.bias),
+            "weight_only_triton": lambda: torch.ops.pyext.fp8_linear(x, stored, scale, lin.bias, "triton"),
+            "triton_kernel": lambda: fp8_linear_triton(x, stored, scale, lin.bias),
             "upcast_then_cublas": lambda: F.linear(x, fp8_upcast(codes, scale, torch.bfloat16), lin.bias),
-            "upcast_cublas": lambda: torch.ops.pyext.fp8_linear(x, weight_only.weight, scale, lin.bias, "upcast_cublas"),
+            "upcast_cublas": lambda: torch.ops.pyext.fp8_linear(x, stored, scale, lin.bias, "upcast_cublas"),
             "dynamic": lambda: dynamic(x),
-            "dynamic_torch_quantize": lambda: torch.ops.pyext.fp8_linear_dynamic(x, weight_only.weight, scale, lin.bias,
+            "dynamic_torch_quantize": lambda: torch.ops.pyext.fp8_linear_dynamic(x, stored, scale, lin.bias,
                                                                                  "scaled_mm"),
-            "dynamic_triton_quantize": lambda: torch.ops.pyext.fp8_linear_dynamic(x, weight_only.weight, scale,
+            "dynamic_triton_quantize": lambda: torch.ops.pyext.fp8_linear_dynamic(x, stored, scale,
                                                                                   lin.bias, "triton_scaled_mm"),
         }
         row = dict(bench="fp8_linear", shape=name, M=m, K=k, N=n)

@@ -369,9 +369,15 @@ def _tensor_key(t: torch.Tensor):
 
 def _storage_tensors(t: torch.Tensor):
     """The tensors holding `t`'s data: `t`, or for a wrapper subclass (torchao's and optimum-quanto's
-    quantized weights, whose dtype is the dtype they compute in) its inner tensors: codes, scales."""
+    quantized weights, whose dtype is the dtype they compute in; pyext's fp8 weights) its inner
+    tensors: codes, scales."""
     from torch.utils._python_dispatch import is_traceable_wrapper_subclass
 
+    from pyext.nn.stored import StoredWeight
+
+    if isinstance(t, StoredWeight):
+        yield from t.stored_tensors()
+        return
     if not is_traceable_wrapper_subclass(t):
         yield t
         return

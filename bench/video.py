@@ -24,6 +24,7 @@ import torch
 
 from bench import latency
 from bench.plot import _bytes, _fmt
+from pyext.nn.fp8 import FP8Weight
 
 ARCH = "cogvideox"
 SEED = 0
@@ -121,13 +122,12 @@ def _fp32_decode(pipe) -> None:
     pipe.vae.decode = lambda latents, *args, **kwargs: decode(latents.float(), *args, **kwargs)
 
 
-# pyext keeps its fp8 codes in uint8 tensors (a dtype cast cannot touch them); no other weight is uint8.
-_SHORT = {torch.float32: "fp32", torch.bfloat16: "bf16", torch.float16: "fp16",
-          torch.float8_e4m3fn: "fp8", torch.uint8: "fp8"}
+_SHORT = {torch.float32: "fp32", torch.bfloat16: "bf16", torch.float16: "fp16", torch.float8_e4m3fn: "fp8"}
 
 
 def _weight_dtypes(module) -> str:
-    return "+".join(sorted({_SHORT.get(p.dtype, str(p.dtype)) for p in module.parameters()}))
+    return "+".join(sorted({"fp8" if isinstance(p, FP8Weight) else _SHORT.get(p.dtype, str(p.dtype))
+                            for p in module.parameters()}))
 
 
 def run_row(name: str, spec: dict) -> dict:

@@ -11,6 +11,8 @@ import itertools
 import os
 import sys
 
+from pyext.nn.stored import stored_tensors
+
 
 _UNBOUNDED = sys.maxsize  # the pool's bound (size_t) when reused_blocks has none
 
@@ -74,8 +76,8 @@ def storage_spans(modules) -> set[tuple[int, int]]:
     """(address, bytes) of the CPU storages behind these modules' parameters and buffers."""
     spans = set()
     for module in modules:
-        for t in itertools.chain(module.parameters(), module.buffers()):
-            t = t.packed.tensor if hasattr(t, "packed") else t  # a PackedWeight: the tensor it keeps
+        for t in itertools.chain.from_iterable(map(stored_tensors, itertools.chain(module.parameters(),
+                                                                                    module.buffers()))):
             if t.device.type != "cpu" or t.is_mkldnn:
                 continue
             try:

@@ -1,7 +1,7 @@
 """Save an fp8-stored model in safetensors shards and load it back without re-quantizing.
 
-The fp8 codes (uint8) and scale bits (int32) are ordinary state-dict tensors, so
-diffusers' `save_pretrained` shards them as it does any weight; a small
+Inside `state_dict_form("codes")` an fp8 layer's state-dict entries are its codes (uint8) and
+scale bits (int32), so diffusers' `save_pretrained` shards them as it does any weight; a small
 `pyext_fp8.json` beside the shards names the fp8 layers, so loading can rebuild
 those layers before the saved tensors are assigned to them.
 
@@ -20,7 +20,7 @@ import torch
 import torch.nn as nn
 
 from pyext.dispatch import PyextError
-from pyext.nn.fp8 import FP8Conv2d, FP8Linear
+from pyext.nn.fp8 import FP8Conv2d, FP8Linear, state_dict_form
 
 MANIFEST = "pyext_fp8.json"
 FORMAT = 2  # 1: layers only; 2: layers and per-tensor checksums ("files")
@@ -48,7 +48,8 @@ def save_pretrained(model: nn.Module, path: str, max_shard_size: str | int = "5G
                          "pipeline's unet or transformer); nothing was written. Save another module's weights with "
                          "torch.save(model.state_dict())")
     # The class's method: the one pyext puts on converted instances writes dequantized weights.
-    type(model).save_pretrained(model, path, max_shard_size=max_shard_size, safe_serialization=True, **kwargs)
+    with state_dict_form("codes"):
+        type(model).save_pretrained(model, path, max_shard_size=max_shard_size, safe_serialization=True, **kwargs)
     layers = {name: {"per_channel": m.per_channel, "compute_dtype": str(m.compute_dtype).removeprefix("torch.")}
               for name, m in model.named_modules() if isinstance(m, (FP8Linear, FP8Conv2d))}
     # Hashed as read back from disk, so the checksums describe exactly the bytes in the files.

@@ -24,6 +24,7 @@ from pyext._memory import release_freed_memory, release_mapped_pages, storage_sp
 from pyext.decision import Decision, check_pipeline, decide
 from pyext.dispatch import PyextError
 from pyext.families import modules_of
+from pyext.nn.stored import stored_bytes
 from pyext.options import OptimizeOptions
 from pyext.planner import FP8_ROLES
 from pyext.techniques import TECHNIQUES, Entry
@@ -180,7 +181,7 @@ class Report:
 
 
 def _weight_bytes(module: nn.Module) -> int:
-    return sum(t.numel() * t.element_size() for t in list(module.parameters()) + list(module.buffers()))
+    return sum(stored_bytes(t) for t in list(module.parameters()) + list(module.buffers()))
 
 
 def report(pipe) -> Report:

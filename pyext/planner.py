@@ -18,7 +18,8 @@ import torch.nn as nn
 from pyext import _compat, parallel
 from pyext.dispatch import PyextError
 from pyext.families import Components, family_of, full_resolution_width, vae_family_of, vae_kind
-from pyext.nn.fp8 import DEFAULT_SKIP, layer_rules, skip_patterns
+from pyext.nn.fp8 import DEFAULT_SKIP, FP8Weight, layer_rules, skip_patterns
+from pyext.nn.stored import stored_bytes
 from pyext.options import GB
 
 
@@ -89,13 +90,14 @@ CANDIDATES = [
 def _weight_bytes(module: nn.Module, elem: int, patterns: tuple[str, ...]) -> tuple[int, int, int]:
     """(bytes at the compute dtype, bytes with eligible layers in fp8, largest single layer).
 
-    Floating tensors count at `elem` bytes (the compute dtype); integer ones (fp8 codes and
-    scale bits of layers already converted) at their own size."""
+    Floating tensors count at `elem` bytes (the compute dtype); the fp8 weights of layers already
+    converted, and integer tensors, at what they hold."""
     total = fp8_total = largest_leaf = 0
     eligible_layers = {name for name, _, why in layer_rules(module, patterns) if why is None}
     for name, sub in module.named_modules():
         own = list(sub.parameters(recurse=False)) + list(sub.buffers(recurse=False))
-        size = sum(t.numel() * (elem if t.is_floating_point() else t.element_size()) for t in own)
+        size = sum(stored_bytes(t) if isinstance(t, FP8Weight) else t.numel() * (elem if t.is_floating_point()
+                   else t.element_size()) for t in own)
         largest_leaf = max(largest_leaf, size)
         total += size
         eligible = name in eligible_layers

@@ -26,7 +26,7 @@ def trace_reason(unet: nn.Module, offload_mode: str) -> str | None:
     from pyext.nn.fp8 import FP8Conv2d, FP8Linear
 
     if any(isinstance(m, (FP8Linear, FP8Conv2d)) for m in unet.modules()):
-        return "fp8 layers reinterpret their storage (dtype views), which torch.jit.trace cannot record"
+        return "fp8 weights are tensor subclasses (FP8Weight), which torch.jit.trace cannot record"
     return None
 
 

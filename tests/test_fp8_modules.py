@@ -8,6 +8,8 @@ import torch.nn.functional as F
 
 import pyext
 from pyext.nn import FP8Conv2d, FP8Linear, quantize_fp8, restore_fp8
+from pyext.nn.fp8 import FP8Weight
+from pyext.nn.stored import stored_bytes
 from pyext.reference.fp8 import fp8_upcast_reference
 
 
@@ -15,7 +17,8 @@ def test_linear_layer_keeps_interface_and_matches_dequantized():
     lin = nn.Linear(64, 48).to(torch.bfloat16)
     f = FP8Linear.from_linear(lin)
     assert isinstance(f, nn.Linear) and f.in_features == 64 and f.out_features == 48
-    assert f.weight.dtype == torch.uint8 and f.weight.shape == lin.weight.shape
+    assert isinstance(f.weight, FP8Weight) and f.weight.codes.dtype == torch.uint8
+    assert f.weight.dtype == torch.bfloat16 and f.weight.shape == lin.weight.shape
     x = torch.randn(3, 5, 64, dtype=torch.bfloat16)
     w = fp8_upcast_reference(f.fp8_weight, f.scale, torch.bfloat16)
     torch.testing.assert_close(f(x), F.linear(x, w, lin.bias), rtol=1.6e-2, atol=1e-2)
@@ -36,10 +39,10 @@ def test_conv_layer_matches_dequantized(cfg):
 
 def test_dtype_casts_keep_codes_and_scales():
     f = FP8Linear.from_linear(nn.Linear(32, 16))
-    codes, scale = f.weight.clone(), f.scale.clone()
+    codes, scale = f.weight.codes.clone(), f.scale.clone()
     f.to(torch.bfloat16)
-    assert f.compute_dtype == torch.bfloat16 and f.bias.dtype == torch.bfloat16
-    assert torch.equal(f.weight, codes) and torch.equal(f.scale, scale)
+    assert f.compute_dtype == torch.bfloat16 and f.bias.dtype == torch.bfloat16 and f.weight.dtype == torch.bfloat16
+    assert torch.equal(f.weight.codes, codes) and torch.equal(f.scale, scale)
     assert f(torch.randn(2, 32, dtype=torch.bfloat16)).dtype == torch.bfloat16
     f.half()
     assert f.compute_dtype == torch.float16 and torch.equal(f.scale, scale)
@@ -87,7 +90,7 @@ def unet_inputs(dtype):
 @torch.no_grad()
 def test_quantize_tiny_unet():
     unet = tiny_unet()
-    before = sum(p.numel() * p.element_size() for p in unet.parameters())
+    before = sum(stored_bytes(p) for p in unet.parameters())
     ref = unet(*unet_inputs(torch.float32)).sample
     report = quantize_fp8(unet)
     assert report.converted and report.bytes_after < 0.3 * report.bytes_before
@@ -96,7 +99,7 @@ def test_quantize_tiny_unet():
     for kept in ("conv_in", "conv_out", "time_embedding.linear_1"):
         assert type(names[kept]) in (nn.Conv2d, nn.Linear) and kept in report.skipped
     assert all(isinstance(names[n], (FP8Linear, FP8Conv2d)) for n in report.converted)
-    after = sum(p.numel() * p.element_size() for p in unet.parameters())
+    after = sum(stored_bytes(p) for p in unet.parameters())
     assert after < before
     out = unet(*unet_inputs(torch.float32)).sample
     assert torch.isfinite(out).all()
@@ -177,7 +180,7 @@ def test_plain_state_dicts_load_quantized_and_dense_ones_save(make):
     layer = FP8Linear.from_linear(target) if isinstance(target, nn.Linear) else FP8Conv2d.from_conv(target)
     layer.load_state_dict(source.state_dict())
     expected = FP8Linear.from_linear(source) if isinstance(source, nn.Linear) else FP8Conv2d.from_conv(source)
-    assert torch.equal(layer.weight, expected.weight) and torch.equal(layer.scale, expected.scale)
+    assert torch.equal(layer.weight.codes, expected.weight.codes) and torch.equal(layer.scale, expected.scale)
     with dense_state_dict():
         state = layer.state_dict()
     assert set(state) == {"weight", "bias"} and state["weight"].is_floating_point() and state["weight"].is_contiguous()
@@ -187,4 +190,6 @@ def test_plain_state_dicts_load_quantized_and_dense_ones_save(make):
     with torch.no_grad():
         torch.testing.assert_close(plain(x), layer(x), rtol=1e-5, atol=1e-5)
         torch.testing.assert_close(plain_layer(layer)(x), layer(x), rtol=1e-5, atol=1e-5)
-    assert set(layer.state_dict()) == {"weight", "weight_scale", "bias"}  # outside: the codes, for offload
+    state = layer.state_dict()  # outside: the fp8 weight itself, which reads as its values (offload moves it)
+    assert set(state) == {"weight", "bias"} and isinstance(state["weight"], FP8Weight)
+    assert torch.equal(state["weight"], layer.dequantized_weight())

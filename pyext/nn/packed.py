@@ -14,7 +14,7 @@ nn.Linear and holds one copy of its weights, in the packed layout only:
 - an fp32 Linear of up to CONV_LINEAR_MAX_IN input features runs as a oneDNN 1x1 convolution over
   its rows, its weight packed for the row count it sees (repacked when that changes);
 - any other use (a read, a copy, `.to(...)`, state_dict's values) sees the plain weight,
-  unpacked on demand (`__torch_dispatch__`); an in-place write (load_state_dict) repacks.
+  unpacked on demand; a write (load_state_dict, into a slice too) repacks (pyext.nn.stored).
 Wider fp32 Linears up to BLAS_LINEAR_BYTES stay plain: torch's BLAS is faster on them than oneDNN.
 `pack(module)` / `unpack(module)` convert a model's layers; unpacking is exact. A cast or move
 (`module.to(...)`) unpacks a layer first and packs it again if it stays packable.
@@ -32,6 +32,7 @@ import torch.nn.functional as F
 from pyext import _compat, dispatch
 from pyext._ext import kernel_missing
 from pyext.dispatch import PyextError
+from pyext.nn.stored import StoredWeight
 from pyext.ops import winograd
 
 # oneDNN packs fp32 anywhere; bf16 only where the CPU computes it natively (the reorder refuses
@@ -138,7 +139,7 @@ def _winograd_suits(conv: tuple | None, weight: torch.Tensor, input_shape: tuple
     return winograd.winograd_reason(n, weight.shape[1], weight.shape[0], h, w) is None
 
 
-class PackedWeight(torch.Tensor):
+class PackedWeight(StoredWeight):
     @staticmethod
     def __new__(cls, packed: _Packed, like: torch.Tensor):
         return torch.Tensor._make_wrapper_subclass(cls, like.shape, strides=like.stride(), dtype=like.dtype,
@@ -178,22 +179,23 @@ class PackedWeight(torch.Tensor):
         with torch._C.DisableTorchFunctionSubclass():
             return func(*args, **kwargs)
 
-    @classmethod
-    def __torch_dispatch__(cls, func, types, args=(), kwargs=None):
-        kwargs = kwargs or {}
-        if func in (torch.ops.aten.detach.default, torch.ops.aten.alias.default):
-            return cls(args[0].packed, args[0])  # an alias shares the packed weight
-        unpacked = _compat.tree_map(lambda a: a.packed.dense() if isinstance(a, PackedWeight) else a, (args, kwargs))
-        out = func(*unpacked[0], **unpacked[1])
-        # An in-place write (param.copy_ in load_state_dict, peft's merges) lands in the dense
-        # copy: pack it back so the weight really changes.
-        for i, arg in enumerate(func._schema.arguments):
-            if arg.alias_info is not None and arg.alias_info.is_write and i < len(args) \
-                    and isinstance(args[i], PackedWeight):
-                with args[i].packed.lock:
-                    args[i].packed.pack(unpacked[0][i], args[i].packed.input_shape)
-                return args[i] if out is unpacked[0][i] else out
-        return out
+    def values(self) -> torch.Tensor:
+        return self.packed.dense()
+
+    def store(self, values: torch.Tensor) -> None:
+        if values.shape != self.shape:
+            raise PyextError(f"pyext: storing a {tuple(values.shape)} tensor in a {tuple(self.shape)} packed weight")
+        with self.packed.lock:
+            self.packed.pack(values.to(self.dtype), self.packed.input_shape)
+
+    def alias(self) -> "PackedWeight":
+        return PackedWeight(self.packed, self)  # shares the packed weight
+
+    def adopt(self, other: "PackedWeight") -> None:
+        self.packed = other.packed
+
+    def stored_tensors(self) -> tuple[torch.Tensor, ...]:
+        return (self.packed.tensor,)
 
 
 def _fast_path(func, args, kwargs):

@@ -8,9 +8,7 @@ import torch.nn as nn
 import torch.nn.functional as F
 
 from pyext import _compat, dispatch
-from pyext.nn import fp8_methods
 from pyext.nn.fp8 import FP8Conv2d, FP8Linear, quantize_fp8, restore_fp8
-from pyext.families import modules_of
 from pyext.planner import FP8_ROLES
 from pyext.techniques.base import Entry, Step, Technique
 
@@ -121,12 +119,6 @@ class FP8(Technique):
                                        else f"fp8='auto': plan {d.plan.name} needs none"))
         return steps
 
-    def apply(self, pipe, d) -> list[Entry]:
-        entries = super().apply(pipe, d)
-        if any(e.status != "skipped" for e in entries):
-            fp8_methods.install(pipe)  # the pipeline's fuse_lora reaches the text encoders' layers itself
-        return entries
-
     def change(self, pipe, name: str, d) -> Entry:
         module = d.components.modules[name]
         report = quantize_fp8(module, skip=d.options.fp8_skip, keep_original=d.options.keep_original_weights,
@@ -134,18 +126,16 @@ class FP8(Technique):
         if report.converted:
             cost = cpu_cost(module) if d.device.type == "cpu" else ""
             return self.applied(name, f"{report}; GEMM {d.fp8_gemm}: {d.fp8_gemm_reason}{cost}", functools.partial(
-                self._undo, pipe, module, d.options.keep_original_weights), exact=d.options.keep_original_weights)
+                self._undo, module, d.options.keep_original_weights), exact=d.options.keep_original_weights)
         if any(isinstance(m, (FP8Linear, FP8Conv2d)) for m in module.modules()):
             return self.already(name, f"fp8 layers present, none left to convert; GEMM {d.fp8_gemm}")
         kept = "; ".join(f"{n} {why}" for why, n in report.kept_by_reason().items())
         return self.skipped(name, f"no eligible layers ({kept or 'no Linear/Conv2d layers'})")
 
     @staticmethod
-    def _undo(pipe, module, exact: bool) -> str:
-        # (layers that fuse_lora or fuse_qkv_projections stored anew have no originals)
-        exact = exact and all(m.original_weight is not None for m in module.modules()
+    def _undo(module, exact: bool) -> str:
+        # (layers written since (fuse_lora, load_state_dict) or stored anew (fuse_qkv_projections) have no originals)
+        exact = exact and all(m.kept_original() is not None for m in module.modules()
                               if isinstance(m, (FP8Linear, FP8Conv2d)))
         n = len(restore_fp8(module))
-        if not any(isinstance(m, (FP8Linear, FP8Conv2d)) for c in modules_of(pipe).values() for m in c.modules()):
-            fp8_methods.remove(pipe)
         return f"{n} fp8 layers back to plain ones ({'exact originals' if exact else 'dequantised: fp8 rounding stays'})"
