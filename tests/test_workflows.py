@@ -190,6 +190,60 @@ def test_optimize_after_a_lora_is_loaded(arch, tmp_path):
     assert_same(run(pipes["opt"], arch), run(pipes["twin"], arch))
 
 
+# ----------------------------------------------------------------------------- optimize's defaults in bf16
+
+# optimize's defaults where the CPU computes bf16 natively (bf16; forced here, on every CPU), alone and with fp8.
+BF16 = {"bf16": dict(dtype=torch.bfloat16), "bf16_fp8": dict(dtype=torch.bfloat16, fp8="denoiser")}
+
+
+def bf16_pair(arch: str, options: str):
+    """(opt, twin, fp32): pyext in bf16; plain diffusers on the weights opt computes with, each
+    component cast to opt's dtype for it; and that plain pipeline in fp32, whose distance to twin
+    is plain diffusers' own bf16 rounding of the image."""
+    opt = pyext.optimize(build_pipeline(arch, "tiny"), **BF16[options])
+    fp32 = pyext.optimize(build_pipeline(arch, "tiny"), **BF16[options])
+    pyext.restore(fp32)  # back to fp32, holding the bf16 (and fp8) rounded values
+    twin = copy.deepcopy(fp32)
+    for name, component in opt.components.items():
+        if isinstance(component, torch.nn.Module):
+            getattr(twin, name).to(component.dtype)
+    return opt, twin, fp32
+
+
+@pytest.mark.parametrize("options", list(BF16))
+@pytest.mark.parametrize("arch", ARCHS)
+def test_bf16_defaults_with_a_save_and_a_lora(arch, options, tmp_path):
+    """In bf16 opt and twin round differently (pyext's kernels, oneDNN, torch's), so each image's
+    RMS distance to the twin is held to twice plain diffusers' own bf16 rounding of it (the twin
+    against fp32), and the LoRA's effect to the twin's as closely as plain diffusers' own rounding
+    allows: a missing or wrong step gives an unrelated image or effect."""
+    from diffusers import DiffusionPipeline
+
+    lora = make_lora(arch, tmp_path / "lora", seed=1)
+    opt, twin, fp32 = bf16_pair(arch, options)
+    opt.save_pretrained(str(tmp_path / "saved"))
+    reloaded = DiffusionPipeline.from_pretrained(str(tmp_path / "saved"), torch_dtype=torch.bfloat16)
+    images = {}
+    for name, pipe in (("opt", opt), ("twin", twin), ("fp32", fp32), ("reloaded", reloaded)):
+        images[name] = [run(pipe, arch)]
+        pipe.load_lora_weights(lora, adapter_name="a")
+        images[name].append(run(pipe, arch))
+        pipe.fuse_lora()
+        images[name].append(run(pipe, arch))
+    rms = lambda t: t.pow(2).mean().sqrt().item()
+    for i in range(3):
+        rounding = rms(images["twin"][i] - images["fp32"][i])
+        # fp8: fusing stores the fused weights in fp8 again, one more rounding than the twin's bf16 sums
+        factor = 4 if i == 2 and "fp8" in options else 2
+        assert rms(images["opt"][i] - images["twin"][i]) <= factor * rounding
+        assert rms(images["reloaded"][i] - images["twin"][i]) <= 2 * rounding
+    effect = lambda name: images[name][1] - images[name][0]
+    assert effect("twin").abs().max() > 10 * SAME  # the LoRA acts
+    own = snr_db(effect("fp32"), effect("twin"))  # plain diffusers' bf16 rounding of the effect
+    for name in ("opt", "reloaded"):
+        assert snr_db(effect(name), effect("twin")) >= min(10, own - 3)
+
+
 # ----------------------------------------------------------------------------- saving, compiling, optimizing again
 
 @pytest.mark.parametrize("techniques", list(TECHNIQUES))
