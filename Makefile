@@ -46,8 +46,10 @@ $(VENV)/.bench-deps: $(VENV)/.deps requirements-bench.txt
 	$(PY) -m pip install -q -r requirements-bench.txt "torch==$$($(PY) -c 'import torch; print(torch.__version__)')"
 	touch $@
 
+# ARCH=sdxl or ARCH=flux: the same rows at the anchors' workloads (opt-in; bench/latency.py ARCH_PRESETS).
+ARCH ?= sd15
 bench: build $(VENV)/.bench-deps
-	$(PY) -m bench.run
+	$(PY) -m bench.run --model-arch $(ARCH)
 
 bench-kernels: build
 	$(PY) -m bench.kernels

@@ -1,7 +1,8 @@
-"""The SD1.5 latency table of diffusers' memory guide, end to end, one row per optimisation.
+"""The SD1.5 latency table of diffusers' memory guide, end to end, one row per optimisation, and
+the same rows at the anchors' workloads, SDXL and Flux (`--model-arch`).
 
-    python -m bench.latency --preset {gpu,cpu,tiny} --out DIR [--model PATH_OR_ID]
-                            [--rows a,b,c] [--repeats N]
+    python -m bench.latency --preset {gpu,cpu,tiny} [--model-arch {sd15,sdxl,flux}] --out DIR
+                            [--model PATH_OR_ID] [--rows a,b,c] [--repeats N] [--rounds N]
 
 Each row runs in a fresh process (forked from a clean server): rows cannot leak state (patched
 attention, compiled graphs, allocator caches) into each other, and the process's
@@ -37,7 +38,7 @@ SEED = 0
 
 @dataclass(frozen=True)
 class Preset:
-    size: str            # pyext.offline size of sd15 when no --model is given
+    size: str            # pyext.offline size of the arch when no --model is given
     device: str
     height: int
     width: int
@@ -53,15 +54,22 @@ class Preset:
     # unrelated images, plain diffusers' too; a short run keeps rounding apart from an unrelated
     # seed, the level a broken kernel falls to.
     check_steps: int = 0
+    arch: str = "sd15"   # pyext.offline arch: the pipeline family
+    guidance_scale: float = 7.5
+    call: tuple = ()     # ((argument, value), ...) the pipeline call takes besides the shared ones
 
 
+# Rows that take SD1.5's UNet call (sample, timestep, text): the guide's traced UNet and OpenVINO.
+_SD15_UNET_ONLY = (("traced_unet", "the guide's traced UNet takes SD1.5's UNet call (sample, timestep, text); "
+                                   "this denoiser takes more (added conditioning, or a transformer's inputs)"),
+                   ("openvino", "the OpenVINO row converts SD1.5's UNet call (sample, timestep, text) only"))
+_INT8_ON_CUDA = tuple((row, "an int8 row is the CPU presets' peer of fp8 weights; on CUDA the fp8 rows are")
+                      for row in ("torchao_int8_weight_only", "torchao_int8_dynamic"))
 PRESETS = {
     # The guide's setting: one 512x512 image, 50 DDIM steps, classifier-free guidance (UNet batch 2).
     # A 3-step warm-up: a UNet call per step, so pyext's captured UNet has run eagerly, captured and
     # replayed, and inductor's has compiled and recorded its CUDA graph before the timed run.
-    "gpu": Preset("full", "cuda", 512, 512, 50, 3, 3, 900, check_steps=2, skip=(
-        ("torchao_int8_weight_only", "an int8 row is the CPU presets' peer of fp8 weights; on CUDA the fp8 rows are"),
-        ("torchao_int8_dynamic", "an int8 row is the CPU presets' peer of fp8 weights; on CUDA the fp8 rows are"))),
+    "gpu": Preset("full", "cuda", 512, 512, 50, 3, 3, 900, check_steps=2, skip=_INT8_ON_CUDA),
     # The same full SD1.5 architecture, scaled to finish all rows in minutes on 2 cores:
     # 256x256 instead of 512x512 (latents 32x32 instead of 64x64), 2 steps instead of 50,
     # median of 3 timed runs after a 1-step warm-up. A long row timeout leaves torch.compile its chance.
@@ -76,6 +84,47 @@ PRESETS = {
         *((row, "not run in preset tiny: its torch.compile needs minutes on CPU; see presets cpu/gpu")
           for row in ("torchao_fp8_weight_only", "torchao_int8_weight_only", "torchao_int8_dynamic")))),
 }
+
+# The anchors' workloads (--model-arch): SDXL at 1024x1024, 30 Euler steps, and Flux.1-dev's
+# architecture at 1024x1024, 28 steps, on a GPU; on a CPU the pyext.offline "bench" sizes of both
+# (the published denoiser widths with fewer layers; text encoders of the published widths cut to 2
+# layers, T5 to 1) at 256x256, 2 steps, median of 2 timed runs after a 1-step warm-up.
+ARCH_PRESETS = {
+    "sdxl": {
+        "gpu": Preset("full", "cuda", 1024, 1024, 30, 3, 3, 900, check_steps=2, arch="sdxl",
+                      skip=_INT8_ON_CUDA + _SD15_UNET_ONLY),
+        "cpu": Preset("bench", "cpu", 256, 256, 2, 1, 2, 900, arch="sdxl", skip=_SD15_UNET_ONLY),
+    },
+    "flux": {
+        "gpu": Preset("full", "cuda", 1024, 1024, 28, 3, 3, 900, check_steps=2, arch="flux", guidance_scale=3.5,
+                      skip=_INT8_ON_CUDA + _SD15_UNET_ONLY),
+        "cpu": Preset("bench", "cpu", 256, 256, 2, 1, 2, 900, arch="flux", guidance_scale=3.5,
+                      call=(("max_sequence_length", 128),), skip=_SD15_UNET_ONLY),
+    },
+}
+
+
+def preset_of(name: str, arch: str = "sd15") -> Preset:
+    """The preset `name` for `arch`: PRESETS for sd15, ARCH_PRESETS for the others."""
+    if arch == "sd15":
+        return PRESETS[name]
+    if name not in ARCH_PRESETS.get(arch, {}):
+        raise SystemExit(f"bench.latency: no preset {name!r} for arch {arch!r}; "
+                         f"it has {sorted(ARCH_PRESETS.get(arch, {}))}")
+    return ARCH_PRESETS[arch][name]
+
+
+def denoiser_name(pipe) -> str:
+    return "unet" if getattr(pipe, "unet", None) is not None else "transformer"
+
+
+def _denoiser(pipe):
+    return getattr(pipe, denoiser_name(pipe))
+
+
+def _set_denoiser(pipe, module) -> None:
+    setattr(pipe, denoiser_name(pipe), module)
+
 
 # row -> (half precision?, steps applied in order). Cumulative like the guide's table, with two
 # restarts: the attention rows start again from channels_last (a traced graph freezes the
@@ -222,14 +271,18 @@ def _apply_step(pipe, step, preset, notes: dict):
     """Applies one row step to `pipe` (returns the pipeline); what it did goes to `notes`."""
     from diffusers.models import attention_processor as ap
 
-    if step == "classic_attention":  # the pre-PyTorch-2 processor: explicit softmax(QK^T)V
-        pipe.unet.set_attn_processor(ap.AttnProcessor())
-        pipe.vae.set_attn_processor(ap.AttnProcessor())
-    elif step == "sdpa_attention":
-        pipe.unet.set_attn_processor(ap.AttnProcessor2_0())
-        pipe.vae.set_attn_processor(ap.AttnProcessor2_0())
+    if step in ("classic_attention", "sdpa_attention"):
+        # classic: the pre-PyTorch-2 processor, explicit softmax(QK^T)V. Transformers' own processors
+        # (Flux's) call SDPA and have no classic form: they keep theirs, and the VAE's is set.
+        processor = ap.AttnProcessor() if step == "classic_attention" else ap.AttnProcessor2_0()
+        if denoiser_name(pipe) == "unet":
+            pipe.unet.set_attn_processor(processor)
+        else:
+            notes.setdefault("attention", f"{type(_denoiser(pipe)).__name__} keeps its own attention processors "
+                                          "(SDPA); the steps classic_attention/sdpa_attention set the VAE's")
+        pipe.vae.set_attn_processor(processor)
     elif step == "channels_last":
-        pipe.unet.to(memory_format=torch.channels_last)
+        _denoiser(pipe).to(memory_format=torch.channels_last)
     elif step == "trace_unet":
         _trace_unet(pipe, preset)
     elif step == "pyext_attention":
@@ -251,8 +304,8 @@ def _apply_step(pipe, step, preset, notes: dict):
     elif step == "pyext_fp8":
         import pyext
 
-        report = pyext.quantize_fp8(pipe.unet)
-        notes["pyext_fp8"] = (f"{len(report.converted)} UNet layers in fp8, their weights "
+        report = pyext.quantize_fp8(_denoiser(pipe))
+        notes["pyext_fp8"] = (f"{len(report.converted)} {denoiser_name(pipe)} layers in fp8, their weights "
                               f"{report.bytes_before / 2**20:.1f} -> {report.bytes_after / 2**20:.1f} MiB")
     elif step in TORCHAO_CONFIGS:
         from torchao import quantization
@@ -264,34 +317,35 @@ def _apply_step(pipe, step, preset, notes: dict):
                   else getattr(quantization, cls)())
         with _weights_note(pipe, notes, step, f"torchao {cls}"):
             try:
-                quantization.quantize_(pipe.unet, config)
+                quantization.quantize_(_denoiser(pipe), config)
             except AssertionError as e:  # torchao states what a config needs of the hardware as assertions
                 raise RowUnavailable(f"torchao refuses {cls} here: {e}")
     elif step == "torchao_compile":  # torchao's and diffusers' documented line for a quantized denoiser
-        pipe.unet = torch.compile(pipe.unet, mode="max-autotune", fullgraph=True)
+        _set_denoiser(pipe, torch.compile(_denoiser(pipe), mode="max-autotune", fullgraph=True))
     elif step == "quanto_fp8":
         from optimum.quanto import freeze, qfloat8, quantize
 
         with _weights_note(pipe, notes, step, "optimum-quanto qfloat8"):
-            quantize(pipe.unet, weights=qfloat8)
-            freeze(pipe.unet)
+            quantize(_denoiser(pipe), weights=qfloat8)
+            freeze(_denoiser(pipe))
     elif step == "diffusers_layerwise_fp8":  # stored in fp8, each layer cast up to the row's dtype to compute
         with _weights_note(pipe, notes, step, "diffusers layerwise casting"):
-            pipe.unet.enable_layerwise_casting(storage_dtype=torch.float8_e4m3fn, compute_dtype=pipe.unet.dtype)
+            _denoiser(pipe).enable_layerwise_casting(storage_dtype=torch.float8_e4m3fn,
+                                                     compute_dtype=_denoiser(pipe).dtype)
     elif step in PYEXT_OPTIONS:
         import pyext
 
         pipe = pyext.optimize(pipe, height=preset.height, width=preset.width, **PYEXT_OPTIONS[step]) or pipe
         notes[step] = " ".join(str(pyext.report(pipe)).split())
     elif step == "torch_compile":
-        pipe.unet = torch.compile(pipe.unet)
+        _set_denoiser(pipe, torch.compile(_denoiser(pipe)))
     elif step == "torch_compile_cudagraphs":
-        pipe.unet = torch.compile(pipe.unet, mode="reduce-overhead")
+        _set_denoiser(pipe, torch.compile(_denoiser(pipe), mode="reduce-overhead"))
     elif step == "torch_compile_freezing":
         import torch._inductor.config as inductor_config
 
         inductor_config.freezing = True  # this row's process only
-        pipe.unet = torch.compile(pipe.unet)
+        _set_denoiser(pipe, torch.compile(_denoiser(pipe)))
     elif step == "openvino":
         from bench import cpu_runtimes
 
@@ -307,18 +361,20 @@ def _apply_step(pipe, step, preset, notes: dict):
 
 @contextlib.contextmanager
 def _weights_note(pipe, notes: dict, step: str, what: str):
-    """Notes what the quantization inside the block did to the UNet: its layers whose weight became
-    another type or dtype, and its weight bytes before and after."""
+    """Notes what the quantization inside the block did to the denoiser: its layers whose weight
+    became another type or dtype, and its weight bytes before and after."""
+    name = denoiser_name(pipe)
+
     def kinds():
-        return {name: (type(m.weight), m.weight.dtype) for name, m in pipe.unet.named_modules()
+        return {layer: (type(m.weight), m.weight.dtype) for layer, m in _denoiser(pipe).named_modules()
                 if isinstance(getattr(m, "weight", None), torch.Tensor)}
 
-    before, bytes_before = kinds(), component_weight_bytes(pipe, ("unet",))["unet"]
+    before, bytes_before = kinds(), component_weight_bytes(pipe, (name,))[name]
     yield
     after = kinds()
-    changed = sum(after.get(name) != kind for name, kind in before.items())
-    notes[step] = (f"{what}: weights of {changed} UNet layers converted, UNet weights "
-                   f"{bytes_before / 2**20:.1f} -> {component_weight_bytes(pipe, ('unet',))['unet'] / 2**20:.1f} MiB")
+    changed = sum(after.get(layer) != kind for layer, kind in before.items())
+    notes[step] = (f"{what}: weights of {changed} {name} layers converted, {name} weights "
+                   f"{bytes_before / 2**20:.1f} -> {component_weight_bytes(pipe, (name,))[name] / 2**20:.1f} MiB")
 
 
 # ---------------------------------------------------------------- measuring one row
@@ -363,8 +419,8 @@ class StageClock:
 
 def _tensor_key(t: torch.Tensor):
     """What identifies a tensor's memory: its storage address, or the tensor itself for one that
-    holds its data elsewhere (pyext's oneDNN-packed weights report address 0)."""
-    return t.data_ptr() or id(t)
+    holds its data where torch gives no address (oneDNN's packed layout)."""
+    return id(t) if t.is_mkldnn else t.data_ptr() or id(t)
 
 
 def _storage_tensors(t: torch.Tensor):
@@ -418,6 +474,9 @@ def _peak_rss_bytes() -> int:
     raise RuntimeError("no VmHWM in /proc/self/status")
 
 
+TEXT_ENCODERS = ("text_encoder", "text_encoder_2")
+
+
 def run_row(name: str, spec: dict) -> dict:
     """Runs one row in this process; returns its measurements (and writes its image)."""
     import pyext.offline
@@ -431,21 +490,23 @@ def run_row(name: str, spec: dict) -> dict:
     t0 = time.perf_counter()
     pipe = pyext.offline.load_pipeline(spec["model_path"], dtype=dtype, device=preset.device)
     from diffusers import DDIMScheduler
-    if not isinstance(pipe.scheduler, DDIMScheduler):  # the guide's table is DDIM (real SD1.5 ships PNDM)
-        pipe.scheduler = DDIMScheduler.from_config(pipe.scheduler.config)
+    if preset.arch == "sd15" and not isinstance(pipe.scheduler, DDIMScheduler):
+        pipe.scheduler = DDIMScheduler.from_config(pipe.scheduler.config)  # the guide's table is DDIM (real SD1.5 ships PNDM)
     notes = {}
     for step in steps:
         pipe = _apply_step(pipe, step, preset, notes)
     clock = StageClock(preset.device)
-    clock.wrap(pipe.text_encoder, "forward", "text_encoding")
-    clock.wrap(pipe.unet, "forward", "denoising")
+    for encoder in TEXT_ENCODERS:
+        if getattr(pipe, encoder, None) is not None:
+            clock.wrap(getattr(pipe, encoder), "forward", "text_encoding")
+    clock.wrap(_denoiser(pipe), "forward", "denoising")
     clock.wrap(pipe.vae, "decode", "vae_decode")
 
     def generate(n_steps, seed=SEED):
         with torch.inference_mode():
             return pipe(PROMPT, height=preset.height, width=preset.width, num_inference_steps=n_steps,
-                        guidance_scale=7.5, output_type="pt",
-                        generator=torch.Generator("cpu").manual_seed(seed)).images
+                        guidance_scale=preset.guidance_scale, output_type="pt",
+                        generator=torch.Generator("cpu").manual_seed(seed), **dict(preset.call)).images
 
     generate(preset.warmup_steps)
     setup_s = time.perf_counter() - t0
@@ -472,8 +533,8 @@ def run_row(name: str, spec: dict) -> dict:
         "stages_s": {**stages, "other": latency - sum(stages.values())},
         "denoiser_it_per_s": preset.steps / stages["denoising"] if stages.get("denoising") else None,
         "peak_memory_bytes": peak, "peak_memory_kind": peak_kind,
-        "weight_bytes": sum(component_weight_bytes(pipe, ("unet", "text_encoder", "vae")).values()),
-        "dtype": str(pipe.unet.dtype).replace("torch.", ""), "steps": list(steps),
+        "weight_bytes": sum(component_weight_bytes(pipe, (denoiser_name(pipe), *TEXT_ENCODERS, "vae")).values()),
+        "dtype": str(_denoiser(pipe).dtype).replace("torch.", ""), "steps": list(steps),
         "load_average_1m": os.getloadavg()[0],  # other processes' load: on a shared machine, the noise
     }
     if "pyext_attention" in steps:  # proof that pyext's kernel ran, and how often torch's did instead
@@ -610,7 +671,7 @@ def prepare_model(model: str | None, preset: Preset, workdir: str) -> tuple[str,
     import pyext.offline
 
     path = os.path.join(workdir, "model")
-    pyext.offline.build_pipeline("sd15", preset.size, seed=SEED).save_pretrained(path)
+    pyext.offline.build_pipeline(preset.arch, preset.size, seed=SEED).save_pretrained(path)
     return path, "random"
 
 
@@ -647,14 +708,14 @@ def merge_rounds(runs: list[dict], base: list[dict] | None) -> dict:
 
 
 def run(preset_name: str, out: str, model: str | None = None, rows: list[str] | None = None,
-        repeats: int | None = None, rounds: int = 1) -> dict:
+        repeats: int | None = None, rounds: int = 1, arch: str = "sd15") -> dict:
     from tqdm import tqdm
 
-    preset = PRESETS[preset_name]
+    preset = preset_of(preset_name, arch)
     rows = prepare_rows("bench.latency", rows, list(ROWS), out)
     workdir = tempfile.mkdtemp(prefix="bench_latency_")
     try:
-        print(f"bench.latency: preparing sd15 ({preset.size}) ...", flush=True)
+        print(f"bench.latency: preparing {preset.arch} ({preset.size}) ...", flush=True)
         model_path, weights = prepare_model(model, preset, workdir)
         spec = {"preset": asdict(preset), "model_path": model_path, "out": os.path.abspath(out),
                 "repeats": repeats or preset.repeats}
@@ -665,10 +726,11 @@ def run(preset_name: str, out: str, model: str | None = None, rows: list[str] | 
         results = {}
         report = {
             "preset": preset_name, "preset_parameters": asdict(preset), "repeats": spec["repeats"],
-            "model": "sd15 " + (preset.size if not model else model), "weights": weights, "prompt": PROMPT,
-            "seed": SEED, "guidance_scale": 7.5, "scheduler": "DDIMScheduler", "min_psnr_db": MIN_PSNR_DB,
+            "model": f"{preset.arch} " + (preset.size if not model else model), "arch": preset.arch,
+            "weights": weights, "prompt": PROMPT, "seed": SEED, "guidance_scale": preset.guidance_scale,
+            "scheduler": "DDIMScheduler" if preset.arch == "sd15" else "the pipeline's own", "min_psnr_db": MIN_PSNR_DB,
             "versions": versions(), "commit": commit(), "rows": results, "rows_planned": rows,
-            "guide_titan_rtx_s": GUIDE_TITAN_RTX, "rounds": rounds,
+            "guide_titan_rtx_s": GUIDE_TITAN_RTX if preset.arch == "sd15" else {}, "rounds": rounds,
         }
         runs: dict[str, list[dict]] = {name: [] for name in rows}
         # Rounds interleave the rows (A, B, ..., A, B, ...); a row that could not run once is not retried.
@@ -763,6 +825,9 @@ def _run_in_subprocess(ctx, name, spec_path, workdir, out, timeout_s) -> dict:
 def main(argv=None):
     p = argparse.ArgumentParser(prog="python -m bench.latency", description=__doc__.split("\n\n")[0])
     p.add_argument("--preset", choices=list(PRESETS), default="tiny")
+    p.add_argument("--model-arch", choices=["sd15", *ARCH_PRESETS], default="sd15",
+                   help="the pipeline family: SD1.5 (the guide's table), or the anchors' SDXL and Flux "
+                        "(presets gpu and cpu)")
     p.add_argument("--out", default="bench_out")
     p.add_argument("--model", help="local folder or hub id of real SD1.5-style weights (default: random weights)")
     p.add_argument("--rows", help=f"comma-separated subset of {','.join(ROWS)}")
@@ -776,7 +841,7 @@ def main(argv=None):
     # SIGTERM unwinds like Ctrl-C, so the running row's process is killed too (see _run_in_subprocess).
     signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))
     report = run(args.preset, args.out, args.model, args.rows.split(",") if args.rows else None, args.repeats,
-                 args.rounds)
+                 args.rounds, args.model_arch)
     print(open(os.path.join(args.out, "latency.md")).read())
     return report
 

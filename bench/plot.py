@@ -18,6 +18,24 @@ def _fmt(value, spec, unit=""):
     return "-" if value is None else f"{value:{spec}}{unit}"
 
 
+ARCH_TITLES = {"sd15": "SD1.5", "sdxl": "SDXL", "flux": "Flux"}
+
+
+def _workload(report: dict) -> str:
+    """'SD1.5 256x256, 2 DDIM steps': the arch, size and steps (the scheduler: DDIM for SD1.5,
+    the pipeline's own for the others)."""
+    p = report["preset_parameters"]
+    arch = p.get("arch", "sd15")
+    return (f"{ARCH_TITLES.get(arch, arch)} {p['width']}x{p['height']}, {p['steps']} "
+            f"{'DDIM steps' if arch == 'sd15' else 'steps'}")
+
+
+def _command(report: dict) -> str:
+    arch = report["preset_parameters"].get("arch", "sd15")
+    return (f"python -m bench.latency --preset {report['preset']}"
+            + (f" --model-arch {arch}" if arch != "sd15" else ""))
+
+
 def _label(name: str, row: dict) -> str:
     dtype = row.get("dtype")
     if dtype == "bfloat16":  # CPU rows run bf16 where the guide ran fp16
@@ -38,7 +56,7 @@ def table(report: dict) -> str:
         "|---|---|---:|---:|" + ("---:|" if rounds else "") + "---:|---:|---:|---:|---:|---:|---:|---:|---|---:|",
     ]
     for name, row in rows.items():
-        guide = _fmt(report["guide_titan_rtx_s"].get(name), ".2f", " s")
+        guide = _fmt(report.get("guide_titan_rtx_s", {}).get(name), ".2f", " s")
         if "latency_s" not in row:
             lines.append(f"| {name} | | n/a: {row['reason']} | | " + ("| " if rounds else "")
                          + f"| | | | | | | | | {guide} |")
@@ -65,11 +83,13 @@ def write_markdown(report: dict, path: str) -> None:
     rows = report["rows"]
     p = report["preset_parameters"]
     m = report["machine"]
+    guidance = ("guidance-distilled (one denoiser call per step)" if p.get("arch") == "flux"
+                else "classifier-free guidance (denoiser batch 2)")
     lines = [
-        f"# SD1.5 latency, preset `{report['preset']}`",
+        f"# {_workload(report).split(' ')[0]} latency, preset `{report['preset']}`",
         "",
-        f"{report['model']}, weights: **{report['weights']}**; {p['width']}x{p['height']}, {p['steps']} DDIM steps, "
-        f"batch 1 with classifier-free guidance (UNet batch 2), median of {report['repeats']} run(s) after a "
+        f"{report['model']}, weights: **{report['weights']}**; {_workload(report).split(' ', 1)[1]}, "
+        f"batch 1 with {guidance}, median of {report['repeats']} run(s) after a "
         f"{p['warmup_steps']}-step warm-up; each row in its own process. Prompt: \"{report['prompt']}\".",
         f"Machine: {m.get('gpu') or m.get('cpu')}, {m['cpu_count']} CPUs, torch threads {m['torch_threads']}"
         + (f", load average at the end {', '.join(f'{x:.1f}' for x in m['load_average'])}" if "load_average" in m else "")
@@ -81,7 +101,7 @@ def write_markdown(report: dict, path: str) -> None:
     lines += [
         "",
         f"Peak memory: {next((r['peak_memory_kind'] for r in rows.values() if 'peak_memory_kind' in r), '-')}. "
-        "Weights: bytes of parameters and buffers of UNet, text encoder and VAE.",
+        "Weights: bytes of parameters and buffers of the denoiser, text encoders and VAE.",
         f"Check: image{_check_steps(report)} vs the `original` row's (same seed and latents, pixel values in [0, 1]); "
         f"a row fails when "
         f"its image is non-finite or its PSNR is below {report['min_psnr_db']:g} dB. For scale, an image from "
@@ -105,10 +125,10 @@ def write_markdown(report: dict, path: str) -> None:
 def results_block(report: dict) -> str:
     """A results file's block in docs/benchmarks.md: the workload, the table, and how loaded the
     machine was (on a shared machine, the noise)."""
-    p, rows = report["preset_parameters"], report["rows"]
-    lines = [f"Preset `{report['preset']}` ({report['model']}, {report['weights']} weights): {p['width']}x{p['height']}, "
-             f"{p['steps']} DDIM steps, median of {report['repeats']} run(s); "
-             f"`python -m bench.latency --preset {report['preset']} --rows {','.join(rows)}`.", "", table(report)]
+    rows = report["rows"]
+    lines = [f"Preset `{report['preset']}` ({report['model']}, {report['weights']} weights): "
+             f"{_workload(report).split(' ', 1)[1]}, median of {report['repeats']} run(s); "
+             f"`{_command(report)} --rows {','.join(rows)}`.", "", table(report)]
     loads = [r["load_average_1m"] for r in rows.values() if "load_average_1m" in r]
     if loads:
         lines += ["", f"1-minute load average at the end of each row: {min(loads):.1f} to {max(loads):.1f} on "
@@ -139,8 +159,7 @@ def write_chart(report: dict, path: str) -> None:
     ax.set_yticks(range(len(names)), [_label(n, rows[n]) for n in names], fontsize=9)
     ax.set_xlim(0, top * 1.35)
     ax.set_xlabel("end-to-end latency, seconds (lower is better)")
-    p = report["preset_parameters"]
-    ax.set_title(f"SD1.5 {p['width']}x{p['height']}, {p['steps']} DDIM steps, preset {report['preset']} "
+    ax.set_title(f"{_workload(report)}, preset {report['preset']} "
                  f"({report['weights']} weights)", fontsize=10)
     fig.tight_layout()
     fig.savefig(path, dpi=110)

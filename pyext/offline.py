@@ -17,7 +17,11 @@ hunyuanvideo, animatediff. sd15, sdxl, sd3 and flux also have "full", the publis
 cogvideox has "bench": CogVideoX-2b's transformer (1.69B) and VAE with a T5 text encoder of
 T5-XXL's width cut to 2 of its 24 layers, so that the whole pipeline is ~2.4B parameters
 (~10 GB in fp32); its example, a short low-resolution clip, takes minutes on a 2-core CPU in
-float32 (bfloat16 is far slower on CPUs without native bf16 arithmetic).
+float32 (bfloat16 is far slower on CPUs without native bf16 arithmetic). sdxl and flux have
+"bench" too, the latency bench's CPU presets: the published denoiser widths with fewer layers
+(SDXL's UNet with transformer depths 1, 2, 2 for 1, 2, 10; Flux's transformer with 1 double and 2
+single blocks for 19 and 38), their VAEs in full, and text encoders of the published widths cut to
+2 layers (T5-XXL to 1), whose outputs have the published shapes.
 
 A config's "call" holds its example's keyword arguments (size, frames, text length), since
 the pipelines' signatures differ; `run_example` adds prompt, steps, seed and output type and
@@ -53,7 +57,8 @@ import torch
 from pyext.dispatch import PyextError
 
 SIZES = {
-    "sd15": ("tiny", "full"), "sdxl": ("tiny", "full"), "sd3": ("tiny", "full"), "flux": ("tiny", "full"),
+    "sd15": ("tiny", "full"), "sdxl": ("tiny", "full", "bench"), "sd3": ("tiny", "full"),
+    "flux": ("tiny", "full", "bench"),
     "cogvideox": ("tiny", "bench"), "wan21": ("tiny",), "wan22": ("tiny",), "ltx": ("tiny",),
     "hunyuanvideo": ("tiny",), "animatediff": ("tiny",), "sana": ("tiny",), "pixart_sigma": ("tiny",),
     "auraflow": ("tiny",), "lumina2": ("tiny",), "qwenimage": ("tiny",), "chroma": ("tiny",),

@@ -480,3 +480,62 @@ def test_stage_clock_on_a_gpu_times_without_waiting_for_it():
         torch.cuda.set_sync_debug_mode(0)
     torch.cuda.synchronize()
     assert clock.totals["denoising"] > 0 and len(clock.marks) == 3
+
+
+@pytest.mark.parametrize("arch", sorted(latency.ARCH_PRESETS))
+def test_arch_presets_plan_their_rows(arch):
+    """The SDXL and Flux presets: every row runs or says why; the rows that take SD1.5's UNet call
+    say so on both devices, and the int8 peers are the CPU preset's only."""
+    for name in ("cpu", "gpu"):
+        preset = latency.preset_of(name, arch)
+        assert preset.arch == arch and preset.device == ("cuda" if name == "gpu" else "cpu")
+        for row in ("traced_unet", "openvino"):
+            assert "SD1.5's UNet call" in latency.unavailable(row, preset)
+        for row in ("original", "pyext_fp8", "pyext_optimize"):
+            assert latency.unavailable(row, preset) is None
+    gpu = latency.preset_of("gpu", arch)
+    assert (gpu.height, gpu.steps) == ((1024, 30) if arch == "sdxl" else (1024, 28))
+    assert "CPU" in latency.unavailable("torchao_int8_dynamic", gpu)
+    with pytest.raises(SystemExit, match="no preset 'tiny'"):
+        latency.preset_of("tiny", arch)
+
+
+@pytest.mark.parametrize("arch", sorted(latency.ARCH_PRESETS))
+def test_bench_sizes_keep_the_published_widths_with_fewer_layers(arch):
+    """What the CPU presets scale: layers, never widths (meta pipelines: shapes only)."""
+    from pyext.offline import build_pipeline
+
+    bench, full = (build_pipeline(arch, size, dtype=torch.bfloat16, device="meta") for size in ("bench", "full"))
+    denoiser = latency.denoiser_name(bench)
+    assert latency.denoiser_name(full) == denoiser
+    b, f = getattr(bench, denoiser).config, getattr(full, denoiser).config
+    if arch == "flux":
+        assert (b.num_layers, b.num_single_layers) == (1, 2) and (f.num_layers, f.num_single_layers) == (19, 38)
+        widths = ("num_attention_heads", "attention_head_dim", "joint_attention_dim", "pooled_projection_dim")
+    else:
+        assert tuple(b.transformer_layers_per_block) == (1, 2, 2) and tuple(f.transformer_layers_per_block) == (1, 2, 10)
+        widths = ("block_out_channels", "cross_attention_dim", "attention_head_dim", "layers_per_block")
+    assert all(b[k] == f[k] for k in widths)
+    assert bench.vae.config == full.vae.config
+    for encoder in latency.TEXT_ENCODERS:
+        assert getattr(bench, encoder).config.hidden_size == getattr(full, encoder).config.hidden_size
+
+
+def test_a_transformer_row_runs_on_the_generic_path(tmp_path):
+    """A Flux row (tiny sizes, on CPU): the steps reach the transformer, the stages are timed,
+    the image is written."""
+    from dataclasses import asdict, replace
+
+    preset = replace(latency.preset_of("cpu", "flux"), size="tiny", height=64, width=64, steps=1, repeats=1,
+                     call=(("max_sequence_length", 16),), threads=1)
+    model, _ = latency.prepare_model(None, preset, str(tmp_path))
+    spec = {"preset": asdict(preset), "model_path": model, "out": str(tmp_path / "out"), "repeats": 1}
+    threads = torch.get_num_threads()
+    try:
+        result = latency.run_row("pyext_fp8", spec)
+    finally:
+        torch.set_num_threads(threads)  # the row sets the preset's
+    assert "transformer layers in fp8" in result["notes"]["pyext_fp8"]
+    assert "keeps its own attention processors" in result["notes"]["attention"]
+    assert result["stages_s"]["denoising"] > 0 and result["stages_s"]["text_encoding"] > 0
+    assert (tmp_path / "out" / "images" / "pyext_fp8.pt").exists()
