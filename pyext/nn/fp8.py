@@ -20,7 +20,7 @@ import torch.nn as nn
 
 from pyext import _compat, _state, dispatch
 from pyext.dispatch import PyextError
-from pyext.nn.stored import StoredWeight
+from pyext.nn.stored import StoredWeight, probe_like
 from pyext.ops.fp8 import COMPUTE_DTYPES, FP8, call_linear, fp8_quantize, fp8_upcast
 from pyext.ops.fp8_conv import upcast_weight
 
@@ -150,14 +150,6 @@ class FP8Weight(StoredWeight):
         return f"FP8Weight({tuple(self.shape)}, e4m3 codes, {kind} scale, reads as {self.dtype}, {self.device})"
 
 
-def _like_strides(w: torch.Tensor) -> tuple:
-    """Strides of a (2, ...) tensor laid out as w (channels-last or not)."""
-    probe = torch.empty((2,) * w.dim(), device="meta")
-    if w.dim() == 4 and w.is_contiguous(memory_format=torch.channels_last) and not w.is_contiguous():
-        probe = probe.contiguous(memory_format=torch.channels_last)
-    return probe.stride()
-
-
 def _rebuild_fp8_weight(codes, scale, dtype, requires_grad, is_param):
     weight = FP8Weight(codes, scale, dtype)
     return nn.Parameter(weight, requires_grad) if is_param else weight.requires_grad_(requires_grad)
@@ -207,7 +199,7 @@ class _FP8Storage:
         w = self.weight
         if not isinstance(w, FP8Weight):
             return super()._apply(fn, recurse)
-        probe = torch.empty_strided((2,) * w.dim(), _like_strides(w), dtype=w.dtype, device=w.device)
+        probe = probe_like(w)
         out = fn(probe)
         del self._parameters["weight"]
         try:
@@ -386,7 +378,8 @@ class FP8Conv2d(_FP8Storage, nn.Conv2d):
 
 
 def _detached(bias: torch.Tensor | None) -> torch.Tensor | None:
-    return None if bias is None else bias.detach()
+    """The bias for a kernel: detached only where autograd records (no alias made per call otherwise)."""
+    return bias.detach() if bias is not None and bias.requires_grad and torch.is_grad_enabled() else bias
 
 
 def _with_bias_grad(y: torch.Tensor, bias: torch.Tensor | None, channel_dim: int) -> torch.Tensor:

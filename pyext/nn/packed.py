@@ -32,7 +32,7 @@ import torch.nn.functional as F
 from pyext import _compat, dispatch
 from pyext._ext import kernel_missing
 from pyext.dispatch import PyextError
-from pyext.nn.stored import StoredWeight
+from pyext.nn.stored import StoredWeight, probe_like
 from pyext.ops import winograd
 
 # oneDNN packs fp32 anywhere; bf16 only where the CPU computes it natively (the reorder refuses
@@ -270,10 +270,7 @@ def _conv_args(module: nn.Module) -> tuple | None:
 
 def _unchanged_by(fn, weight: torch.Tensor) -> bool:
     """Whether `fn` (what Module._apply maps over tensors) hands a tensor like `weight` back as it is."""
-    last = weight.dim() == 4 and weight.is_contiguous(memory_format=torch.channels_last)
-    probe = torch.empty((2,) * weight.dim(), dtype=weight.dtype, device=weight.device)
-    if last:
-        probe = probe.contiguous(memory_format=torch.channels_last)
+    probe = probe_like(weight)
     return fn(probe) is probe
 
 

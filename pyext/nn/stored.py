@@ -160,6 +160,15 @@ class StoredView(_ReadsAsValues):
         return f"StoredView({tuple(self.shape)} of {self.root()!r})"
 
 
+def probe_like(weight: torch.Tensor) -> torch.Tensor:
+    """A small tensor of the weight's dtype, device and layout (channels-last or not): what a
+    layer's `_apply` hands to Module._apply's fn to learn what it does to the weight."""
+    probe = torch.empty((2,) * weight.dim(), dtype=weight.dtype, device=weight.device)
+    if weight.dim() == 4 and weight.is_contiguous(memory_format=torch.channels_last) and not weight.is_contiguous():
+        probe = probe.contiguous(memory_format=torch.channels_last)
+    return probe
+
+
 def stored_tensors(t: torch.Tensor) -> tuple[torch.Tensor, ...]:
     """The plain tensors a parameter or buffer keeps its data in (a StoredWeight's stored form)."""
     return t.stored_tensors() if isinstance(t, StoredWeight) else (t,)
