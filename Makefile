@@ -69,16 +69,20 @@ kernels: build
 	$(PY) -m pyext kernels --everything
 
 # On a CUDA machine without network, in one call sized for a short lease: wheels from .whl/, build,
-# the CUDA tests, dispatch overhead, kernel benches, the SD1.5 rows (bench/gpu_check.py).
+# the CUDA tests, dispatch overhead, kernel benches, the SD1.5 rows (bench/gpu_check.py);
+# STAGE=flux: Flux end to end, in a call of its own.
+STAGE ?= sd15
 gpu-check:
-	MAX_JOBS=$$(nproc) $(PYTHON) -m bench.gpu_check
+	MAX_JOBS=$$(nproc) $(PYTHON) -m bench.gpu_check --stage $(STAGE)
 
-# On a machine with network: what the GPU machine lacks (diffusers and its one missing dependency;
-# it has torch, triton, transformers, accelerate and pytest), for Python 3.12, into .whl/.
+# On a machine with network: what the GPU machine lacks (diffusers and its one missing dependency,
+# and torchao for the Flux stage's peer row; it has torch, triton, transformers, accelerate and
+# pytest), for Python 3.12, into .whl/.
 GPU_PLATFORMS := $(foreach n,manylinux_2_28 manylinux_2_27 manylinux_2_17 manylinux2014 manylinux1,--platform $(n)_x86_64)
 gpu-wheels: venv
 	$(PY) -m pip download -q --no-deps --only-binary=:all: --python-version 3.12 --implementation cp \
-		$(GPU_PLATFORMS) -d .whl "diffusers==$$($(PY) -c 'import diffusers; print(diffusers.__version__)')" importlib_metadata
+		$(GPU_PLATFORMS) -d .whl "diffusers==$$($(PY) -c 'import diffusers; print(diffusers.__version__)')" importlib_metadata \
+		"$$(grep '^torchao==' requirements-bench.txt)"
 	du -sh .whl
 
 clean:

@@ -1,7 +1,11 @@
 """The GPU proof in one call (`make gpu-check`), sized to run on a bare machine in minutes.
 
-    python -m bench.gpu_check [--out DIR] [--only a,b] [--budget-s 450] [--resume DIR]
+    python -m bench.gpu_check [--stage sd15|flux] [--out DIR] [--only a,b] [--budget-s 450] [--resume DIR]
 
+Two stages, each sized for a call of its own: sd15 (the default: build, the CUDA tests, dispatch
+overhead, kernel benches, the SD1.5 rows) and flux (Flux.1-dev's architecture at 1024x1024, 28
+steps, end to end: bf16 eager, pyext.optimize, pyext's dynamic fp8, diffusers + torch.compile,
+torchao's fp8 dynamic + compile), so a short lease holds both and a rerun of one.
 It prints its plan with each step's estimate first, then runs the steps in order. Everything lands
 in two files under DIR: gpu_check.log (every step's output, one after another) and gpu_check.json
 (each step's exit code, seconds and results), plus the built extension (pyext_C.tar.gz). Given
@@ -15,7 +19,9 @@ and no network: wheels in WHEELS (default .whl/, from `make gpu-wheels`) supply 
 
 Estimates come from the step times of the GPU run in docs/benchmarks.md. The SD1.5 step's adds a
 guess for the torch.compile row (inductor compiles the UNet), which that run did not reach, less
-what its rows no longer pay there (the imports in each row's process, a 50-step warm-up).
+what its rows no longer pay there (the imports in each row's process, a 50-step warm-up). The Flux
+step has never run on a GPU: its estimate is arithmetic (FLUX_ROWS_S), to be replaced by its first
+measured time.
 """
 from __future__ import annotations
 
@@ -38,7 +44,14 @@ ALL_SOURCES = ("csrc", "setup.py", "pyext", "bench", "tests")
 ARTEFACT = "pyext_C.tar.gz"
 # One call with room for a rerun that skips what passed, where GPU time is lent in short slots.
 BUDGET_S = 450
-PLAN_S = 360  # what the steps' estimates may add up to: six minutes on a bare machine
+PLAN_S = 360  # what a stage's estimates may add up to: six minutes on a bare machine
+STAGES = ("sd15", "flux")
+# The Flux stage's rows and a guess of each one's seconds (process, weights made on the GPU, a
+# 3-step warm-up, 28 steps timed once, 2 checked): 12B parameters at 4,608 tokens are about 1.1e14
+# FLOPs a step, 0.2-0.3 s on an H100 in bf16; inductor's compile of the transformer about a
+# minute, and torchao's max-autotune fullgraph compile (its documented line) about two.
+FLUX_ROWS_S = {"original": 30, "pyext_optimize": 40, "pyext_fp8_dynamic": 45, "torch_compile": 80,
+               "torchao_fp8_dynamic": 125}
 
 
 @dataclass(frozen=True)
@@ -50,14 +63,24 @@ class Step:
     sources: tuple[str, ...] = ALL_SOURCES  # a step passed before is skipped while these are unchanged
 
 
-def steps(out: str) -> list[Step]:
+def steps(out: str, stage: str = "sd15") -> list[Step]:
     py = sys.executable
     me = (py, "-m", "bench.gpu_check")
-    return [
+    shared = [
         Step("wheels", 5, (*me, "--install-wheels"),
-             "install the local wheels of the packages this machine lacks (diffusers)", ()),
+             "install the local wheels of the packages this machine lacks (diffusers, torchao)", ()),
         Step("build", 35, (py, "setup.py", "build_ext", "--inplace"),
              "pyext._C with the CUDA kernels, every core (MAX_JOBS)", BUILD_SOURCES),
+    ]
+    if stage == "flux":
+        return shared + [
+            Step("flux_latency", sum(FLUX_ROWS_S.values()),
+                 (py, "-m", "bench.latency", "--preset", "gpu", "--model-arch", "flux", "--repeats", "1",
+                  "--rows", ",".join(FLUX_ROWS_S), "--out", os.path.join(out, "flux_latency")),
+                 "Flux.1-dev's architecture, 1024x1024, 28 steps, bf16, weights made on the GPU, prompt embeddings: "
+                 "eager, pyext.optimize, pyext's dynamic fp8, diffusers + torch.compile, torchao fp8 dynamic + compile"),
+        ]
+    return shared + [
         Step("info", 15, (py, "-m", "pyext", "info"), "the build, the GPU, every backend's availability"),
         Step("tests", 60, (py, "-m", "pytest", "-q", "-m", "cuda", "-p", "no:cacheprovider", "-n", "8", "--dist", "load",
                            "--durations", "15", "tests"),
@@ -155,10 +178,12 @@ def render(result: dict) -> str:
                 f"{ms(r.get('fused_ms'))} ({r.get('fused_backend', '-')}) | {ms(r.get('triton_ms'))} | "
                 f"{times(r.get('fused_over_plain'))} | "
                 f"{times(r.get('fused_over_plain_graph'))} | {times(r.get('err_vs_plain'))} |" for r in norms]
-    for step in ("latency", "latency_graphs"):
+    for step in ("latency", "latency_graphs", "flux_latency"):
         report = next(iter(steps.get(step, {}).get("results", {}).values()), None)
         if report:
-            out += ["", f"| SD1.5 512x512, {report['preset_parameters']['steps']} steps ({step}) | seconds | "
+            shape = report["preset_parameters"]
+            arch = {"sd15": "SD1.5", "sdxl": "SDXL", "flux": "Flux"}.get(report.get("arch", "sd15"), report.get("arch"))
+            out += ["", f"| {arch} {shape['height']}x{shape['width']}, {shape['steps']} steps ({step}) | seconds | "
                     "PSNR against the first row |", "|---|---:|---:|"]
             out += [f"| {name} | {r['latency_s']:.3f} | {r.get('psnr_db', 0):.1f} dB |" if "latency_s" in r
                     else f"| {name} | {r['reason'][:80]} | |" for name, r in report["rows"].items()]
@@ -224,6 +249,7 @@ def _unpack_build(folder: str | None) -> bool:
 
 def main(argv=None) -> int:
     p = argparse.ArgumentParser(prog="python -m bench.gpu_check", description=__doc__.split("\n\n")[0])
+    p.add_argument("--stage", choices=STAGES, default="sd15", help="which stage's steps to run (module docstring)")
     p.add_argument("--out", default=os.environ.get("OUT") or os.path.join(ROOT, "gpu_check_out"))
     p.add_argument("--only", help="comma-separated steps to run (default: all)")
     p.add_argument("--budget-s", type=int, default=BUDGET_S, help="no step runs past this many seconds")
@@ -244,7 +270,7 @@ def main(argv=None) -> int:
                 steps_there = json.load(f).get("steps", {})
             former.update(steps_there)
             came_from.update(dict.fromkeys(steps_there, folder))
-    chosen = [s for s in steps(args.out) if not args.only or s.name in args.only.split(",")]
+    chosen = [s for s in steps(args.out, args.stage) if not args.only or s.name in args.only.split(",")]
     hashes = {s.name: sources_hash(s.sources) for s in chosen}
     done = {s.name for s in chosen if former.get(s.name, {}).get("rc") == 0
             and former[s.name].get("sources") == hashes[s.name] and s.sources}
@@ -252,7 +278,7 @@ def main(argv=None) -> int:
     if "build" in done and not _unpack_build(build_from):
         done.discard("build")
     todo = [s for s in chosen if s.name not in done]
-    print(f"gpu-check: {len(todo)} steps, about {sum(s.estimate_s for s in todo)} s (budget {args.budget_s} s); "
+    print(f"gpu-check, stage {args.stage}: {len(todo)} steps, about {sum(s.estimate_s for s in todo)} s (budget {args.budget_s} s); "
           f"results in {record_path}, output in {log_path}")
     for s in chosen:
         print(f"  {s.name:<18} {'passed before on these sources, skipped' if s.name in done else f'~{s.estimate_s:>3} s'}"

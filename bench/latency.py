@@ -28,7 +28,7 @@ import sys
 import tempfile
 import time
 import traceback
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, replace
 
 import torch
 
@@ -57,6 +57,12 @@ class Preset:
     arch: str = "sd15"   # pyext.offline arch: the pipeline family
     guidance_scale: float = 7.5
     call: tuple = ()     # ((argument, value), ...) the pipeline call takes besides the shared ones
+    half: str = ""       # the half rows' dtype (a torch name); "" is half_dtype's choice for the device
+    load_half: bool = False  # every row loads the half dtype, the full-precision ones (original, pyext_*) too
+    # Weights made on the device by each row (pyext.offline's on_device), not saved by the parent: a
+    # model the host would take minutes to build and write. No text encoders: the rows pass seeded
+    # prompt embeddings of the shapes they give (prompt_inputs).
+    on_device: bool = False
 
 
 # Rows that take SD1.5's UNet call (sample, timestep, text): the guide's traced UNet and OpenVINO.
@@ -95,9 +101,13 @@ ARCH_PRESETS = {
                       skip=_INT8_ON_CUDA + _SD15_UNET_ONLY),
         "cpu": Preset("bench", "cpu", 256, 256, 2, 1, 2, 900, arch="sdxl", skip=_SD15_UNET_ONLY),
     },
+    # On a GPU, Flux.1-dev as it ships: every row loads bf16 (fp16 overflows in its activations),
+    # so the original row is the bf16 eager one; weights made on the device, T5-XXL and CLIP replaced
+    # by prompt embeddings.
     "flux": {
         "gpu": Preset("full", "cuda", 1024, 1024, 28, 3, 3, 900, check_steps=2, arch="flux", guidance_scale=3.5,
-                      skip=_INT8_ON_CUDA + _SD15_UNET_ONLY),
+                      half="bfloat16", load_half=True, on_device=True, skip=_INT8_ON_CUDA + _SD15_UNET_ONLY + (
+                          ("fp16", "every row loads Flux.1-dev's bf16 here: the original row is this row"),)),
         "cpu": Preset("bench", "cpu", 256, 256, 2, 1, 2, 900, arch="flux", guidance_scale=3.5,
                       call=(("max_sequence_length", 128),), skip=_SD15_UNET_ONLY),
     },
@@ -149,6 +159,7 @@ ROWS = {
     "quanto_fp8": (True, ("channels_last", "sdpa_attention", "quanto_fp8")),
     "diffusers_layerwise_fp8": (True, ("channels_last", "sdpa_attention", "diffusers_layerwise_fp8")),
     "pyext_optimize": (False, ("pyext_optimize",)),
+    "pyext_fp8_dynamic": (False, ("pyext_fp8_dynamic",)),
     "pyext_eager": (False, ("pyext_eager",)),
     "pyext_cudagraphs": (False, ("pyext_cudagraphs",)),
     "torch_compile": (True, ("channels_last", "sdpa_attention", "torch_compile")),
@@ -161,8 +172,10 @@ ROWS = {
 
 # The pyext rows: optimize's options beyond the plan size. pyext_optimize takes the defaults (on CUDA
 # the denoiser replays captured CUDA graphs), pyext_eager the same without them, pyext_cudagraphs
-# inductor's CUDA graphs instead.
-PYEXT_OPTIONS = {"pyext_optimize": {}, "pyext_eager": {"compile": "off"}, "pyext_cudagraphs": {"compile": "cudagraphs"}}
+# inductor's CUDA graphs instead, pyext_fp8_dynamic the denoiser's linears in fp8 with activations
+# quantized per row (fp8 x fp8 GEMMs: the setting of torchao_fp8_dynamic).
+PYEXT_OPTIONS = {"pyext_optimize": {}, "pyext_eager": {"compile": "off"}, "pyext_cudagraphs": {"compile": "cudagraphs"},
+                 "pyext_fp8_dynamic": {"fp8": "denoiser", "fp8_gemm": "dynamic"}}
 
 # The torchao rows' configs: classes of torchao.quantization.
 TORCHAO_CONFIGS = {
@@ -195,6 +208,8 @@ def half_dtype(preset: Preset):
     # stay fp32 there, while the tiny preset keeps bf16 so that CI runs the bf16 path everywhere.
     from pyext._compat import cpu_has_native_bf16
 
+    if preset.half:
+        return getattr(torch, preset.half)
     if preset.device == "cuda":
         return torch.float16
     return torch.bfloat16 if preset.emulated_bf16 or cpu_has_native_bf16() else torch.float32
@@ -214,6 +229,8 @@ def unavailable(name: str, preset: Preset) -> str | None:
             return "xformers memory-efficient attention needs CUDA"
     if any("cudagraphs" in step for step in steps) and preset.device != "cuda":
         return "CUDA graphs need a CUDA device"
+    if "pyext_fp8_dynamic" in steps and preset.device != "cuda":
+        return "fp8 x fp8 GEMMs need a GPU's fp8 tensor cores (sm_89+); on a CPU pyext_fp8 is the fp8 row"
     if name in PEER_PACKAGES and not _installed(PEER_PACKAGES[name]):
         return f"{PEER_PACKAGES[name]} not installed (pip install -r requirements-bench.txt)"
     if "openvino" in steps:
@@ -483,18 +500,23 @@ def run_row(name: str, spec: dict) -> dict:
 
     preset = Preset(**spec["preset"])
     half, steps = ROWS[name]
-    dtype = half_dtype(preset) if half else torch.float32
+    dtype = half_dtype(preset) if half or preset.load_half else torch.float32
     if preset.threads:
         torch.set_num_threads(preset.threads)
     torch.manual_seed(SEED)
     t0 = time.perf_counter()
-    pipe = pyext.offline.load_pipeline(spec["model_path"], dtype=dtype, device=preset.device)
+    if preset.on_device:
+        pipe = pyext.offline.build_pipeline(preset.arch, preset.size, dtype=dtype, seed=SEED, device=preset.device,
+                                            on_device=True, without=PROMPT_ENCODERS[preset.arch])
+    else:
+        pipe = pyext.offline.load_pipeline(spec["model_path"], dtype=dtype, device=preset.device)
     from diffusers import DDIMScheduler
     if preset.arch == "sd15" and not isinstance(pipe.scheduler, DDIMScheduler):
         pipe.scheduler = DDIMScheduler.from_config(pipe.scheduler.config)  # the guide's table is DDIM (real SD1.5 ships PNDM)
     notes = {}
     for step in steps:
         pipe = _apply_step(pipe, step, preset, notes)
+    prompt = prompt_inputs(pipe, preset)  # after the steps: embeddings in the dtype the denoiser computes in
     clock = StageClock(preset.device)
     for encoder in TEXT_ENCODERS:
         if getattr(pipe, encoder, None) is not None:
@@ -504,7 +526,7 @@ def run_row(name: str, spec: dict) -> dict:
 
     def generate(n_steps, seed=SEED):
         with torch.inference_mode():
-            return pipe(PROMPT, height=preset.height, width=preset.width, num_inference_steps=n_steps,
+            return pipe(**prompt, height=preset.height, width=preset.width, num_inference_steps=n_steps,
                         guidance_scale=preset.guidance_scale, output_type="pt",
                         generator=torch.Generator("cpu").manual_seed(seed), **dict(preset.call)).images
 
@@ -550,6 +572,27 @@ def run_row(name: str, spec: dict) -> dict:
         torch.save(generate(preset.check_steps or preset.steps, seed=SEED + 1).float().cpu(),
                    os.path.join(spec["out"], "images", "unrelated_seed.pt"))
     return result
+
+
+# What an on_device preset leaves out of the pipeline: the text encoders and their tokenizers.
+PROMPT_ENCODERS = {"flux": ("text_encoder", "tokenizer", "text_encoder_2", "tokenizer_2")}
+
+
+def prompt_inputs(pipe, preset: Preset) -> dict:
+    """The call's prompt: PROMPT; for an on_device preset, which has no text encoders, seeded
+    random embeddings of the shapes they give (Flux: T5's (1, max_sequence_length,
+    joint_attention_dim), CLIP's pooled (1, pooled_projection_dim))."""
+    if not preset.on_device:
+        return {"prompt": PROMPT}
+    if preset.arch not in PROMPT_ENCODERS:
+        raise ValueError(f"bench.latency: no prompt embeddings for arch {preset.arch!r} (on_device presets: "
+                         f"{sorted(PROMPT_ENCODERS)})")
+    config, dtype = _denoiser(pipe).config, _denoiser(pipe).dtype
+    g = torch.Generator().manual_seed(SEED)
+    length = dict(preset.call).get("max_sequence_length", 512)  # FluxPipeline's default
+    text = torch.randn(1, length, config.joint_attention_dim, generator=g)
+    pooled = torch.randn(1, config.pooled_projection_dim, generator=g)
+    return {"prompt_embeds": text.to(preset.device, dtype), "pooled_prompt_embeds": pooled.to(preset.device, dtype)}
 
 
 def _worker(name: str, spec_path: str, result_path: str) -> None:
@@ -668,6 +711,8 @@ def prepare_model(model: str | None, preset: Preset, workdir: str) -> tuple[str,
     """(path or id every row loads, what the weights are)."""
     if model:
         return model, f"real: {model}"
+    if preset.on_device:
+        return "", "random, made on the device by each row (pyext.offline on_device); prompt embeddings, no text encoders"
     import pyext.offline
 
     path = os.path.join(workdir, "model")
@@ -712,6 +757,8 @@ def run(preset_name: str, out: str, model: str | None = None, rows: list[str] | 
     from tqdm import tqdm
 
     preset = preset_of(preset_name, arch)
+    if model:  # real weights come with their text encoders
+        preset = replace(preset, on_device=False)
     rows = prepare_rows("bench.latency", rows, list(ROWS), out)
     workdir = tempfile.mkdtemp(prefix="bench_latency_")
     try:

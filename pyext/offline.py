@@ -214,8 +214,10 @@ def _build_component(name: str, cls_name: str, config: dict, dtype: torch.dtype,
         return _TOKENIZERS[cls_name](config)
     if cls_name.endswith("Scheduler"):  # holds float32 CPU tensors of its own: no default dtype/device
         return getattr(diffusers, cls_name).from_config(config)
-    # fork_rng: seeding here must not change the caller's random stream.
-    with torch.random.fork_rng(devices=[]), _construction(dtype, device):
+    # fork_rng: seeding here must not change the caller's random stream (a GPU's too, where the
+    # weights are made on it).
+    gpu = torch.device(device)
+    with torch.random.fork_rng(devices=[gpu.index or 0] if gpu.type == "cuda" else []), _construction(dtype, device):
         torch.manual_seed(seed * 1_000_003 + zlib.crc32(name.encode()))  # per component: independent of order
         if hasattr(transformers, cls_name):
             cls = getattr(transformers, cls_name)
@@ -236,7 +238,7 @@ def _construction(dtype: torch.dtype, device: str):
 
 
 def build_pipeline(arch: str, size: str = "tiny", dtype: torch.dtype = torch.float32, seed: int = 0,
-                   device: str | torch.device = "cpu"):
+                   device: str | torch.device = "cpu", on_device: bool = False, without: tuple[str, ...] = ()):
     """A diffusers pipeline of `arch` (one of ARCHS) with seeded random weights.
 
     size "tiny": a few M parameters, same component types; "full": the published
@@ -245,6 +247,11 @@ def build_pipeline(arch: str, size: str = "tiny", dtype: torch.dtype = torch.flo
     depend on build order) and then moved to `device`; the same (arch, size, dtype, seed)
     gives the same weights everywhere. device="meta" builds shapes only (parameter counts,
     memory planning) in no time and no memory.
+
+    on_device=True creates the weights on `device` itself, from its own random generator: the
+    same weights on every build there, not the CPU's. For a model that would take minutes to
+    build on the host (full Flux on a GPU). `without` names components left out (None), such as
+    text encoders and their tokenizers where the caller passes prompt embeddings.
     """
     import diffusers
 
@@ -255,16 +262,22 @@ def build_pipeline(arch: str, size: str = "tiny", dtype: torch.dtype = torch.flo
     if (arch, size) in _FP32_REFUSED and dtype == torch.float32 and not meta:
         raise PyextError(f"pyext.offline.build_pipeline: {arch}/{size} in float32 needs ~67 GB; "
                          "pass dtype=torch.bfloat16 (~34 GB) or device='meta'")
+    unknown = sorted(set(without) - set(spec["components"]))
+    if unknown:
+        raise PyextError(f"pyext.offline.build_pipeline: without={unknown} names no component of {arch}/{size}; "
+                         f"its components are {sorted(spec['components'])}")
     cls = getattr(diffusers, spec["pipeline"])
     home = sys.modules[cls.__module__]
-    parts = {name: _build_component(name, comp["class"], comp["config"], dtype, "meta" if meta else "cpu", seed, home)
+    made_on = "meta" if meta else str(device) if on_device else "cpu"
+    parts = {name: None if name in without else _build_component(name, comp["class"], comp["config"], dtype, made_on,
+                                                                 seed, home)
              for name, comp in spec["components"].items()}
     # A pipeline may build modules of its own (AnimateDiff's UNetMotionModel from unet + motion
     # adapter): on the same device and dtype, and without drawing from the caller's random stream.
-    with torch.random.fork_rng(devices=[]), _construction(dtype, "meta" if meta else "cpu"):
+    with torch.random.fork_rng(devices=[]), _construction(dtype, made_on):
         pipe = cls(**parts, **spec["extra"])
     pipe.set_progress_bar_config(disable=True)
-    if not meta and str(device) != "cpu":
+    if not meta and str(device) != made_on:
         pipe.to(device)
     return pipe
 

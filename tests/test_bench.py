@@ -539,3 +539,41 @@ def test_a_transformer_row_runs_on_the_generic_path(tmp_path):
     assert "keeps its own attention processors" in result["notes"]["attention"]
     assert result["stages_s"]["denoising"] > 0 and result["stages_s"]["text_encoding"] > 0
     assert (tmp_path / "out" / "images" / "pyext_fp8.pt").exists()
+
+
+def test_the_flux_gpu_preset_makes_weights_on_the_device_and_passes_prompt_embeddings(tmp_path):
+    """The gpu Flux preset's rows on CPU tensors (tiny sizes): every row loads the half dtype, the
+    weights are made where the row runs (nothing saved by the parent), the text encoders are left
+    out and the call gets seeded prompt embeddings, the same in every row."""
+    from dataclasses import asdict, replace
+
+    gpu = latency.preset_of("gpu", "flux")
+    assert gpu.on_device and gpu.load_half and latency.half_dtype(gpu) == torch.bfloat16
+    assert "original row is this row" in latency.unavailable("fp16", gpu)
+    assert "fp8 tensor cores" in latency.unavailable("pyext_fp8_dynamic", latency.preset_of("cpu", "flux"))
+    preset = replace(gpu, device="cpu", size="tiny", height=64, width=64, steps=1, warmup_steps=1, repeats=1,
+                     check_steps=0, call=(("max_sequence_length", 16),), threads=1)
+    assert latency.prepare_model(None, preset, str(tmp_path)) == ("", latency.prepare_model(None, gpu, "")[1])
+    assert not os.listdir(tmp_path)
+    spec = {"preset": asdict(preset), "model_path": "", "out": str(tmp_path / "out"), "repeats": 1}
+    threads = torch.get_num_threads()
+    try:
+        results = {row: latency.run_row(row, spec) for row in ("original", "pyext_optimize")}
+    finally:
+        torch.set_num_threads(threads)
+    assert results["original"]["dtype"] == "bfloat16"  # pyext_optimize's is what optimize chose for this CPU
+    for row, result in results.items():
+        assert "text_encoding" not in result["stages_s"] and result["stages_s"]["denoising"] > 0, row
+    images = [torch.load(tmp_path / "out" / "images" / f"{row}.pt") for row in results]
+    assert images[0].shape == (1, 3, 64, 64) and not torch.equal(images[0], images[1]) and \
+        (images[0] - images[1]).abs().max() < 0.25
+    from pyext.dispatch import PyextError
+    from pyext.offline import build_pipeline
+
+    pipe = build_pipeline("flux", "tiny", dtype=torch.bfloat16, on_device=True, without=latency.PROMPT_ENCODERS["flux"])
+    assert pipe.text_encoder is None and pipe.tokenizer_2 is None
+    first, again = latency.prompt_inputs(pipe, preset), latency.prompt_inputs(pipe, preset)
+    assert first["prompt_embeds"].shape == (1, 16, pipe.transformer.config.joint_attention_dim)
+    assert torch.equal(first["prompt_embeds"], again["prompt_embeds"])
+    with pytest.raises(PyextError, match="without=.*names no component"):
+        build_pipeline("flux", "tiny", without=("text_encoder_3",))

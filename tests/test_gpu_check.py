@@ -9,10 +9,30 @@ from tests.conftest import run_in_triton_interpreter
 
 
 def test_the_plan_fits_its_budget_and_names_every_part():
-    plan = gpu_check.steps("out")
-    assert sum(s.estimate_s for s in plan) <= gpu_check.PLAN_S <= gpu_check.BUDGET_S
-    assert [s.name for s in plan][:2] == ["wheels", "build"]
-    assert {"tests", "kernels", "latency", "dispatch_overhead"} <= {s.name for s in plan}
+    for stage in gpu_check.STAGES:
+        plan = gpu_check.steps("out", stage)
+        assert sum(s.estimate_s for s in plan) <= gpu_check.PLAN_S <= gpu_check.BUDGET_S
+        assert [s.name for s in plan][:2] == ["wheels", "build"]
+    assert {"tests", "kernels", "latency", "dispatch_overhead"} <= {s.name for s in gpu_check.steps("out")}
+    assert [s.name for s in gpu_check.steps("out", "flux")][2:] == ["flux_latency"]
+
+
+def test_the_flux_stage_runs_the_rows_it_names_each_planned_on_the_gpu_preset(tmp_path, monkeypatch, capsys):
+    """The stage's bench call names the rows it has estimates for, each one a row the Flux gpu
+    preset runs (none skipped), and the plan printed first gives every step's estimate."""
+    from bench import latency
+
+    step = gpu_check.steps("out", "flux")[-1]
+    rows = step.command[step.command.index("--rows") + 1].split(",")
+    assert rows == list(gpu_check.FLUX_ROWS_S) and step.estimate_s == sum(gpu_check.FLUX_ROWS_S.values())
+    assert {"original", "pyext_optimize", "pyext_fp8_dynamic", "torch_compile", "torchao_fp8_dynamic"} == set(rows)
+    preset = latency.preset_of("gpu", "flux")
+    assert all(dict(preset.skip).get(row) is None for row in rows)
+    monkeypatch.setenv("WHEELS", str(tmp_path / "no_wheels"))
+    assert gpu_check.main(["--stage", "flux", "--only", "wheels", "--out", str(tmp_path / "out"),
+                           "--resume", str(tmp_path / "none")]) == 0
+    plan = capsys.readouterr().out
+    assert "stage flux: 1 steps" in plan and "wheels" in plan
 
 
 def test_a_rerun_skips_the_steps_that_passed_on_the_same_sources(tmp_path, capsys):
@@ -34,7 +54,7 @@ def test_each_step_measures_with_a_fresh_dispatch_cache(tmp_path, monkeypatch):
     script = ("import os, sys; d = os.environ['PYEXT_CACHE_DIR']; assert not os.listdir(d); "
               "open(os.path.join(d, 'cpu.json'), 'w').write('{}'); open(sys.argv[1], 'w').write(d)")
     seen = [tmp_path / "a.txt", tmp_path / "b.txt"]
-    monkeypatch.setattr(gpu_check, "steps", lambda out: [
+    monkeypatch.setattr(gpu_check, "steps", lambda out, stage: [
         gpu_check.Step(p.stem, 1, (sys.executable, "-c", script, str(p)), "writes into its cache") for p in seen])
     for _ in range(2):  # the second call reruns both steps (no --resume folder): each cache empty again
         assert gpu_check.main(["--out", str(tmp_path / "out"), "--resume", str(tmp_path / "none")]) == 0
