@@ -1,4 +1,5 @@
-"""The fp8 linear on torch's brgemm micro-kernel (csrc/fp8/fp8_gemm_cpu_brgemm.cpp).
+"""The fp8 linear and convolution on torch's brgemm micro-kernel (csrc/fp8/fp8_gemm_cpu_brgemm.cpp),
+and the armed fast path that runs the chosen C++ backend without entering Python.
 
 What does not depend on the micro-kernel (the decode into the VNNI layout, blocks of rows, panels
 of channels, the epilogue's scale, bias and rounding) runs on every machine with the stand-in, a
@@ -7,6 +8,7 @@ cpublas::could_pack), the real micro-kernel runs against the stand-in too.
 """
 import pytest
 import torch
+import torch.nn.functional as F
 
 from pyext import dispatch
 from pyext._ext import has_kernel
@@ -119,3 +121,104 @@ def test_without_amx_the_real_path_is_an_error_not_a_wrong_answer():
     x, w, scale, bias = case(3, 40, 7, True, True)
     with pytest.raises(RuntimeError, match="brgemm"):
         brgemm(x, w, scale, bias)
+
+
+# (batch, in channels, height, width, out channels, kernel, stride, padding): a 1x1 conv; 3x3 with
+# padding whose rows cross blocks of 32 output pixels; stride 2 with an odd width; a panel's tail
+# (70 channels); padding larger than the kernel reaches (output pixels of bias only); a 1-pixel row.
+CONV_SHAPES = [(1, 8, 6, 6, 64, 1, 1, 0), (2, 6, 5, 40, 16, 3, 1, 1), (1, 4, 9, 11, 70, 3, 2, 1),
+               (1, 2, 4, 5, 3, 3, 1, 3), (2, 10, 1, 1, 5, 1, 1, 0), (1, 320, 8, 8, 130, 3, 1, 1)]
+
+
+def conv_case(b, c, h, w, n, k, seed=0):
+    g = torch.Generator().manual_seed(seed)
+    x = torch.randn(b, c, h, w, generator=g).bfloat16().contiguous(memory_format=torch.channels_last)
+    codes, scale = example_weight((n, c, k, k), True, "cpu", g)
+    return x, codes, scale, torch.randn(n, generator=g).bfloat16()
+
+
+def conv_brgemm(x, codes, scale, bias, stride, padding, **switches):
+    return torch.ops.pyext_C.fp8_conv2d_brgemm(x, codes.permute(0, 2, 3, 1), scale, bias, [stride] * 2,
+                                               [padding] * 2, **switches)
+
+
+def exact_conv(x, codes, scale, bias, stride, padding):
+    weight = codes.view(FP8).double() * scale.double().reshape(-1, 1, 1, 1)
+    return F.conv2d(x.double(), weight, bias.double(), stride, padding)
+
+
+@pytest.mark.parametrize("b,c,h,w,n,k,stride,padding", CONV_SHAPES)
+def test_the_stand_in_convolution_gives_the_rounded_product(b, c, h, w, n, k, stride, padding):
+    x, codes, scale, bias = conv_case(b, c, h, w, n, k)
+    out = conv_brgemm(x, codes, scale, bias, stride, padding, stand_in=True)
+    exact = exact_conv(x, codes, scale, bias, stride, padding)
+    assert out.shape == exact.shape and out.is_contiguous(memory_format=torch.channels_last)
+    assert_rounded_from(out, exact)
+    scalar = conv_brgemm(x, codes, scale, bias, stride, padding, stand_in=True, scalar_pack=True)
+    assert torch.equal(out.view(torch.int16), scalar.view(torch.int16))
+
+
+def test_the_convolution_backend_refuses_what_its_layout_cannot_take_and_says_why():
+    op = dispatch.ops()["fp8_conv2d"]
+    backend = next(b for b in op.backends if b.name == "brgemm")
+    x, codes, scale, bias = conv_case(1, 3, 6, 6, 4, 3)
+    reasons = dispatch.input_reasons(op, backend, (x, codes, scale, bias, [1, 1], [1, 1], [1, 1], 1))
+    assert any("even" in r for r in reasons)
+    x, codes, scale, bias = conv_case(1, 4, 6, 6, 4, 3)
+    assert dispatch.input_reasons(op, backend, (x, codes, scale, bias, [1, 1], [1, 1], [2, 2], 1))
+    assert (backend.unavailable() is None) == amx_brgemm()
+
+
+@pytest.mark.skipif(not has_kernel("fp8_linear_brgemm") or not amx_brgemm(),
+                    reason="torch's brgemm has no AMX bf16 kernel on this CPU")
+@pytest.mark.parametrize("b,c,h,w,n,k,stride,padding", CONV_SHAPES)
+def test_torchs_brgemm_convolution_matches_the_stand_in(b, c, h, w, n, k, stride, padding):
+    x, codes, scale, bias = conv_case(b, c, h, w, n, k, seed=3)
+    out = conv_brgemm(x, codes, scale, bias, stride, padding)
+    assert_rounded_from(out, exact_conv(x, codes, scale, bias, stride, padding))
+
+
+def _python_dispatches(monkeypatch) -> list:
+    """Records each call of fp8_linear that reaches pyext's Python dispatch."""
+    calls, select = [], dispatch.select
+
+    def counting(op_name, args, backend=None):
+        if op_name == "fp8_linear":
+            calls.append(backend)
+        return select(op_name, args, backend)
+    monkeypatch.setattr(dispatch, "select", counting)
+    return calls
+
+
+def test_an_armed_signature_runs_its_backend_without_entering_python(monkeypatch):
+    x, w, scale, bias = case(6, 40, 24, True, True)
+    dispatch.reset()
+    calls = _python_dispatches(monkeypatch)
+    first = torch.ops.pyext.fp8_linear(x, w, scale, bias)
+    chosen = dispatch.select("fp8_linear", (x, w, scale, bias)).name
+    calls.clear()
+    again = torch.ops.pyext.fp8_linear(x, w, scale, bias)
+    assert torch.equal(first, again)
+    assert calls == ([] if chosen in ("cpp", "brgemm") else [None]), chosen
+    torch.ops.pyext.fp8_linear(x[:5], w, scale, bias)  # another signature: Python again
+    assert len(calls) == (1 if chosen in ("cpp", "brgemm") else 2)
+    dispatch.reset()
+
+
+def test_arming_a_backend_the_cpu_cannot_run_falls_back_to_python_dispatch(monkeypatch):
+    """A signature armed with brgemm on a CPU without AMX: the kernel refuses, the signature is
+    disarmed and the Python dispatch answers (where AMX is, brgemm itself answers)."""
+    x, w, scale, bias = case(6, 40, 24, True, True)
+    dispatch.reset()
+    expected = torch.ops.pyext.fp8_linear(x, w, scale, bias, "reference")
+    torch.ops.pyext_C.fp8_linear_arm(x, w, scale, bias, "brgemm")
+    calls = _python_dispatches(monkeypatch)
+    out = torch.ops.pyext.fp8_linear(x, w, scale, bias)
+    assert calls == ([] if amx_brgemm() else [None])
+    assert torch.allclose(out.float(), expected.float(), rtol=2e-2, atol=2e-2)
+    # Disarmed: the next call runs what the Python dispatch chose (and armed), not the failing kernel.
+    chosen = dispatch.select("fp8_linear", (x, w, scale, bias)).name
+    assert torch.equal(torch.ops.pyext.fp8_linear(x, w, scale, bias), torch.ops.pyext.fp8_linear(x, w, scale, bias, chosen))
+    with pytest.raises(RuntimeError, match="no armable backend 'triton'"):
+        torch.ops.pyext_C.fp8_linear_arm(x, w, scale, bias, "triton")
+    dispatch.reset()

@@ -47,9 +47,11 @@ at::Tensor fp8_linear_upcast_cublas(const at::Tensor& x, const at::Tensor& w, co
   return at::linear(x, weight, bias);
 }
 
+const bool upcast_cublas_armable = (pyext::register_armable("upcast_cublas", fp8_linear_upcast_cublas), true);
+
 at::Tensor fp8_linear_entry_cuda(const at::Tensor& x, const at::Tensor& w, const at::Tensor& scale,
                                  const std::optional<at::Tensor>& bias, std::optional<c10::string_view> backend) {
-  return pyext::fp8_linear_entry(fp8_linear_upcast_cublas, x, w, scale, bias, backend);
+  return pyext::fp8_linear_entry(x, w, scale, bias, backend);
 }
 
 }  // namespace

@@ -46,12 +46,14 @@ constexpr int64_t kFp8Panel = 64;
 void fp8_pack_panel_avx512(const uint8_t* w, int64_t N, int64_t K, int64_t n0, uint16_t* packed);
 void fp8_pack_panel_scalar(const uint8_t* w, int64_t N, int64_t K, int64_t n0, uint16_t* packed);
 
-// The same GEMM on torch's micro-kernel (fp8_gemm_cpu_brgemm.cpp), for a linear with an even K:
-// kOneDnn is at::native::cpublas::brgemm (oneDNN's AMX kernel where cpublas::could_pack(bf16)),
-// kStandIn a plain loop over the same layout, which the tests take as the oracle on every machine.
+// The same GEMM on torch's micro-kernel (fp8_gemm_cpu_brgemm.cpp), for a linear with an even K or
+// a convolution with an even C: kOneDnn is at::native::cpublas::brgemm (oneDNN's AMX kernel where
+// cpublas::could_pack(bf16)), kStandIn a plain loop over the same layout, which the tests take as
+// the oracle on every machine. A unit is a panel times a block of up to kFp8BrgemmRows rows (a
+// convolution's blocks lie within one output row).
 enum class Microkernel { kOneDnn, kStandIn };
 constexpr int64_t kFp8BrgemmRows = 32;  // rows of x per unit: two AMX tiles of 16
-int64_t fp8_brgemm_units(int64_t M, int64_t N);
+int64_t fp8_brgemm_units(const Fp8GemmArgs& a);
 void fp8_gemm_brgemm(const Fp8GemmArgs& a, int64_t unit_begin, int64_t unit_end, Microkernel mk, bool simd_pack);
 
 }  // namespace pyext::cpu

@@ -18,7 +18,8 @@
 #include <cmath>
 #include <mutex>
 #include <shared_mutex>
-#include <unordered_set>
+#include <string>
+#include <unordered_map>
 #include <vector>
 
 #include "common/brgemm.h"
@@ -268,17 +269,23 @@ at::Tensor fp8_linear_brgemm_cpu(const at::Tensor& x, const at::Tensor& w, const
                          reinterpret_cast<uint16_t*>(y.data_ptr()), M, N, K};
   const Microkernel mk = stand_in ? Microkernel::kStandIn : Microkernel::kOneDnn;
   const bool simd_pack = !scalar_pack && fp8_gemm_supported();
-  at::parallel_for(0, fp8_brgemm_units(M, N), fused_gemm_grain(K, kFp8BrgemmRows),
+  at::parallel_for(0, fp8_brgemm_units(args), fused_gemm_grain(K, kFp8BrgemmRows),
                    [&](int64_t b, int64_t e) { fp8_gemm_brgemm(args, b, e, mk, simd_pack); });
   return y.view(out_shape);
 }
 
+at::Tensor fp8_linear_brgemm_armed(const at::Tensor& x, const at::Tensor& w, const at::Tensor& scale,
+                                   const std::optional<at::Tensor>& bias) {
+  return fp8_linear_brgemm_cpu(x, w, scale, bias, false, false);
+}
+
 // Convolution as an implicit GEMM over channels-last activations (see fp8_gemm_cpu.h).
 // x: (B, C, H, W) bf16 in channels-last memory; w: (N, kh, kw, C) uint8 codes.
-// Returns (B, N, OH, OW) bf16 in channels-last memory.
-at::Tensor fp8_conv2d_cpu(const at::Tensor& x, const at::Tensor& w, const at::Tensor& scale,
-                          const std::optional<at::Tensor>& bias, at::IntArrayRef stride, at::IntArrayRef padding) {
-  TORCH_CHECK(fused_gemm_available(), "pyext fp8_conv2d: the C++ kernel needs AVX-512 and AVX512_BF16");
+// Returns (B, N, OH, OW) bf16 in channels-last memory; `gemm(args)` runs the GEMM's units.
+template <class Gemm>
+at::Tensor fp8_conv2d_implicit(const at::Tensor& x, const at::Tensor& w, const at::Tensor& scale,
+                               const std::optional<at::Tensor>& bias, at::IntArrayRef stride, at::IntArrayRef padding,
+                               const Gemm& gemm) {
   TORCH_CHECK(w.scalar_type() == at::kByte && w.dim() == 4, "pyext fp8_conv2d: weight must be uint8 (N, kh, kw, C)");
   TORCH_CHECK(x.scalar_type() == at::kBFloat16 && x.dim() == 4 && x.size(1) == w.size(3) && x.size(1) % 2 == 0,
               "pyext fp8_conv2d: x must be bf16 (B, C, H, W) with an even C matching the weight");
@@ -305,9 +312,31 @@ at::Tensor fp8_conv2d_cpu(const at::Tensor& x, const at::Tensor& w, const at::Te
                    sc.data_ptr<float>(), sc.numel() == 1, bias ? reinterpret_cast<const uint16_t*>(bc.data_ptr()) : nullptr,
                    reinterpret_cast<uint16_t*>(y.data_ptr()), M, N, K};
   args.conv = &geom;
-  at::parallel_for(0, fp8_gemm_units(M, N), fused_gemm_grain(K),
-                   [&](int64_t b, int64_t e) { fp8_gemm_bf16_avx512(args, b, e); });
+  gemm(args);
   return y;
+}
+
+at::Tensor fp8_conv2d_cpu(const at::Tensor& x, const at::Tensor& w, const at::Tensor& scale,
+                          const std::optional<at::Tensor>& bias, at::IntArrayRef stride, at::IntArrayRef padding) {
+  TORCH_CHECK(fused_gemm_available(), "pyext fp8_conv2d: the C++ kernel needs AVX-512 and AVX512_BF16");
+  return fp8_conv2d_implicit(x, w, scale, bias, stride, padding, [](const Fp8GemmArgs& args) {
+    at::parallel_for(0, fp8_gemm_units(args.M, args.N), fused_gemm_grain(args.K),
+                     [&](int64_t b, int64_t e) { fp8_gemm_bf16_avx512(args, b, e); });
+  });
+}
+
+// The convolution on torch's brgemm; stand_in and scalar_pack as for fp8_linear_brgemm_cpu.
+at::Tensor fp8_conv2d_brgemm_cpu(const at::Tensor& x, const at::Tensor& w, const at::Tensor& scale,
+                                 const std::optional<at::Tensor>& bias, at::IntArrayRef stride,
+                                 at::IntArrayRef padding, bool stand_in, bool scalar_pack) {
+  TORCH_CHECK(stand_in || brgemm_amx_available(), "pyext fp8_conv2d brgemm: torch's brgemm has no AMX kernel for bf16 "
+              "on this CPU (cpublas::could_pack)");
+  const Microkernel mk = stand_in ? Microkernel::kStandIn : Microkernel::kOneDnn;
+  const bool simd_pack = !scalar_pack && fp8_gemm_supported();
+  return fp8_conv2d_implicit(x, w, scale, bias, stride, padding, [&](const Fp8GemmArgs& args) {
+    at::parallel_for(0, fp8_brgemm_units(args), fused_gemm_grain(args.K, kFp8BrgemmRows),
+                     [&](int64_t b, int64_t e) { fp8_gemm_brgemm(args, b, e, mk, simd_pack); });
+  });
 }
 
 // ---- pyext::fp8_linear without entering Python (fp8_linear_entry.h)
@@ -332,14 +361,16 @@ class ArmedSignatures {
     }
   }
 
-  bool contains(const Key& key) const {
+  // The backend armed for key, or nullptr.
+  Fp8LinearFn find(const Key& key) const {
     std::shared_lock lock(mutex_);
-    return keys_.count(key) != 0;
+    const auto it = keys_.find(key);
+    return it == keys_.end() ? nullptr : it->second;
   }
-  void add(Key key) {
+  void add(Key key, Fp8LinearFn fn) {
     std::unique_lock lock(mutex_);
     if (keys_.size() >= kMaxKeys) keys_.clear();  // the Python side keeps its own bounded table
-    keys_.insert(std::move(key));
+    keys_[std::move(key)] = fn;
   }
   void erase(const Key& key) {
     std::unique_lock lock(mutex_);
@@ -360,7 +391,7 @@ class ArmedSignatures {
   };
   static constexpr size_t kMaxKeys = 4096;
   mutable std::shared_mutex mutex_;
-  std::unordered_set<Key, Hash> keys_;
+  std::unordered_map<Key, Fp8LinearFn, Hash> keys_;
 };
 
 ArmedSignatures& armed_linear() {
@@ -368,11 +399,19 @@ ArmedSignatures& armed_linear() {
   return table;
 }
 
+// The backends a signature can be armed with, by their names in pyext's dispatch.
+std::unordered_map<std::string, Fp8LinearFn>& armable() {
+  static std::unordered_map<std::string, Fp8LinearFn> backends;
+  return backends;
+}
+
 void fp8_linear_arm(const at::Tensor& x, const at::Tensor& w, const at::Tensor& scale,
-                    const std::optional<at::Tensor>& bias) {
+                    const std::optional<at::Tensor>& bias, c10::string_view backend) {
+  const auto it = armable().find(std::string(backend));
+  TORCH_CHECK(it != armable().end(), "pyext fp8_linear_arm: no armable backend '", backend, "' in this build");
   ArmedSignatures::Key key;
   ArmedSignatures::key_of(x, w, scale, bias, key);
-  armed_linear().add(std::move(key));
+  armed_linear().add(std::move(key), it->second);
 }
 
 void fp8_linear_disarm() { armed_linear().clear(); }
@@ -382,18 +421,26 @@ at::Tensor fp8_linear_cpp(const at::Tensor& x, const at::Tensor& w, const at::Te
   return fp8_linear_cpu(x, w, scale, bias, 0);
 }
 
+const bool cpu_backends_armable = [] {
+  pyext::register_armable("cpp", fp8_linear_cpp);
+  pyext::register_armable("brgemm", fp8_linear_brgemm_armed);
+  return true;
+}();
+
 at::Tensor fp8_linear_entry_cpu(const at::Tensor& x, const at::Tensor& w, const at::Tensor& scale,
                                 const std::optional<at::Tensor>& bias, std::optional<c10::string_view> backend) {
-  return pyext::fp8_linear_entry(fp8_linear_cpp, x, w, scale, bias, backend);
+  return pyext::fp8_linear_entry(x, w, scale, bias, backend);
 }
 
 }  // namespace
 
 TORCH_LIBRARY_FRAGMENT(pyext_C, m) {
   m.def("fp8_linear_dispatch(Tensor x, Tensor w, Tensor scale, Tensor? bias=None, str? backend=None) -> Tensor");
-  m.def("fp8_linear_arm(Tensor x, Tensor w, Tensor scale, Tensor? bias) -> ()", fp8_linear_arm);
+  m.def("fp8_linear_arm(Tensor x, Tensor w, Tensor scale, Tensor? bias, str backend) -> ()", fp8_linear_arm);
   m.def("fp8_linear_disarm() -> ()", fp8_linear_disarm);
   m.def("fp8_conv2d(Tensor x, Tensor w, Tensor scale, Tensor? bias, int[] stride, int[] padding) -> Tensor");
+  m.def("fp8_conv2d_brgemm(Tensor x, Tensor w, Tensor scale, Tensor? bias, int[] stride, int[] padding, "
+        "bool stand_in=False, bool scalar_pack=False) -> Tensor");
   m.def("fp8_upcast_out(Tensor w, Tensor scale, Tensor(a!) out) -> ()");
   m.def("fp8_linear(Tensor x, Tensor w, Tensor scale, Tensor? bias, int tile_rows=0) -> Tensor");
   m.def("fp8_linear_brgemm(Tensor x, Tensor w, Tensor scale, Tensor? bias, bool stand_in=False, "
@@ -406,6 +453,7 @@ TORCH_LIBRARY_IMPL(pyext_C, CPU, m) {
   m.impl("fp8_linear", fp8_linear_cpu);
   m.impl("fp8_linear_brgemm", fp8_linear_brgemm_cpu);
   m.impl("fp8_conv2d", fp8_conv2d_cpu);
+  m.impl("fp8_conv2d_brgemm", fp8_conv2d_brgemm_cpu);
 }
 
 // pyext::fp8_linear is defined in Python (pyext/ops/fp8.py), which works without this extension.
@@ -413,16 +461,17 @@ TORCH_LIBRARY_IMPL(pyext, CPU, m) { m.impl("fp8_linear", fp8_linear_entry_cpu); 
 
 }  // namespace pyext::cpu
 
-at::Tensor pyext::fp8_linear_entry(Fp8LinearFn armed, const at::Tensor& x, const at::Tensor& w,
-                                   const at::Tensor& scale, const std::optional<at::Tensor>& bias,
-                                   std::optional<c10::string_view> backend) {
+void pyext::register_armable(const char* backend, Fp8LinearFn fn) { cpu::armable()[backend] = fn; }
+
+at::Tensor pyext::fp8_linear_entry(const at::Tensor& x, const at::Tensor& w, const at::Tensor& scale,
+                                   const std::optional<at::Tensor>& bias, std::optional<c10::string_view> backend) {
   using cpu::ArmedSignatures;
   const bool autograd = c10::GradMode::is_enabled() &&
                         (x.requires_grad() || scale.requires_grad() || (bias && bias->requires_grad()));
   if (!backend && !autograd) {
     thread_local ArmedSignatures::Key key;  // reused: no allocation per call
     ArmedSignatures::key_of(x, w, scale, bias, key);
-    if (cpu::armed_linear().contains(key)) {
+    if (const Fp8LinearFn armed = cpu::armed_linear().find(key)) {
       try {
         return armed(x, w, scale, bias);
       } catch (const c10::OutOfMemoryError&) {

@@ -189,8 +189,9 @@ def _linear_brgemm(x, w, scale, bias):
     return torch.ops.pyext_C.fp8_linear_brgemm(x, w, scale, bias)
 
 
-def _brgemm_missing() -> str | None:
-    missing = kernel_missing("fp8_linear_brgemm")
+def brgemm_missing(kernel: str = "fp8_linear_brgemm") -> str | None:
+    """Why the extension's `kernel` on torch's brgemm cannot run here, or None."""
+    missing = kernel_missing(kernel)
     if missing is None and not torch.ops.pyext_C.fp8_brgemm_available():
         return "torch's brgemm micro-kernel has no AMX bf16 kernel here (a CPU without AMX, or oneDNN off)"
     return missing
@@ -218,7 +219,7 @@ dispatch.register("fp8_linear", Backend(
         "a plain loop over the upcast weight; otherwise weight tiles upcast into a cache-sized buffer, "
         "torch GEMM per tile"))
 dispatch.register("fp8_linear", Backend(
-    "brgemm", _linear_brgemm, unavailable=_brgemm_missing, reasons=_odd_k, devices=("cpu",),
+    "brgemm", _linear_brgemm, unavailable=brgemm_missing, reasons=_odd_k, devices=("cpu",),
     dtypes=(torch.bfloat16,), test_shapes=BRGEMM_TEST_SHAPES,
     notes={torch.float16: "torch's fp16 brgemm needs AMX-FP16", torch.float32: "bf16 activations only"},
     doc="C++ on AMX CPUs: 64-channel panels decoded once per thread into the VNNI layout of torch's "
@@ -346,8 +347,8 @@ def _upcast_fake(w, scale, dtype, backend=None):
 
 
 # Backends the extension's kernel of pyext::fp8_linear also runs (csrc/fp8/fp8_linear_entry.h):
-# the C++ CPU kernel, and on CUDA the upcast kernel followed by torch's linear.
-_RUN_BY_THE_EXTENSION = ("cpp", "upcast_cublas")
+# the C++ CPU kernels, and on CUDA the upcast kernel followed by torch's linear.
+_RUN_BY_THE_EXTENSION = ("cpp", "brgemm", "upcast_cublas")
 
 
 def _linear_kernel(x, w, scale, bias=None, backend=None):
@@ -355,7 +356,7 @@ def _linear_kernel(x, w, scale, bias=None, backend=None):
     chosen = dispatch.select("fp8_linear", args, backend)
     out = chosen.run(*args)
     if backend is None and chosen.name in _RUN_BY_THE_EXTENSION:  # later calls like this one skip Python
-        dispatch.when_kept("fp8_linear", args, chosen, lambda: torch.ops.pyext_C.fp8_linear_arm(*args))
+        dispatch.when_kept("fp8_linear", args, chosen, lambda: torch.ops.pyext_C.fp8_linear_arm(*args, chosen.name))
     return out
 
 
