@@ -108,6 +108,23 @@ def test_quantize_tiny_unet():
     assert quantize_fp8(unet).converted == []  # idempotent
 
 
+@pytest.mark.parametrize("arch", ["flux", "sd3"])
+def test_adaptive_norms_modulation_linears_are_converted_and_embedders_kept(arch):
+    """An adaptive norm's modulation linear (`norm*.linear`) is converted (per-channel scales keep
+    its precision, unlike layerwise casting's unscaled cast, whose "norm" pattern the model names);
+    the embedders stay in full precision."""
+    from pyext.offline import build_pipeline
+
+    transformer = build_pipeline(arch, "tiny").transformer
+    modulation = [n for n, m in transformer.named_modules() if n.endswith("norm1.linear") or n == "norm_out.linear"]
+    assert modulation and "norm" in pyext._compat.skip_layerwise_casting_patterns(transformer)
+    report = quantize_fp8(transformer)
+    assert not any("skip pattern" in report.skipped.get(n, "") for n in modulation)
+    assert any(n.endswith("norm1.linear") for n in report.converted)  # norm_out's is below MIN_NUMEL at tiny size
+    embedders = [n for n in report.skipped if "embed" in n]
+    assert embedders and not any("embed" in n for n in report.converted)
+
+
 @torch.no_grad()
 def test_quantize_skip_patterns_and_restore():
     unet = tiny_unet()

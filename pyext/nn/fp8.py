@@ -24,13 +24,18 @@ from pyext.nn.stored import StoredWeight, probe_like
 from pyext.ops.fp8 import COMPUTE_DTYPES, FP8, call_linear, fp8_quantize, fp8_upcast
 from pyext.ops.fp8_conv import upcast_weight
 
+# Names with "norm", but for a norm's modulation linear (adaptive norms' `norm*.linear`: the shift,
+# scale and gate computed from the timestep). Norms hold no Linear/Conv2d of their own; diffusers'
+# layerwise casting skips every "norm" name because its cast has no scale, while per-channel scales
+# keep the modulation linears' precision, and they hold about a quarter of Flux's and SD3's weights.
+NORM_BUT_MODULATION = r"norm(?![^.]*\.linear$)"
+
 # Names (regexes, searched in the module's qualified name) kept in full precision by
-# default: norms, embeddings/modulation and the first and last layers, where fp8
-# error shows in images (the same families diffusers' layerwise casting skips); and the small
-# layers that condition every token on an image or a timestep: IP-Adapter image projections
-# and attention layers, timestep embedders.
+# default: embeddings and the first and last layers, where fp8 error shows in images (the
+# families diffusers' layerwise casting skips); and the small layers that condition every token
+# on an image or a timestep: IP-Adapter image projections and attention layers, timestep embedders.
 DEFAULT_SKIP = (
-    r"norm", r"time_embed", r"add_embed", r"pos_embed", r"patch_embed", r"x_embedder",
+    NORM_BUT_MODULATION, r"time_embed", r"add_embed", r"pos_embed", r"patch_embed", r"x_embedder",
     r"context_embedder", r"time_text_embed", r"class_embed",
     r"^conv_in$", r"^conv_out$", r"^proj_in$", r"^proj_out$",
     r"encoder_hid_proj", r"to_[kv]_ip", r"t_embedder",
@@ -409,10 +414,11 @@ class FP8Report:
 
 
 def skip_patterns(model: nn.Module, skip: tuple[str, ...] = DEFAULT_SKIP) -> tuple[str, ...]:
-    """`skip` plus the model's own: diffusers' `_skip_layerwise_casting_patterns` (regexes) and
-    the modules its loader keeps in fp32 (whole name components)."""
+    """`skip` plus the model's own: diffusers' `_skip_layerwise_casting_patterns` (regexes; their
+    "norm" as NORM_BUT_MODULATION) and the modules its loader keeps in fp32 (whole name components)."""
     kept = [rf"(^|\.){re.escape(m)}(\.|$)" for m in _compat.keep_in_fp32_modules(model, torch.float16)]
-    return tuple(dict.fromkeys((*skip, *_compat.skip_layerwise_casting_patterns(model), *kept)))
+    own = [NORM_BUT_MODULATION if p == "norm" else p for p in _compat.skip_layerwise_casting_patterns(model)]
+    return tuple(dict.fromkeys((*skip, *own, *kept)))
 
 
 def layer_rules(model: nn.Module, patterns: tuple[str, ...]):
