@@ -27,10 +27,10 @@ $(VENV)/.built: $(VENV)/.deps setup.py $(shell find csrc -type f 2>/dev/null)
 build: $(VENV)/.built
 
 # One pytest-xdist worker per core, each computing on one thread (tests/conftest.py); a module's
-# tests stay on one worker, so its fixtures are made once.
+# tests stay on one worker, so its fixtures are made once, but for modules marked independent.
 TEST_WORKERS ?= $(shell nproc 2>/dev/null || echo 2)
 test: build
-	$(PY) -m pytest -q -n $(TEST_WORKERS) --dist loadscope --durations=15 tests
+	$(PY) -m pytest -q -n $(TEST_WORKERS) --dist loadgroup --durations=15 tests
 
 # What to run on every change, in about two minutes on 2 cores: options, dispatch (every backend on
 # its declared cases, bad inputs, host reads), checkpoints, the fp8 layers, fused norms, the CPU

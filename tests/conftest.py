@@ -30,11 +30,15 @@ if os.environ.get("PYTEST_XDIST_WORKER"):
 
 
 def pytest_collection_modifyitems(items):
-    """Modules with tests marked slow first, each module's tests kept together and in order: with
-    several workers the long ones then overlap the many short ones instead of running alone at
-    the end, and module fixtures are made once."""
+    """Modules with tests marked slow first, each module's tests kept together and in order (one
+    xdist group per module, for `make test`'s --dist loadgroup), so module fixtures are made once;
+    a module marked `independent` has its tests spread over the workers one by one. With several
+    workers the long ones then overlap the many short ones instead of running alone at the end."""
     slow = {item.module for item in items if item.get_closest_marker("slow") is not None}
     items.sort(key=lambda item: item.module not in slow)
+    for item in items:
+        if item.get_closest_marker("independent") is None:
+            item.add_marker(pytest.mark.xdist_group(item.module.__name__))
 
 
 SIMD_LEVELS = ["scalar", "avx2", "avx512"]

@@ -20,6 +20,8 @@ import torch
 
 from tests.conftest import run_ranks
 
+pytestmark = pytest.mark.independent  # make test spreads its tests over the workers
+
 pytest.importorskip("diffusers")
 if not torch.distributed.is_available():
     pytest.skip("torch.distributed is not available", allow_module_level=True)

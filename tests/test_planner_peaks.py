@@ -4,6 +4,8 @@ import torch
 
 from bench.planner_peaks import ARCHS, measure, measure_tiled_vae, profile_peaks
 
+pytestmark = pytest.mark.independent  # make test spreads its tests over the workers
+
 TOLERANCE = 0.25
 
 

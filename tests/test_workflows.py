@@ -22,7 +22,7 @@ from pyext.dispatch import PyextError
 from pyext.offline import build_pipeline, run_example
 from tests.test_graphs import RecordedGraph
 
-pytestmark = pytest.mark.slow  # make test runs it; make test-fast leaves it out
+pytestmark = [pytest.mark.slow, pytest.mark.independent]  # make test-fast leaves it out
 
 ARCHS = ["sd15", "sdxl", "flux", "wan21"]
 DENOISER = {"sd15": "unet", "sdxl": "unet", "flux": "transformer", "wan21": "transformer"}
