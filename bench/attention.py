@@ -1,11 +1,14 @@
 """Attention kernel bench: throughput and latency of pyext's backends vs PyTorch.
 
-    python -m bench.attention [--json PATH] [--repeats N] [--threads N] [--vae-tokens N]
+    python -m bench.attention [--json PATH] [--repeats N] [--threads N] [--vae-tokens N] [--dtype D]
     python -m bench.attention --whole-image    # fp32, the exact tiled VAE's whole-image attention
 
-Times every backend that can run here on SD1.5 / SDXL / Flux attention shapes in
-bf16 (GFLOP/s counts 4*B*H*Sq*Skv*D flops), as the median of --repeats runs after
-one warm-up, with the backends interleaved so machine noise hits them alike. Then
+Times every backend that can run here on SD1.5 / SDXL / Flux attention shapes (GFLOP/s counts
+4*B*H*Sq*Skv*D flops), and `auto`, pyext.attention as dispatch chooses on this machine (its
+choice named), in --dtype: by default the one pyext.optimize computes in here (bf16 where the CPU
+has it natively, else fp32). Rounds interleave the backends (A, B, ..., A, B, ...) after one
+warm-up, so machine noise hits them alike; a row gives its median time and the median and range
+of its per-round speed over SDPA's. Then
 measures peak extra memory at a long sequence (the VAE mid-block attention at
 1024x1024: 1 head, dim 512, 16384 tokens; --vae-tokens 8192 for a 4x quicker proxy)
 for pyext vs naive, each in a fresh process (VmHWM after a reset, and polled RSS,
@@ -77,6 +80,7 @@ def _sync(device: str) -> None:
 
 
 def _time_shape(shape: Shape, device: str, dtype, repeats: int) -> list[dict]:
+    from pyext import dispatch
     from pyext.ops import attention
 
     q = torch.randn(shape.b, shape.h, shape.sq, shape.d, dtype=dtype, device=device)
@@ -87,25 +91,31 @@ def _time_shape(shape: Shape, device: str, dtype, repeats: int) -> list[dict]:
     if "reference" in names and shape.b * shape.h * shape.sq * shape.skv * 4 > NAIVE_MAX_SCORE_BYTES:
         names.remove("reference")
         skipped["reference"] = "fp32 scores would exceed 1 GiB"
+    names.append("auto")  # backend=None: what dispatch chooses here (measured on first use)
     times = {n: [] for n in names}
-    for n in names:  # warm-up: code loading, Triton compilation, allocator
-        attention(q, k, v, backend=n)
+    for n in names:  # warm-up: code loading, Triton compilation, allocator, dispatch's measurement
+        attention(q, k, v, backend=None if n == "auto" else n)
     _sync(device)
     for _ in range(repeats):
         for n in names:
             t0 = time.perf_counter()
-            attention(q, k, v, backend=n)
+            attention(q, k, v, backend=None if n == "auto" else n)
             _sync(device)
             times[n].append(time.perf_counter() - t0)
     rows = []
-    sdpa_ms = statistics.median(times["sdpa"]) * 1e3 if "sdpa" in times else None
+    chosen = dispatch.select("attention", (q, k, v, None, None, False)).name
     for n in names:
         ms = statistics.median(times[n]) * 1e3
-        rows.append(dict(kind="throughput", shape=shape.name, **{k_: v_ for k_, v_ in asdict(shape).items() if k_ != "name"},
-                         dtype=str(dtype).removeprefix("torch."), device=device, threads=torch.get_num_threads(),
-                         backend="naive" if n == "reference" else n, ms=round(ms, 3),
-                         gflops=round(shape.flops / ms / 1e6, 1),
-                         vs_sdpa=round(sdpa_ms / ms, 2) if sdpa_ms else None))
+        row = dict(kind="throughput", shape=shape.name, **{k_: v_ for k_, v_ in asdict(shape).items() if k_ != "name"},
+                   dtype=str(dtype).removeprefix("torch."), device=device, threads=torch.get_num_threads(),
+                   backend="naive" if n == "reference" else n, ms=round(ms, 3), gflops=round(shape.flops / ms / 1e6, 1))
+        if "sdpa" in times:  # per round: SDPA's time over this backend's (> 1: faster than SDPA)
+            ratios = [a / b for a, b in zip(times["sdpa"], times[n])]
+            row.update(vs_sdpa=round(statistics.median(ratios), 2), vs_sdpa_range=[round(min(ratios), 2),
+                                                                                   round(max(ratios), 2)])
+        if n == "auto":
+            row["chosen"] = chosen
+        rows.append(row)
     for n, why in skipped.items():
         rows.append(dict(kind="throughput", shape=shape.name, backend="naive" if n == "reference" else n, skipped=why))
     return rows
@@ -179,6 +189,26 @@ def run(shapes=None, repeats: int = 5, vae_tokens: int = 16384, device: str | No
     return rows
 
 
+def render(result: dict) -> str:
+    """docs/benchmarks.md's table of a results file: each shape's backends, `auto` with its choice."""
+    rows = [r for r in result["rows"] if r["kind"] == "throughput" and "ms" in r]
+    out = ["| shape | B, H, Sq, Skv, D | dtype | backend | ms | GFLOP/s | speed over SDPA, median (range) |",
+           "|---|---|---|---|---:|---:|---:|"]
+    for r in rows:
+        name = f"auto (chose {r['chosen']})" if r["backend"] == "auto" else r["backend"]
+        ratio = f"{r['vs_sdpa']}x ({r['vs_sdpa_range'][0]}-{r['vs_sdpa_range'][1]})" if "vs_sdpa" in r else "-"
+        out.append(f"| {r['shape']} | {r['b']}, {r['h']}, {r['sq']}, {r['skv']}, {r['d']} | {r['dtype']} | {name} | "
+                   f"{r['ms']} | {r['gflops']} | {ratio} |")
+    mem = [r for r in result["rows"] if r["kind"] == "memory" and "extra_mib" in r]
+    if mem:
+        out += ["", f"Peak extra memory of one call over (1, 1, {mem[0]['tokens']}, {mem[0]['d']}) bf16: " +
+                ", ".join(f"{r['backend']} {r['extra_mib']} MiB" for r in mem) + "."]
+    paths = result["machine"].get("kernel_paths", {})
+    out += ["", f"pyext's C++ attention path here: {paths.get('attention', 'unknown')}; "
+                f"{result.get('repeats', '?')} interleaved rounds; `{result.get('command', 'python -m bench.attention')}`."]
+    return "\n".join(out)
+
+
 def _print(rows: list[dict]) -> None:
     if any(r["kind"] == "throughput" for r in rows):
         print(f"{'shape':32} {'B,H,Sq,Skv,D':22} {'backend':9} {'ms':>10} {'GFLOP/s':>9} {'x sdpa':>7}")
@@ -209,18 +239,23 @@ def main(argv=None) -> None:
                     help="tokens for the peak-memory check (16384 = VAE at 1024x1024; 0 skips it)")
     ap.add_argument("--whole-image", action="store_true",
                     help="time the exact tiled VAE's whole-image attention shapes in fp32 instead")
+    ap.add_argument("--dtype", choices=["auto", "bfloat16", "float32", "float16"], default="auto",
+                    help="auto: bf16 where the CPU computes it natively (and on a GPU), else fp32")
     args = ap.parse_args(argv)
     if args.threads:
         torch.set_num_threads(args.threads)
     if args.whole_image:
         rows = run(WHOLE_IMAGE, args.repeats, 0, dtype=torch.float32)
     else:
-        rows = run(repeats=args.repeats, vae_tokens=args.vae_tokens)
+        from bench.latency import bench_dtype
+
+        rows = run(repeats=args.repeats, vae_tokens=args.vae_tokens, dtype=bench_dtype(args.dtype))
     from bench.latency import describe_machine, save_results
 
     print(describe_machine("cuda" if torch.cuda.is_available() else "cpu"))
     _print(rows)
-    save_results("attention", "cuda" if torch.cuda.is_available() else "cpu", args.json, rows=rows)
+    save_results("attention", "cuda" if torch.cuda.is_available() else "cpu", args.json, rows=rows,
+                 repeats=args.repeats, command="python -m bench.attention " + " ".join(argv or sys.argv[1:]))
 
 
 if __name__ == "__main__":

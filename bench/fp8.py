@@ -1,17 +1,21 @@
 """fp8 weight storage benchmarks: upcast throughput, linear layers, the SD1.5 UNet, accuracy.
 
-    python -m bench.fp8 [--json PATH] [--skip-unet]
+    python -m bench.fp8 [--json PATH] [--skip-unet] [--dtype D]
 
-Compared on the same inputs in one process: bf16 weights, pyext fp8 storage (weight-only, and
-for the linears the dynamic fp8 x fp8 GEMM), and diffusers' layerwise casting (fp8 storage, cast
-back to bf16 per layer call). The linears run on the GPU when there is one.
-Latency is the median of repeats after a warm-up. Weights are random.
+Compared on the same inputs in one process: plain weights (torch's F.linear / conv), pyext fp8
+storage (weight-only, and for bf16 linears the dynamic fp8 x fp8 GEMM), and diffusers' layerwise
+casting (fp8 storage, cast back per layer call). The layers compute in --dtype: by default the
+one pyext.optimize computes in here (bf16 where the CPU has it natively, else fp32); the UNet step
+is bf16. The linears run on the GPU when there is one. Rounds interleave the variants after a
+warm-up; a row gives median times and the median and range of the per-round ratio of pyext's
+time to the plain layer's. Weights are random.
 """
 from __future__ import annotations
 
 import argparse
 import copy
 import statistics
+import sys
 import time
 
 import torch
@@ -81,11 +85,10 @@ def bench_upcast(rows=4096, cols=4096) -> list[dict]:
     return out
 
 
-def _layerwise_cast(module: nn.Module) -> nn.Module:
+def _layerwise_cast(module: nn.Module, dtype: torch.dtype = torch.bfloat16) -> nn.Module:
     from diffusers.hooks import apply_layerwise_casting
 
-    apply_layerwise_casting(module, storage_dtype=torch.float8_e4m3fn, compute_dtype=torch.bfloat16,
-                            skip_modules_pattern=None)
+    apply_layerwise_casting(module, storage_dtype=torch.float8_e4m3fn, compute_dtype=dtype, skip_modules_pattern=None)
     return module
 
 
@@ -97,25 +100,36 @@ def _synced(fn, device: str):
     return lambda: (fn(), torch.cuda.synchronize())
 
 
+def _vs_plain(per_round: dict, name: str) -> dict:
+    """The per-round ratio of `name`'s time to the plain layer's: median and range."""
+    ratios = [a / b for a, b in zip(per_round[name], per_round["plain"])]
+    return {"median": round(statistics.median(ratios), 3), "range": [round(min(ratios), 3), round(max(ratios), 3)]}
+
+
 @torch.no_grad()
-def bench_linear(shapes=LINEAR_SHAPES) -> list[dict]:
-    """bf16, pyext fp8 weight-only and dynamic, and diffusers' layerwise casting, on the GPU when
-    there is one (the rows' `device` says which)."""
+def bench_linear(shapes=LINEAR_SHAPES, dtype: torch.dtype = torch.bfloat16, repeats: int = 7) -> list[dict]:
+    """Plain F.linear, pyext fp8 weight-only (and dynamic, in bf16), and diffusers' layerwise
+    casting, on the GPU when there is one (the rows' `device` says which)."""
     device = "cuda" if torch.cuda.is_available() else "cpu"
     out = []
     for name, m, k, n in shapes:
-        lin = nn.Linear(k, n).to(device, torch.bfloat16)
-        x = torch.randn(m, k, dtype=torch.bfloat16, device=device)
+        lin = nn.Linear(k, n).to(device, dtype)
+        x = torch.randn(m, k, dtype=dtype, device=device)
         fp8 = FP8Linear.from_linear(lin)
-        dynamic = FP8Linear.from_linear(lin, gemm="dynamic")
-        diff = _layerwise_cast(copy.deepcopy(lin))
-        t = compare({key: _synced(fn, device) for key, fn in (
-            ("bf16", lambda: lin(x)), ("fp8", lambda: fp8(x)), ("dynamic", lambda: dynamic(x)),
-            ("diff", lambda: diff(x)))})
-        out.append(dict(bench="fp8_linear", shape=name, device=device, M=m, K=k, N=n, bf16_ms=t["bf16"] * 1e3,
-                        pyext_fp8_ms=t["fp8"] * 1e3, pyext_dynamic_ms=t["dynamic"] * 1e3,
-                        diffusers_fp8_ms=t["diff"] * 1e3, pyext_vs_bf16=t["fp8"] / t["bf16"],
-                        dynamic_vs_bf16=t["dynamic"] / t["bf16"], diffusers_vs_bf16=t["diff"] / t["bf16"]))
+        variants = {"plain": lambda: lin(x), "fp8": lambda: fp8(x)}
+        if dtype == torch.bfloat16:  # the dynamic GEMM quantizes bf16 activations
+            dynamic = FP8Linear.from_linear(lin, gemm="dynamic")
+            variants["dynamic"] = lambda: dynamic(x)
+        diff = _layerwise_cast(copy.deepcopy(lin), dtype)
+        variants["diff"] = lambda: diff(x)
+        per_round = rounds({key: _synced(fn, device) for key, fn in variants.items()}, repeats, 2)
+        t = {key: statistics.median(ts) for key, ts in per_round.items()}
+        row = dict(bench="fp8_linear", shape=name, device=device, dtype=str(dtype).removeprefix("torch."), M=m, K=k,
+                   N=n, plain_ms=t["plain"] * 1e3, pyext_fp8_ms=t["fp8"] * 1e3, diffusers_fp8_ms=t["diff"] * 1e3,
+                   pyext_vs_plain=_vs_plain(per_round, "fp8"), diffusers_vs_plain=_vs_plain(per_round, "diff"))
+        if "dynamic" in t:
+            row.update(pyext_dynamic_ms=t["dynamic"] * 1e3, dynamic_vs_plain=_vs_plain(per_round, "dynamic"))
+        out.append(row)
     return out
 
 
@@ -182,26 +196,27 @@ CONV_SHAPES = [
 
 
 @torch.no_grad()
-def bench_conv(shapes=CONV_SHAPES) -> list[dict]:
-    """3x3 convs, channels-last (as pyext.optimize runs them): bf16 vs pyext fp8 (fused GEMM on the
-    codes) vs pyext fp8's upcast path (codes made (out, in, kh, kw) by the module's
-    .to(memory_format=torch.contiguous_format), NCHW input: whole-weight upcast into a reused buffer
-    + torch conv, what runs without AVX512_BF16) vs diffusers' layerwise casting."""
+def bench_conv(shapes=CONV_SHAPES, dtype: torch.dtype = torch.bfloat16, repeats: int = 7) -> list[dict]:
+    """3x3 convs, channels-last (as pyext.optimize runs them): plain vs pyext fp8 (dispatch's
+    choice: the fused GEMM on the codes where the CPU has it) vs pyext fp8's upcast path (codes made
+    (out, in, kh, kw) by the module's .to(memory_format=torch.contiguous_format), NCHW input:
+    whole-weight upcast into a reused buffer + torch conv) vs diffusers' layerwise casting."""
     out = []
     cl = torch.channels_last
     for name, b, c, hw, n, stride in shapes:
-        conv = nn.Conv2d(c, n, 3, stride, 1).to(torch.bfloat16)
-        x = torch.randn(b, c, hw, hw, dtype=torch.bfloat16)
+        conv = nn.Conv2d(c, n, 3, stride, 1).to(dtype)
+        x = torch.randn(b, c, hw, hw, dtype=dtype)
         fp8 = FP8Conv2d.from_conv(conv)
-        fns = {"bf16": (copy.deepcopy(conv).to(memory_format=cl), x.contiguous(memory_format=cl)),
+        fns = {"plain": (copy.deepcopy(conv).to(memory_format=cl), x.contiguous(memory_format=cl)),
                "fp8": (copy.deepcopy(fp8).to(memory_format=cl), x.contiguous(memory_format=cl)),
                "fp8_upcast": (copy.deepcopy(fp8).to(memory_format=torch.contiguous_format), x),
-               "diff": (_layerwise_cast(copy.deepcopy(conv)).to(memory_format=cl), x.contiguous(memory_format=cl))}
-        t = compare({k: (lambda m=m, xx=xx: m(xx)) for k, (m, xx) in fns.items()})
-        out.append(dict(bench="fp8_conv3x3_channels_last", shape=name, bf16_ms=t["bf16"] * 1e3,
-                        pyext_fp8_ms=t["fp8"] * 1e3, pyext_fp8_upcast_path_ms=t["fp8_upcast"] * 1e3,
-                        diffusers_fp8_ms=t["diff"] * 1e3, pyext_vs_bf16=t["fp8"] / t["bf16"],
-                        diffusers_vs_bf16=t["diff"] / t["bf16"]))
+               "diff": (_layerwise_cast(copy.deepcopy(conv), dtype).to(memory_format=cl), x.contiguous(memory_format=cl))}
+        per_round = rounds({k: (lambda m=m, xx=xx: m(xx)) for k, (m, xx) in fns.items()}, repeats, 2)
+        t = {key: statistics.median(ts) for key, ts in per_round.items()}
+        out.append(dict(bench="fp8_conv3x3_channels_last", shape=name, dtype=str(dtype).removeprefix("torch."),
+                        plain_ms=t["plain"] * 1e3, pyext_fp8_ms=t["fp8"] * 1e3,
+                        pyext_fp8_upcast_path_ms=t["fp8_upcast"] * 1e3, diffusers_fp8_ms=t["diff"] * 1e3,
+                        pyext_vs_plain=_vs_plain(per_round, "fp8"), diffusers_vs_plain=_vs_plain(per_round, "diff")))
     return out
 
 
@@ -239,11 +254,36 @@ def bench_sqnr() -> list[dict]:
     return rows
 
 
-def run(skip_unet: bool = False) -> list[dict]:
-    rows = bench_upcast() + bench_linear() + bench_conv() + bench_sqnr()
+def run(skip_unet: bool = False, dtype: torch.dtype = torch.bfloat16) -> list[dict]:
+    rows = bench_upcast() + bench_linear(dtype=dtype) + bench_conv(dtype=dtype) + bench_sqnr()
     if not skip_unet:
         rows += bench_unet()
     return rows
+
+
+def render(result: dict) -> str:
+    """docs/benchmarks.md's tables of a results file: the linears and the convs, pyext's fp8 beside
+    the plain layer and diffusers' layerwise casting."""
+    ratio = lambda r: f"{r['median']}x ({r['range'][0]}-{r['range'][1]})"  # noqa: E731
+    out = []
+    linears = [r for r in result["rows"] if r["bench"] == "fp8_linear"]
+    if linears:
+        out += ["| linear | M, K, N | dtype | F.linear | pyext fp8 | pyext / F.linear, median (range) "
+                "| layerwise casting / F.linear |", "|---|---|---|---:|---:|---:|---:|"]
+        out += [f"| {r['shape']} | {r['M']}, {r['K']}, {r['N']} | {r['dtype']} | {r['plain_ms']:.2f} ms | "
+                f"{r['pyext_fp8_ms']:.2f} ms | {ratio(r['pyext_vs_plain'])} | {ratio(r['diffusers_vs_plain'])} |"
+                for r in linears]
+    convs = [r for r in result["rows"] if r["bench"] == "fp8_conv3x3_channels_last"]
+    if convs:
+        out += ["", "| 3x3 conv, channels-last | dtype | torch's conv | pyext fp8 | pyext / conv, median (range) "
+                "| pyext's upcast path | layerwise casting / conv |", "|---|---|---:|---:|---:|---:|---:|"]
+        out += [f"| {r['shape']} | {r['dtype']} | {r['plain_ms']:.2f} ms | {r['pyext_fp8_ms']:.2f} ms | "
+                f"{ratio(r['pyext_vs_plain'])} | {r['pyext_fp8_upcast_path_ms']:.2f} ms | "
+                f"{ratio(r['diffusers_vs_plain'])} |" for r in convs]
+    paths = result["machine"].get("kernel_paths", {})
+    out += ["", f"fp8 on torch's AMX brgemm here: {paths.get('fp8_linear_amx', 'unknown')}; pyext's SIMD level: "
+                f"{paths.get('simd', 'unknown')}; `{result.get('command', 'python -m bench.fp8')}`."]
+    return "\n".join(out)
 
 
 def print_rows(rows: list[dict]) -> None:
@@ -263,14 +303,17 @@ def main(argv=None) -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--json", help="write the rows, with the machine and its kernel paths, here")
     ap.add_argument("--skip-unet", action="store_true", help="skip the full SD1.5 UNet (about a minute on 2 cores)")
+    ap.add_argument("--dtype", choices=["auto", "bfloat16", "float32", "float16"], default="auto",
+                    help="the layers' dtype; auto: bf16 where the CPU computes it natively (and on a GPU), else fp32")
     args = ap.parse_args(argv)
-    from bench.latency import describe_machine, save_results
+    from bench.latency import bench_dtype, describe_machine, save_results
 
     device = "cuda" if torch.cuda.is_available() else "cpu"
     print(f"pyext {pyext.__version__}, torch {torch.__version__}, weights random; {describe_machine(device)}")
-    rows = run(args.skip_unet)
+    rows = run(args.skip_unet, bench_dtype(args.dtype))
     print_rows(rows)
-    save_results("fp8", device, args.json, rows=rows)
+    save_results("fp8", device, args.json, rows=rows,
+                 command="python -m bench.fp8 " + " ".join(argv if argv is not None else sys.argv[1:]))
 
 
 if __name__ == "__main__":

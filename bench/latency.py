@@ -215,6 +215,16 @@ def half_dtype(preset: Preset):
     return torch.bfloat16 if preset.emulated_bf16 or cpu_has_native_bf16() else torch.float32
 
 
+def bench_dtype(name: str = "auto") -> torch.dtype:
+    """The kernel benches' dtype: `name`, or for "auto" the one pyext.optimize computes in here
+    (bf16 on a GPU and where the CPU computes it natively, else fp32)."""
+    from pyext._compat import cpu_has_native_bf16
+
+    if name != "auto":
+        return getattr(torch, name)
+    return torch.bfloat16 if torch.cuda.is_available() or cpu_has_native_bf16() else torch.float32
+
+
 def unavailable(name: str, preset: Preset) -> str | None:
     """Why a row cannot run here, when that is known without loading a model; else None."""
 

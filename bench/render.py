@@ -26,7 +26,9 @@ END = "<!-- end of rendered table -->"
 
 
 def _renderers() -> dict[str, Callable[[dict], str]]:
+    from bench.attention import render as render_attention
     from bench.dispatch import render_results as render_dispatch
+    from bench.fp8 import render as render_fp8
     from bench.fp8_accuracy import render as render_fp8_accuracy
     from bench.gpu_check import render as render_gpu_check
     from bench.parallel import render as render_parallel
@@ -34,7 +36,9 @@ def _renderers() -> dict[str, Callable[[dict], str]]:
     from bench.planner_peaks import render_result as render_planner_peaks
     from bench.vae import render_runs
 
-    return {"dispatch_overhead_cpu": render_dispatch,
+    return {"attention_cpu_avx2": render_attention,
+            "fp8_cpu_avx2": render_fp8,
+            "dispatch_overhead_cpu": render_dispatch,
             "fp8_accuracy_cpu": lambda r: render_fp8_accuracy(r["rows"]),
             "latency_peers_cpu": render_latency,
             "latency_flux_cpu_avx2": render_latency,

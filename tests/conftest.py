@@ -29,6 +29,7 @@ if os.environ.get("PYTEST_XDIST_WORKER"):
     os.environ["BENCH_THREADS"] = "1"  # the VAE bench's children, which set their own count
 
 
+@pytest.hookimpl(tryfirst=True)  # before xdist's own hook, which reads the groups
 def pytest_collection_modifyitems(items):
     """Modules with tests marked slow first, each module's tests kept together and in order (one
     xdist group per module, for `make test`'s --dist loadgroup), so module fixtures are made once;

@@ -269,14 +269,35 @@ def test_results_name_the_cpus_isa_and_the_kernel_paths_pyext_takes():
         assert paths["fp8_linear_amx"] <= ("amx_bf16" in info["cpu_flags"])  # torch's AMX brgemm only with AMX
 
 
+def test_attention_bench_times_dispatchs_choice_beside_sdpa_in_interleaved_rounds():
+    from bench import attention
+    from pyext import dispatch
+
+    rows = attention.run([(1, 2, 20, 12, 40)], repeats=3, device="cpu", dtype=torch.float32)
+    by = {r["backend"]: r for r in rows}
+    assert {"sdpa", "auto"} <= set(by) and by["sdpa"]["vs_sdpa"] == 1.0
+    assert by["auto"]["chosen"] in {b.name for b in dispatch.ops()["attention"].backends}
+    for row in rows:
+        low, high = row["vs_sdpa_range"]
+        assert low <= row["vs_sdpa"] <= high and row["dtype"] == "float32"
+    table = attention.render({"rows": rows, "machine": latency.machine_info("cpu"), "repeats": 3})
+    assert f"auto (chose {by['auto']['chosen']})" in table and table.count("| float32 |") == len(rows)
+
+
 def test_fp8_layer_benches_run_on_small_shapes():
     from bench import fp8
 
-    conv = fp8.bench_conv([("small", 1, 8, 6, 16, 1)])
-    lin = fp8.bench_linear([("small", 5, 32, 48)])
-    for row in conv + lin:
-        times = [v for k, v in row.items() if k.endswith("_ms")]
-        assert times and all(math.isfinite(t) and t > 0 for t in times), row
+    for dtype in (torch.bfloat16, torch.float32):
+        conv = fp8.bench_conv([("small", 1, 8, 6, 16, 1)], dtype, repeats=3)
+        lin = fp8.bench_linear([("small", 5, 32, 48)], dtype, repeats=3)
+        for row in conv + lin:
+            times = [v for k, v in row.items() if k.endswith("_ms")]
+            assert times and all(math.isfinite(t) and t > 0 for t in times), row
+            low, high = row["pyext_vs_plain"]["range"]
+            assert low <= row["pyext_vs_plain"]["median"] <= high and row["dtype"] == str(dtype)[6:]
+        assert ("pyext_dynamic_ms" in lin[0]) == (dtype == torch.bfloat16)  # the dynamic GEMM takes bf16
+        table = fp8.render({"rows": conv + lin, "machine": latency.machine_info("cpu")})
+        assert "| small | 5, 32, 48 |" in table and "| small | " + str(dtype)[6:] in table
 
 
 def test_winograd_bench_pairs_rounds_and_reports_the_rule():
