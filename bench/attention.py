@@ -176,10 +176,14 @@ def peak_memory(tokens: int, dim: int = 512, device: str = "cpu") -> list[dict]:
 
 
 def run(shapes=None, repeats: int = 5, vae_tokens: int = 16384, device: str | None = None,
-        dtype: torch.dtype = torch.bfloat16) -> list[dict]:
+        dtype: torch.dtype | None = None) -> list[dict]:
     """Throughput rows for `shapes` (default SHAPES; Shape or (b, h, sq, skv, d) tuples) in
-    `dtype`; with the default shapes also the long-sequence peak-memory rows."""
+    `dtype` (by default the one pyext.optimize computes in here); with the default shapes also the
+    long-sequence peak-memory rows."""
+    from bench.latency import bench_dtype
+
     device = device or ("cuda" if torch.cuda.is_available() else "cpu")
+    dtype = dtype or bench_dtype()
     todo = SHAPES if shapes is None else [s if isinstance(s, Shape) else Shape(str(tuple(s)), *s) for s in shapes]
     rows = []
     for shape in todo:

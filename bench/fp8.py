@@ -254,7 +254,11 @@ def bench_sqnr() -> list[dict]:
     return rows
 
 
-def run(skip_unet: bool = False, dtype: torch.dtype = torch.bfloat16) -> list[dict]:
+def run(skip_unet: bool = False, dtype: torch.dtype | None = None) -> list[dict]:
+    """Every suite; the layers in `dtype`, by default the one pyext.optimize computes in here."""
+    from bench.latency import bench_dtype
+
+    dtype = dtype or bench_dtype()
     rows = bench_upcast() + bench_linear(dtype=dtype) + bench_conv(dtype=dtype) + bench_sqnr()
     if not skip_unet:
         rows += bench_unet()
