@@ -216,13 +216,13 @@ def half_dtype(preset: Preset):
 
 
 def bench_dtype(name: str = "auto") -> torch.dtype:
-    """The kernel benches' dtype: `name`, or for "auto" the one pyext.optimize computes in here
-    (bf16 on a GPU and where the CPU computes it natively, else fp32)."""
-    from pyext._compat import cpu_has_native_bf16
+    """The kernel benches' dtype: `name`, or for "auto" the one pyext.optimize computes in on the
+    device they run on (pyext.decision.auto_dtype)."""
+    from pyext.decision import auto_dtype
 
     if name != "auto":
         return getattr(torch, name)
-    return torch.bfloat16 if torch.cuda.is_available() or cpu_has_native_bf16() else torch.float32
+    return auto_dtype(torch.device("cuda" if torch.cuda.is_available() else "cpu"))
 
 
 def unavailable(name: str, preset: Preset) -> str | None:

@@ -20,6 +20,7 @@
 #include <shared_mutex>
 #include <string>
 #include <unordered_map>
+#include <utility>
 #include <vector>
 
 #include "common/brgemm.h"
@@ -244,6 +245,14 @@ at::Tensor fp8_linear_cpu(const at::Tensor& x, const at::Tensor& w, const at::Te
   return y.view(out_shape);
 }
 
+// The micro-kernel and panel packer a brgemm op runs with: torch's AMX kernel, which `op` refuses
+// to run without, or the tests' switches (the stand-in, the scalar packer).
+std::pair<Microkernel, bool> brgemm_setup(const char* op, bool stand_in, bool scalar_pack) {
+  TORCH_CHECK(stand_in || brgemm_amx_available(), op, ": torch's brgemm has no AMX kernel for bf16 on this CPU "
+              "(cpublas::could_pack)");
+  return {stand_in ? Microkernel::kStandIn : Microkernel::kOneDnn, !scalar_pack && fp8_gemm_supported()};
+}
+
 // The GEMM on torch's brgemm (fp8_gemm_cpu_brgemm.cpp) for bf16 x and an even K. Scales that do not
 // fuse exactly take fp8_linear_cpu's upcast path, as there. stand_in and scalar_pack are the
 // tests' switches: the stand-in micro-kernel (any CPU) and the scalar packer (any AVX-512 CPU too).
@@ -252,8 +261,7 @@ at::Tensor fp8_linear_brgemm_cpu(const at::Tensor& x, const at::Tensor& w, const
   check_fp8_weight(w, scale);
   TORCH_CHECK(w.dim() == 2 && x.size(-1) == w.size(1) && w.size(1) % 2 == 0 && x.scalar_type() == at::kBFloat16,
               "pyext fp8_linear brgemm: x must be bf16 with an even K matching the weight");
-  TORCH_CHECK(stand_in || brgemm_amx_available(), "pyext fp8_linear brgemm: torch's brgemm has no AMX kernel for bf16 "
-              "on this CPU (cpublas::could_pack)");
+  const auto [mk, simd_pack] = brgemm_setup("pyext fp8_linear brgemm", stand_in, scalar_pack);
   const int64_t K = w.size(1), N = w.size(0), M = K ? x.numel() / K : 0;
   const at::Tensor wc = w.contiguous(), sc = scale.contiguous();
   if (M == 0 || N == 0 || K == 0 || !scales_fuse_exactly(sc)) return fp8_linear_cpu(x, w, scale, bias, -1);
@@ -267,8 +275,6 @@ at::Tensor fp8_linear_brgemm_cpu(const at::Tensor& x, const at::Tensor& w, const
                          sc.data_ptr<float>(), sc.numel() == 1,
                          bias ? reinterpret_cast<const uint16_t*>(bc.data_ptr()) : nullptr,
                          reinterpret_cast<uint16_t*>(y.data_ptr()), M, N, K};
-  const Microkernel mk = stand_in ? Microkernel::kStandIn : Microkernel::kOneDnn;
-  const bool simd_pack = !scalar_pack && fp8_gemm_supported();
   at::parallel_for(0, fp8_brgemm_units(args), fused_gemm_grain(K, kFp8BrgemmRows),
                    [&](int64_t b, int64_t e) { fp8_gemm_brgemm(args, b, e, mk, simd_pack); });
   return y.view(out_shape);
@@ -329,10 +335,7 @@ at::Tensor fp8_conv2d_cpu(const at::Tensor& x, const at::Tensor& w, const at::Te
 at::Tensor fp8_conv2d_brgemm_cpu(const at::Tensor& x, const at::Tensor& w, const at::Tensor& scale,
                                  const std::optional<at::Tensor>& bias, at::IntArrayRef stride,
                                  at::IntArrayRef padding, bool stand_in, bool scalar_pack) {
-  TORCH_CHECK(stand_in || brgemm_amx_available(), "pyext fp8_conv2d brgemm: torch's brgemm has no AMX kernel for bf16 "
-              "on this CPU (cpublas::could_pack)");
-  const Microkernel mk = stand_in ? Microkernel::kStandIn : Microkernel::kOneDnn;
-  const bool simd_pack = !scalar_pack && fp8_gemm_supported();
+  const auto [mk, simd_pack] = brgemm_setup("pyext fp8_conv2d brgemm", stand_in, scalar_pack);
   return fp8_conv2d_implicit(x, w, scale, bias, stride, padding, [&](const Fp8GemmArgs& args) {
     at::parallel_for(0, fp8_brgemm_units(args), fused_gemm_grain(args.K, kFp8BrgemmRows),
                      [&](int64_t b, int64_t e) { fp8_gemm_brgemm(args, b, e, mk, simd_pack); });

@@ -197,6 +197,10 @@ def brgemm_missing(kernel: str = "fp8_linear_brgemm") -> str | None:
     return missing
 
 
+# What torch's brgemm backends (linear and conv) do not take, by dtype.
+BRGEMM_NOTES = {torch.float16: "torch's fp16 brgemm needs AMX-FP16", torch.float32: "bf16 activations only"}
+
+
 def _odd_k(x, w, scale, bias) -> list[str]:
     return [f"in features {w.shape[1]} are odd; brgemm's VNNI layout pairs them"] if w.shape[1] % 2 else []
 
@@ -221,7 +225,7 @@ dispatch.register("fp8_linear", Backend(
 dispatch.register("fp8_linear", Backend(
     "brgemm", _linear_brgemm, unavailable=brgemm_missing, reasons=_odd_k, devices=("cpu",),
     dtypes=(torch.bfloat16,), test_shapes=BRGEMM_TEST_SHAPES,
-    notes={torch.float16: "torch's fp16 brgemm needs AMX-FP16", torch.float32: "bf16 activations only"},
+    notes=BRGEMM_NOTES,
     doc="C++ on AMX CPUs: 64-channel panels decoded once per thread into the VNNI layout of torch's "
         "oneDNN brgemm, scale and bias in the fp32 epilogue"))
 dispatch.register("fp8_linear", Backend(

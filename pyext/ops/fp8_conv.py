@@ -3,10 +3,10 @@
 The C++ backend runs the convolution as an implicit GEMM over channels-last
 activations (an NCHW input is reordered first, as oneDNN does) and decodes the fp8 weight
 inside the GEMM's packing step (the GEMM of fp8_linear), so no full-precision copy of the
-weight is ever written. It takes bf16 on CPUs with AVX512_BF16. The `brgemm` backend is the same
-implicit GEMM on torch's oneDNN micro-kernel (AMX tiles), each tap's inputs read in place. The `upcast` backend decodes
-the weight with fp8_upcast's kernels into a reused buffer, then runs torch's convolution
-(oneDNN, cuDNN); dispatch times the two where both can take the input.
+weight is ever written. It takes bf16 on CPUs with AVX512_BF16. The `brgemm` backend is the
+same implicit GEMM on torch's oneDNN micro-kernel (AMX tiles), each tap's inputs read in place.
+The `upcast` backend decodes the weight with fp8_upcast's kernels into a reused buffer, then
+runs torch's convolution (oneDNN, cuDNN); dispatch times them where more than one can take the input.
 """
 from __future__ import annotations
 
@@ -20,8 +20,8 @@ from pyext import dispatch
 from pyext._ext import cpu_capabilities, kernel_missing
 from pyext.dispatch import Backend
 from pyext.ops._library import define
-from pyext.ops.fp8 import (COMPUTE_DTYPES, LINEAR_TOLERANCE, _check_dtype, _fail, brgemm_missing, check_codes,
-                           check_public, example_weight, relative_close, sample_codes, sample_scale,
+from pyext.ops.fp8 import (BRGEMM_NOTES, COMPUTE_DTYPES, LINEAR_TOLERANCE, _check_dtype, _fail, brgemm_missing,
+                           check_codes, check_public, example_weight, relative_close, sample_codes, sample_scale,
                            scales_fuse_exactly)
 from pyext.reference.fp8 import fp8_conv2d_reference
 
@@ -132,8 +132,7 @@ dispatch.register("fp8_conv2d", _CPP)
 dispatch.register("fp8_conv2d", Backend(
     "brgemm", _conv_brgemm, _cpp_argument_reasons, lambda: brgemm_missing("fp8_conv2d_brgemm"), devices=("cpu",),
     dtypes=(torch.bfloat16,), guard=_cpp_scale_guard, test_shapes=CPP_TEST_SHAPES,
-    notes={torch.float16: "torch's fp16 brgemm needs AMX-FP16", torch.float32: "bf16 activations only"},
-    doc="C++ on AMX CPUs: the same implicit GEMM on torch's oneDNN brgemm, each tap's inputs read in place"))
+    notes=BRGEMM_NOTES, doc="C++ on AMX CPUs: the same implicit GEMM on torch's oneDNN brgemm, each tap's inputs read in place"))
 dispatch.register("fp8_conv2d", Backend(
     "upcast", _conv_upcast, dtypes=COMPUTE_DTYPES,
     test_shapes=CPP_TEST_SHAPES + ((1, 3, 6, 5, 4, 3, 1, 1, 1, False), (1, 4, 7, 7, 6, 3, 2, 0, 2, True)),
