@@ -12,18 +12,19 @@
 #include "attention/attention_cpu.h"
 using namespace pyext::cpu;
 int main() {
-  AttnKernel ks[5] = {attention_kernel_scalar(), attention_kernel_avx2(), attention_kernel_avx512(),
-                      attention_kernel_avx512_bf16dot(), attention_kernel_brgemm_stand_in()};
-  const char* names[5] = {"scalar", "avx2", "avx512", "bf16dot", "brgemm stand-in"};
+  AttnKernel ks[6] = {attention_kernel_scalar(), attention_kernel_avx2(), attention_kernel_avx512(),
+                      attention_kernel_avx512_bf16dot(), attention_kernel_brgemm_stand_in(),
+                      attention_kernel_brgemm_stand_in_avx512()};
+  const char* names[6] = {"scalar", "avx2", "avx512", "bf16dot", "brgemm stand-in", "brgemm stand-in, avx512 softmax"};
   int64_t ds[] = {1, 2, 7, 8, 15, 16, 17, 33, 40, 48, 64, 72, 80, 100, 128, 160, 255, 256};
   int64_t ss[] = {1, 2, 15, 16, 17, 31, 33, 77, 255, 256, 257, 300};
   __builtin_cpu_init();
   const bool avx512 = __builtin_cpu_supports("avx512f") && __builtin_cpu_supports("avx512bw") &&
                       __builtin_cpu_supports("avx512vl") && __builtin_cpu_supports("avx512dq");
-  const bool runs[5] = {true, __builtin_cpu_supports("avx2") && __builtin_cpu_supports("fma"), avx512,
-                        avx512 && __builtin_cpu_supports("avx512bf16"), true};
+  const bool runs[6] = {true, __builtin_cpu_supports("avx2") && __builtin_cpu_supports("fma"), avx512,
+                        avx512 && __builtin_cpu_supports("avx512bf16"), true, avx512};
   int fails = 0;
-  for (int ki = 0; ki < 5; ++ki) {
+  for (int ki = 0; ki < 6; ++ki) {
     if (!runs[ki]) { printf("skipped %s (CPU lacks it)\n", names[ki]); continue; }
     for (PyextDtype t : {PYEXT_BF16, PYEXT_F16, PYEXT_F32}) {
       if (ki >= 3 && t != PYEXT_BF16) continue;

@@ -31,7 +31,7 @@ def cpu_paths():
     return list(torch.ops.pyext_C.attention_paths()) if has_kernel("attention") else []
 
 
-BF16_PATHS = ("amx", "avx512_bf16", "brgemm_stand_in")  # bf16 inputs only
+BF16_PATHS = ("amx", "avx512_bf16", "brgemm_stand_in", "brgemm_stand_in_avx512")  # bf16 inputs only
 
 
 def make_qkv(b, h, sq, skv, d, dtype, spread=1.0):
@@ -310,7 +310,7 @@ def test_kernels_clean_under_sanitizers(tmp_path):
     root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
     src = os.path.join(root, "csrc")
     units = [f"attention/attention_cpu_{isa}.cpp" for isa in ("scalar", "avx2", "avx512", "avx512_bf16",
-                                                                "brgemm_stand_in")]
+                                                                "brgemm_stand_in", "brgemm_stand_in_avx512")]
     units += ["common/cpu_features.cpp", "common/brgemm_stand_in.cpp"]
     exe = str(tmp_path / "harness")
     build = subprocess.run(

@@ -53,9 +53,11 @@ AttnKernel attention_kernel_avx2();
 AttnKernel attention_kernel_avx512();
 AttnKernel attention_kernel_avx512_bf16dot();
 // bf16 inputs only, both products on a brgemm micro-kernel (attention_cpu_brgemm_impl.h): torch's
-// oneDNN brgemm on AMX CPUs (an AVX-512 unit), and the plain C++ stand-in (a portable unit) that
-// the tests check the packing, blocking and softmax with on every CPU.
+// oneDNN brgemm on AMX CPUs (an AVX-512 unit), and the plain C++ stand-in that the tests check the
+// packing, blocking and softmax with on every CPU: with a portable softmax, and with the amx
+// unit's AVX-512 one where the CPU has AVX-512.
 AttnKernel attention_kernel_amx();
 AttnKernel attention_kernel_brgemm_stand_in();
+AttnKernel attention_kernel_brgemm_stand_in_avx512();
 
 }  // namespace pyext::cpu

@@ -6,7 +6,7 @@
 //   K^T: [dp / 2 pairs of head dims][skv_p keys][2]     (dp = d rounded up to even)
 //   V:   [skv_p / 2 pairs of keys][dv columns][2]        (dv = d rounded up to 16)
 // with skv_p = skv rounded up to 32. A pass of up to kPass query rows takes the keys kBlockKv at a
-// time: S = q K^T on brgemm (fp32), the online softmax in fp32, P rounded to bf16 (as flash
+// time: S = q K^T on brgemm (fp32), the online softmax in fp32 on the unit's vectors, P rounded to bf16 (as flash
 // attention does on GPUs), then O = O * alpha + P V on brgemm, accumulating into O.
 #pragma once
 #include <algorithm>
@@ -24,23 +24,6 @@ namespace {
 constexpr int64_t kKeyAlign = 32;
 
 inline int64_t key_stride(int64_t skv) { return round_up(skv, kKeyAlign); }
-
-// 2^x for x <= 0 (NaN stays NaN) to ~1e-7 relative, exp2_poly's series: plain float code the
-// compiler vectorises for the unit's ISA. 0 below -126 (p is rounded to bf16 after).
-inline float exp2_neg(float x) {
-  const float c = std::max(x, -127.0f), n = std::nearbyint(c), f = c - n;
-  float p = 1.5252734e-05f;
-  p = p * f + 1.5403530e-04f;
-  p = p * f + 1.3333558e-03f;
-  p = p * f + 9.6181291e-03f;
-  p = p * f + 5.5504109e-02f;
-  p = p * f + 2.4022651e-01f;
-  p = p * f + 6.9314718e-01f;
-  p = p * f + 1.0f;
-  const int32_t e = x != x ? 1 : static_cast<int32_t>(n) + 127;  // (no float-to-int cast of NaN)
-  const float y = e <= 0 ? 0.0f : p * bits_float(static_cast<uint32_t>(e) << 23);
-  return x != x ? x : y;
-}
 
 inline size_t brgemm_packed_bytes(int64_t skv, int64_t d) {
   const int64_t sp = key_stride(skv);
@@ -67,8 +50,9 @@ inline void brgemm_pack(const void* k, const void* v, int64_t skv, int64_t d, Py
       }
 }
 
-// MK: the micro-kernel (common/brgemm.h); RELEASE ends this thread's use of it.
-template <BrgemmBf16 MK, void (*RELEASE)()>
+// V: the vector traits the softmax runs on (attention_cpu_impl.h); MK: the micro-kernel
+// (common/brgemm.h); RELEASE ends this thread's use of it.
+template <class V, BrgemmBf16 MK, void (*RELEASE)()>
 void brgemm_forward(const void* q, int64_t rows, const void* packed, int64_t skv, int64_t d, float scale,
                     const float* bias, int64_t bias_stride, PyextDtype, void* out, float* lse, const AttnCarry* carry) {
   const uint16_t* qs = static_cast<const uint16_t*>(q);
@@ -83,6 +67,10 @@ void brgemm_forward(const void* q, int64_t rows, const void* packed, int64_t skv
   uint16_t* pb = qb + kPass * dp;          // kPass x kBlockKv probabilities
   float m_all[kPass], l_all[kPass];
   const bool biased = bias != nullptr;
+  // Without a bias and with a positive scale, the max and the exponent take the scale in their
+  // multiply (unit = scale); else one pass first stores the scaled, biased scores (unit = 1).
+  const bool scaled_here = biased || !(scale > 0.0f);
+  const float unit = scaled_here ? 1.0f : scale;
   for (int64_t r0 = 0; r0 < rows; r0 += kPass) {
     const int64_t nr = std::min(kPass, rows - r0);
     for (int64_t r = 0; r < nr; ++r)
@@ -91,31 +79,40 @@ void brgemm_forward(const void* q, int64_t rows, const void* packed, int64_t skv
     for (int64_t j0 = 0; j0 < skv; j0 += kBlockKv) {
       const int64_t nc = std::min(kBlockKv, skv - j0), ncp = round_up(nc, 2);
       MK(nr, nc, dp, dp, sp, kBlockKv, false, qb, kt + j0 * 2, s);
+      const int64_t ncv = round_up(nc, V::kW);  // whole vectors: the scores past nc are -inf
       for (int64_t r = 0; r < nr; ++r) {
         float* sr = s + r * kBlockKv;
-        const float* br = biased ? bias + (r0 + r) * bias_stride + j0 : nullptr;
-        float mx = -INFINITY;
-        for (int64_t j = 0; j < nc; ++j) {
-          const float v = sr[j] * scale + (br ? br[j] : 0.0f);
-          sr[j] = v;
-          mx = std::max(mx, v);
+        int64_t j = 0;
+        if (scaled_here) {  // natural-units scores, with the bias, stored for the exp pass
+          for (; j + V::kW <= nc; j += V::kW) V::store(sr + j, V::mul(V::load(sr + j), V::set1(scale)));
+          for (; j < nc; ++j) sr[j] *= scale;
+          if (biased) add_bias<V>(sr, bias + (r0 + r) * bias_stride + j0, nc);
         }
-        const float m_new = std::max(m_all[r], mx), shift = softmax_shift(m_new);
-        const float alpha = exp2_neg((m_all[r] - shift) * kLog2e);  // 0 on the first block
+        std::fill(sr + nc, sr + ncv, -INFINITY);
+        typename V::reg mv = V::set1(-INFINITY);
+        for (j = 0; j < ncv; j += V::kW) mv = V::max(mv, V::load(sr + j));
+        const float m_new = std::max(m_all[r], V::reduce_max(mv) * unit);
+        const float shift = softmax_shift(m_new);
+        // alpha = 0 on the first block (m = -inf), 1 while the max stands.
+        const float alpha = m_new == m_all[r] ? 1.0f : std::exp2((m_all[r] - shift) * kLog2e);
         m_all[r] = m_new;
-        float sum = 0.0f;
-        uint16_t* pr = pb + r * ncp;
-        for (int64_t j = 0; j < nc; ++j) {
-          const float p = exp2_neg((sr[j] - shift) * kLog2e);
-          sum += p;
-          pr[j] = float_to_bf16(p);
+        // p = 2^(s * unit * log2(e) - shift * log2(e)), rounded to bf16 for the second product.
+        typename V::reg sv = V::zero();
+        const typename V::reg c = V::set1(unit * kLog2e), sh = V::set1(-shift * kLog2e);
+        uint16_t* pr = pb + r * kBlockKv;
+        for (j = 0; j < ncv; j += V::kW) {
+          const typename V::reg p = V::exp2(V::fma(V::load(sr + j), c, sh));
+          V::store_bf16(pr + j, p);
+          sv = V::add(sv, p);
         }
-        if (ncp > nc) pr[nc] = 0;
-        l_all[r] = l_all[r] * alpha + sum;
-        float* orow = o + r * dv;
-        for (int64_t c = 0; c < d; ++c) orow[c] *= alpha;
+        for (j = ncv; j < ncp; ++j) pr[j] = 0;
+        l_all[r] = l_all[r] * alpha + V::reduce_add(sv);
+        if (alpha != 1.0f) {
+          float* orow = o + r * dv;
+          for (j = 0; j < dv; j += V::kW) V::store(orow + j, V::mul(V::load(orow + j), V::set1(alpha)));
+        }
       }
-      MK(nr, d, ncp, ncp, dv, dv, true, pb, vp + (j0 / 2) * dv * 2, o);
+      MK(nr, d, ncp, kBlockKv, dv, dv, true, pb, vp + (j0 / 2) * dv * 2, o);
     }
     if (carry != nullptr && !carry->last) {
       carry_out(carry, r0, nr, d, dv, o, m_all, l_all, PYEXT_BF16, out, lse, true);

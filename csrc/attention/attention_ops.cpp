@@ -47,8 +47,8 @@ bool cpu_has_avx512_bf16() {
 #endif
 }
 
-// Kernel paths this process may use, fastest first, capped by PYEXT_CPU_SIMD; then the stand-in
-// of the amx path, which is never the automatic choice (the tests run it on every CPU).
+// Kernel paths this process may use, fastest first, capped by PYEXT_CPU_SIMD; then the stand-ins
+// of the amx path, never the automatic choice (the tests run them wherever the CPU can).
 std::vector<std::string> available_paths() {
   std::vector<std::string> paths;
   const SimdLevel level = simd_level();
@@ -58,11 +58,12 @@ std::vector<std::string> available_paths() {
   if (level >= SimdLevel::kAvx2) paths.push_back("avx2");
   paths.push_back("scalar");
   paths.push_back("brgemm_stand_in");
+  if (level >= SimdLevel::kAvx512) paths.push_back("brgemm_stand_in_avx512");
   return paths;
 }
 
 bool bf16_only(const std::string& path) {
-  return path == "amx" || path == "avx512_bf16" || path == "brgemm_stand_in";
+  return path == "amx" || path == "avx512_bf16" || path.rfind("brgemm_stand_in", 0) == 0;
 }
 
 // `path` empty = the fastest available for the dtype; otherwise that path or an error.
@@ -79,6 +80,7 @@ AttnKernel pick_kernel(const std::string& path, at::ScalarType dtype) {
               " path takes bfloat16 inputs only");
   if (use == "amx") return attention_kernel_amx();
   if (use == "brgemm_stand_in") return attention_kernel_brgemm_stand_in();
+  if (use == "brgemm_stand_in_avx512") return attention_kernel_brgemm_stand_in_avx512();
   if (use == "avx512_bf16") return attention_kernel_avx512_bf16dot();
   if (use == "avx512") return attention_kernel_avx512();
   if (use == "avx2") return attention_kernel_avx2();
