@@ -102,6 +102,7 @@ def _conv_calls(model, x):
 
 
 @needs_fused
+@torch.no_grad()  # as a pipeline calls it: a call autograd records runs torch's conv on the values
 def test_module_takes_the_fused_path_on_its_kernel_layout_codes():
     torch.manual_seed(0)
     # a norm first: quantize_fp8 keeps the layer that holds a model's first parameter (its dtype is the model's)

@@ -28,7 +28,8 @@ static_assert(kPanel == kFp8Panel);
 
 // 32 e4m3fn codes -> 32 bf16, exact. Normal codes only need the exponent rebiased
 // (bf16 keeps e4m3's 3 mantissa bits); the 7 subnormal magnitudes come from a table,
-// and NaN (magnitude 0x7f) becomes a quiet bf16 NaN.
+// and NaN (magnitude 0x7f) becomes the quiet NaN decode_e4m3 gives (fp8_e4m3.h), so that
+// both packers write the same bits.
 inline __m512i decode32(const uint8_t* src, __mmask32 valid) {
   const __m512i x = _mm512_cvtepu8_epi16(_mm256_maskz_loadu_epi8(valid, src));
   const __m512i mag = _mm512_and_si512(x, _mm512_set1_epi16(0x7f));
@@ -39,7 +40,7 @@ inline __m512i decode32(const uint8_t* src, __mmask32 valid) {
   __m512i v = _mm512_add_epi16(_mm512_slli_epi16(mag, 4), _mm512_set1_epi16(120 << 7));
   v = _mm512_mask_mov_epi16(v, _mm512_cmplt_epu16_mask(mag, _mm512_set1_epi16(8)),
                             _mm512_permutexvar_epi16(mag, subnormals));
-  v = _mm512_mask_mov_epi16(v, _mm512_cmpeq_epi16_mask(mag, _mm512_set1_epi16(0x7f)), _mm512_set1_epi16(0x7fc0));
+  v = _mm512_mask_mov_epi16(v, _mm512_cmpeq_epi16_mask(mag, _mm512_set1_epi16(0x7f)), _mm512_set1_epi16(0x7ff0));
   return _mm512_or_si512(v, sign);
 }
 
