@@ -38,6 +38,8 @@ def _renderers() -> dict[str, Callable[[dict], str]]:
 
     return {"attention_cpu_avx2": render_attention,
             "fp8_cpu_avx2": render_fp8,
+            "attention_cpu_avx512bf16": render_attention,
+            "fp8_cpu_avx512bf16": render_fp8,
             "dispatch_overhead_cpu": render_dispatch,
             "fp8_accuracy_cpu": lambda r: render_fp8_accuracy(r["rows"]),
             "latency_peers_cpu": render_latency,

@@ -121,10 +121,10 @@ void brgemm_forward(const void* q, int64_t rows, const void* packed, int64_t skv
     for (int64_t r = 0; r < nr; ++r) {
       // l = 0 where every score is -inf: with a bias a fully masked row (0, whatever v holds);
       // without one, fp32 overflow, and 0 * (1 / 0) keeps softmax's NaN.
-      const bool nothing = biased && l_all[r] == 0.0f;
-      const float inv = 1.0f / l_all[r];
-      for (int64_t c = 0; c < d; ++c)
-        store_elem(out, (r0 + r) * d + c, nothing ? 0.0f : o[r * dv + c] * inv, PYEXT_BF16);
+      if (biased && l_all[r] == 0.0f)
+        for (int64_t c = 0; c < d; ++c) store_elem(out, (r0 + r) * d + c, 0.0f, PYEXT_BF16);
+      else
+        store_scaled_row(out, (r0 + r) * d, o + r * dv, 1.0f / l_all[r], d, PYEXT_BF16);
       if (lse != nullptr) lse[r0 + r] = m_all[r] + std::log(l_all[r]);
     }
   }

@@ -62,9 +62,10 @@ inline void carry_out(const AttnCarry* carry, int64_t r0, int64_t nr, int64_t d,
     // a bias that is a fully masked row: it attends to nothing and gives 0, as torch's SDPA
     // does, even where a masked key's v is NaN (o holds 0 * NaN then). Without a bias it is fp32
     // overflow, and 0 * (1 / 0) keeps softmax's NaN.
-    const bool nothing = biased && l[r] == 0.0f;
-    const float inv = 1.0f / l[r];
-    for (int64_t c = 0; c < d; ++c) store_elem(out, (r0 + r) * d + c, nothing ? 0.0f : o[r * dv + c] * inv, t);
+    if (biased && l[r] == 0.0f)
+      for (int64_t c = 0; c < d; ++c) store_elem(out, (r0 + r) * d + c, 0.0f, t);
+    else
+      store_scaled_row(out, (r0 + r) * d, o + r * dv, 1.0f / l[r], d, t);
     if (lse != nullptr) lse[r0 + r] = (biased ? m[r] : m[r] * kLn2) + std::log(l[r]);  // -inf where l = 0
   }
 }
