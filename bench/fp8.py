@@ -272,11 +272,13 @@ def render(result: dict) -> str:
     out = []
     linears = [r for r in result["rows"] if r["bench"] == "fp8_linear"]
     if linears:
+        dynamic = all("dynamic_vs_plain" in r for r in linears)  # (bf16 runs only)
         out += ["| linear | M, K, N | dtype | F.linear | pyext fp8 | pyext / F.linear, median (range) "
-                "| layerwise casting / F.linear |", "|---|---|---|---:|---:|---:|---:|"]
+                "| layerwise casting / F.linear |" + (" pyext dynamic fp8 / F.linear |" if dynamic else ""),
+                "|---|---|---|---:|---:|---:|---:|" + ("---:|" if dynamic else "")]
         out += [f"| {r['shape']} | {r['M']}, {r['K']}, {r['N']} | {r['dtype']} | {r['plain_ms']:.2f} ms | "
                 f"{r['pyext_fp8_ms']:.2f} ms | {ratio(r['pyext_vs_plain'])} | {ratio(r['diffusers_vs_plain'])} |"
-                for r in linears]
+                + (f" {ratio(r['dynamic_vs_plain'])} |" if dynamic else "") for r in linears]
     convs = [r for r in result["rows"] if r["bench"] == "fp8_conv3x3_channels_last"]
     if convs:
         out += ["", "| 3x3 conv, channels-last | dtype | torch's conv | pyext fp8 | pyext / conv, median (range) "
