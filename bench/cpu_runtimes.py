@@ -2,7 +2,7 @@
 
     python -m bench.cpu_runtimes [--size full] [--height 256 --width 256] [--rounds 5]
                                  [--runtimes eager,pyext,openvino,inductor_freezing]
-                                 [--components unet,vae] [--out bench_out/cpu_runtimes]
+                                 [--components unet,vae] [--out bench_out/cpu_runtimes] [--json PATH]
 
 Runtimes, all on the same random weights (pyext.offline, seed 0) and inputs:
 - eager: the diffusers modules as loaded;
@@ -23,6 +23,7 @@ import json
 import os
 import resource
 import statistics
+import sys
 import time
 import traceback
 
@@ -261,6 +262,13 @@ def markdown(report: dict) -> str:
     return "\n".join(lines)
 
 
+def render(result: dict) -> str:
+    """docs/benchmarks.md's table of a results file (--json)."""
+    line = (f"OpenVINO {result.get('openvino') or 'not installed'}; {result['spec']['rounds']} rounds; "
+            f"`{result.get('command', 'python -m bench.cpu_runtimes')}`.")
+    return markdown(result) + "\n\n" + line
+
+
 def main(argv=None):
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--size", default="full", help="pyext.offline size of sd15 (tiny for a smoke run)")
@@ -271,6 +279,7 @@ def main(argv=None):
     p.add_argument("--runtimes", default=",".join(RUNTIMES))
     p.add_argument("--components", default=",".join(COMPONENTS))
     p.add_argument("--out", default="bench_out/cpu_runtimes")
+    p.add_argument("--json", help="also write a results file (machine, versions, commit) here")
     a = p.parse_args(argv)
     spec = {"size": a.size, "height": a.height, "width": a.width, "rounds": a.rounds, "threads": a.threads,
             "runtimes": a.runtimes.split(","), "components": a.components.split(",")}
@@ -285,6 +294,15 @@ def main(argv=None):
     with open(os.path.join(a.out, "cpu_runtimes.md"), "w") as f:
         f.write(markdown(report) + "\n")
     print(markdown(report))
+    if a.json:
+        from bench.latency import save_results
+
+        try:
+            ov = openvino_version()
+        except ImportError:
+            ov = None
+        save_results("cpu_runtimes", "cpu", a.json, **report, openvino=ov,
+                     command="python -m bench.cpu_runtimes " + " ".join(argv if argv is not None else sys.argv[1:]))
     return report
 
 

@@ -27,6 +27,7 @@ END = "<!-- end of rendered table -->"
 
 def _renderers() -> dict[str, Callable[[dict], str]]:
     from bench.attention import render as render_attention
+    from bench.cpu_runtimes import render as render_cpu_runtimes
     from bench.dispatch import render_results as render_dispatch
     from bench.fp8 import render as render_fp8
     from bench.fp8_accuracy import render as render_fp8_accuracy
@@ -40,6 +41,7 @@ def _renderers() -> dict[str, Callable[[dict], str]]:
             "fp8_cpu_avx2": render_fp8,
             "attention_cpu_avx512bf16": render_attention,
             "fp8_cpu_avx512bf16": render_fp8,
+            "cpu_runtimes_avx512bf16": render_cpu_runtimes,
             "dispatch_overhead_cpu": render_dispatch,
             "fp8_accuracy_cpu": lambda r: render_fp8_accuracy(r["rows"]),
             "latency_peers_cpu": render_latency,
