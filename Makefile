@@ -47,9 +47,11 @@ $(VENV)/.bench-deps: $(VENV)/.deps requirements-bench.txt
 	touch $@
 
 # ARCH=sdxl or ARCH=flux: the same rows at the anchors' workloads (opt-in; bench/latency.py ARCH_PRESETS).
+# ROWS=a,b: those rows only, also the ones a preset leaves out of its default run (Preset.opt_in).
 ARCH ?= sd15
+ROWS ?=
 bench: build $(VENV)/.bench-deps
-	$(PY) -m bench.run --model-arch $(ARCH)
+	$(PY) -m bench.run --model-arch $(ARCH) $(if $(ROWS),--rows $(ROWS))
 
 bench-kernels: build
 	$(PY) -m bench.kernels

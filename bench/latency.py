@@ -47,6 +47,9 @@ class Preset:
     repeats: int         # timed runs; the row reports their median
     row_timeout_s: int   # a row still running after this is reported as timed out
     skip: tuple = ()     # ((row, reason), ...) rows this preset does not run
+    # ((row, why), ...) rows this preset runs only when --rows names them: what keeps its default
+    # run (`make bench`) within minutes.
+    opt_in: tuple = ()
     threads: int = 0     # torch.set_num_threads in each row; 0 keeps torch's default
     emulated_bf16: bool = False  # half rows in bf16 on a CPU without native bf16 (tiny sizes only)
     # Steps of the image each row's check compares with the original row's (0: the timed image).
@@ -79,7 +82,12 @@ PRESETS = {
     # The same full SD1.5 architecture, scaled to finish all rows in minutes on 2 cores:
     # 256x256 instead of 512x512 (latents 32x32 instead of 64x64), 2 steps instead of 50,
     # median of 3 timed runs after a 1-step warm-up. A long row timeout leaves torch.compile its chance.
-    "cpu": Preset("full", "cpu", 256, 256, 2, 1, 3, 600),
+    # The rows that compile with inductor (minutes each on 2 cores with a cold cache) run when named.
+    "cpu": Preset("full", "cpu", 256, 256, 2, 1, 3, 600, opt_in=(
+        *((row, "inductor compiles it: 2-7 minutes on 2 cores with a cold cache")
+          for row in ("torchao_fp8_weight_only", "torchao_int8_weight_only", "torchao_int8_dynamic",
+                      "torch_compile", "torch_compile_freezing")),
+        ("pyext_eager", "on a CPU pyext.optimize does not compile, so this row is pyext_optimize's"))),
     # CI: the tiny sd15 of pyext.offline, seconds for all rows.
     # One thread: tiny ops gain nothing from two, and on a shared machine a stalled
     # second thread only adds noise.
@@ -225,12 +233,16 @@ def bench_dtype(name: str = "auto") -> torch.dtype:
     return auto_dtype(torch.device("cuda" if torch.cuda.is_available() else "cpu"))
 
 
-def unavailable(name: str, preset: Preset) -> str | None:
-    """Why a row cannot run here, when that is known without loading a model; else None."""
+def unavailable(name: str, preset: Preset, named: bool = False) -> str | None:
+    """Why a row cannot run here, when that is known without loading a model; else None. `named`:
+    --rows names the row, which runs it where the preset leaves it out by default."""
 
     skipped = dict(preset.skip).get(name)
     if skipped:
         return skipped
+    why = dict(preset.opt_in).get(name)
+    if why and not named:
+        return f"not in this preset's default run ({why}); `--rows {name}` (make bench ROWS={name}) runs it"
     steps = ROWS[name][1]
     if "xformers" in steps:
         if importlib.util.find_spec("xformers") is None:
@@ -769,6 +781,7 @@ def run(preset_name: str, out: str, model: str | None = None, rows: list[str] | 
     preset = preset_of(preset_name, arch)
     if model:  # real weights come with their text encoders
         preset = replace(preset, on_device=False)
+    named = set(rows or ())
     rows = prepare_rows("bench.latency", rows, list(ROWS), out)
     workdir = tempfile.mkdtemp(prefix="bench_latency_")
     try:
@@ -796,7 +809,7 @@ def run(preset_name: str, out: str, model: str | None = None, rows: list[str] | 
             if round_index and "latency_s" not in runs[name][0]:
                 continue
             bar.set_postfix_str(f"{name} (round {round_index + 1} of {rounds})")
-            reason = unavailable(name, preset)
+            reason = unavailable(name, preset, name in named)
             t0 = time.perf_counter()
             result = ({"reason": reason} if reason else
                       _run_in_subprocess(ctx, name, spec_path, workdir, out, preset.row_timeout_s))

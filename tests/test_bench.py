@@ -121,6 +121,17 @@ def test_unavailable_rows_say_why():
         assert "CPU" in latency.unavailable(row, latency.PRESETS["gpu"])
 
 
+def test_a_presets_opt_in_rows_run_only_when_named():
+    """What a preset leaves out of its default run says how to run it, and runs when --rows names it."""
+    cpu = latency.PRESETS["cpu"]
+    assert cpu.opt_in, "the cpu preset keeps make bench's default run short by leaving rows out"
+    for row, why in cpu.opt_in:
+        assert row in latency.ROWS
+        reason = latency.unavailable(row, cpu)
+        assert why in reason and f"--rows {row}" in reason
+        assert latency.unavailable(row, cpu, named=True) != reason
+
+
 def test_peer_rows_name_the_package_they_miss(monkeypatch):
     monkeypatch.setattr(latency, "_installed", lambda module: False)
     cpu = latency.PRESETS["cpu"]
