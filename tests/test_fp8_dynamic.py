@@ -257,6 +257,17 @@ def test_optimize_with_dynamic_fp8_is_close_to_plain_diffusers():
     assert psnr_db(generate(pipe), expected) > 30
 
 
+def test_the_reports_cpu_cost_is_measured_for_the_gemm_mode_that_runs():
+    """A cost measured for weight-only fp8 is never reported for dynamic fp8 on the same shape."""
+    from pyext import dispatch
+
+    costs = lambda: {d["key"]: d["timings"] for d in dispatch.decisions() if d["op"] == "fp8_cost"}  # noqa: E731
+    pyext.optimize(build_pipeline("sd15", "tiny"), dtype=torch.bfloat16, fp8="denoiser", fp8_gemm="weight_only")
+    pyext.optimize(build_pipeline("sd15", "tiny"), dtype=torch.bfloat16, fp8="denoiser", fp8_gemm="dynamic")
+    modes = {key.rsplit(" ", 1)[1] for key in costs()}
+    assert {"weight_only", "dynamic"} <= modes, costs()
+
+
 def test_auto_is_weight_only_without_fp8_tensor_cores_and_a_second_optimize_changes_the_mode():
     pipe = pyext.optimize(build_pipeline("sd15", "tiny"), dtype=torch.bfloat16, fp8="denoiser")
     layers = [m for m in pipe.unet.modules() if isinstance(m, FP8Linear)]

@@ -87,7 +87,8 @@ def cpu_cost(module: nn.Module) -> str:
     dtype = layer.compute_dtype
     x = torch.randn(COST_ROWS, layer.in_features, generator=torch.Generator().manual_seed(0)).to(dtype)
     weight, bias = layer.dequantized_weight(), None if layer.bias is None else layer.bias.to(dtype)
-    key = f"{COST_ROWS}x{layer.in_features}x{layer.out_features} {str(dtype).removeprefix('torch.')}"
+    # (the GEMM mode too: weight-only and dynamic fp8 cost differently on one shape)
+    key = f"{COST_ROWS}x{layer.in_features}x{layer.out_features} {str(dtype).removeprefix('torch.')} {layer.gemm}"
     with torch.no_grad():
         decision = dispatch.measured_choice("fp8_cost", key, torch.device("cpu"),
                                             {"fp8": lambda: layer(x), "plain": lambda: F.linear(x, weight, bias)})
