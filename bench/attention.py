@@ -15,7 +15,8 @@ for pyext vs naive, each in a fresh process (VmHWM after a reset, and polled RSS
 on CPU; the allocator's high-water mark on CUDA). --whole-image times instead, in fp32, one band
 of queries of the exact tiled VAE's mid-block attention over every latent pixel (pyext.vae.exact):
 long keys, which the C++ kernel packs a chunk at a time.
-On CPU: cpp, sdpa, naive. On CUDA: triton, sdpa, xformers (if installed), naive.
+On CPU: cpp, sdpa, naive, and OpenVINO's compiled SDPA (if installed; in a process of its own, its
+speed over SDPA from that process's rounds). On CUDA: triton, sdpa, xformers (if installed), naive.
 """
 from __future__ import annotations
 
@@ -175,6 +176,60 @@ def peak_memory(tokens: int, dim: int = 512, device: str = "cpu") -> list[dict]:
     return rows
 
 
+# OpenVINO's attention, in a process of its own (its thread pool spins after each call, which
+# would slow whatever runs next in this one): torch's SDPA and OpenVINO's compiled SDPA take turns,
+# a pause between them, and each round gives the ratio. Inputs and outputs are fp32 arrays; a bf16
+# run computes in bf16 inside (OpenVINO's inference precision hint), as the openvino rows of
+# bench.latency and bench.cpu_runtimes do.
+_OPENVINO_CHILD = """
+import json, statistics, sys, time, torch
+import openvino as ov
+import torch.nn.functional as F
+b, h, sq, skv, d, repeats = map(int, sys.argv[1:7]); dtype = getattr(torch, sys.argv[7])
+torch.manual_seed(0)
+q = torch.randn(b, h, sq, d); k = torch.randn(b, h, skv, d); v = torch.randn(b, h, skv, d)
+class Sdpa(torch.nn.Module):
+    def forward(self, q, k, v):
+        return F.scaled_dot_product_attention(q, k, v)
+model = ov.convert_model(Sdpa(), example_input=(q, k, v))
+precision = "bf16" if dtype == torch.bfloat16 else "f32"
+compiled = ov.Core().compile_model(model, "CPU", {"INFERENCE_PRECISION_HINT": precision})
+arrays = [t.numpy() for t in (q, k, v)]
+tq, tk, tv = (t.to(dtype) for t in (q, k, v))
+runs = {"sdpa": lambda: F.scaled_dot_product_attention(tq, tk, tv), "openvino": lambda: compiled(arrays)}
+times = {n: [] for n in runs}
+for _ in range(repeats + 1):  # the first round warms up
+    for n, fn in runs.items():
+        time.sleep(0.2)
+        t0 = time.perf_counter(); fn(); times[n].append(time.perf_counter() - t0)
+ratios = [a / o for a, o in zip(times["sdpa"][1:], times["openvino"][1:])]
+print(json.dumps(dict(ms=statistics.median(times["openvino"][1:]) * 1e3, ratios=ratios, precision=precision,
+                      version=ov.__version__.split("-")[0])))
+"""
+
+
+def openvino_row(shape: Shape, dtype, repeats: int) -> dict:
+    """The shape's row for OpenVINO's compiled SDPA (CPU), its speed over SDPA from its own process's
+    rounds; or the reason it could not run."""
+    from bench.cpu_runtimes import unavailable
+
+    row = dict(kind="throughput", shape=shape.name, backend="openvino", **{k: v for k, v in asdict(shape).items()
+                                                                           if k != "name"})
+    reason = unavailable("openvino")
+    if reason:
+        return dict(row, skipped=reason)
+    args = [str(x) for x in (shape.b, shape.h, shape.sq, shape.skv, shape.d, repeats)] + [str(dtype).removeprefix("torch.")]
+    proc = subprocess.run([sys.executable, "-c", _OPENVINO_CHILD, *args], capture_output=True, text=True, timeout=1800)
+    if proc.returncode != 0:
+        return dict(row, skipped=f"failed: {(proc.stderr.strip().splitlines() or ['rc ' + str(proc.returncode)])[-1]}")
+    got = json.loads(proc.stdout.strip().splitlines()[-1])
+    ratios = got["ratios"]
+    return dict(row, dtype=str(dtype).removeprefix("torch."), device="cpu", threads=torch.get_num_threads(),
+                ms=round(got["ms"], 3), gflops=round(shape.flops / got["ms"] / 1e6, 1),
+                vs_sdpa=round(statistics.median(ratios), 2), vs_sdpa_range=[round(min(ratios), 2), round(max(ratios), 2)],
+                note=f"OpenVINO {got['version']} in its own process, {got['precision']} inside, fp32 in and out")
+
+
 def run(shapes=None, repeats: int = 5, vae_tokens: int = 16384, device: str | None = None,
         dtype: torch.dtype | None = None) -> list[dict]:
     """Throughput rows for `shapes` (default SHAPES; Shape or (b, h, sq, skv, d) tuples) in
@@ -188,6 +243,8 @@ def run(shapes=None, repeats: int = 5, vae_tokens: int = 16384, device: str | No
     rows = []
     for shape in todo:
         rows += _time_shape(shape, device, dtype, repeats)
+        if device == "cpu":
+            rows.append(openvino_row(shape, dtype, repeats))
     if shapes is None and vae_tokens:
         rows += peak_memory(vae_tokens, 512, device)
     return rows
@@ -200,6 +257,7 @@ def render(result: dict) -> str:
            "|---|---|---|---|---:|---:|---:|"]
     for r in rows:
         name = f"auto (chose {r['chosen']})" if r["backend"] == "auto" else r["backend"]
+        name += " (own process: fp32 in and out)" if r["backend"] == "openvino" else ""
         ratio = f"{r['vs_sdpa']}x ({r['vs_sdpa_range'][0]}-{r['vs_sdpa_range'][1]})" if "vs_sdpa" in r else "-"
         out.append(f"| {r['shape']} | {r['b']}, {r['h']}, {r['sq']}, {r['skv']}, {r['d']} | {r['dtype']} | {name} | "
                    f"{r['ms']} | {r['gflops']} | {ratio} |")

@@ -286,13 +286,16 @@ def test_attention_bench_times_dispatchs_choice_beside_sdpa_in_interleaved_round
 
     rows = attention.run([(1, 2, 20, 12, 40)], repeats=3, device="cpu", dtype=torch.float32)
     by = {r["backend"]: r for r in rows}
-    assert {"sdpa", "auto"} <= set(by) and by["sdpa"]["vs_sdpa"] == 1.0
+    assert {"sdpa", "auto", "openvino"} <= set(by) and by["sdpa"]["vs_sdpa"] == 1.0
     assert by["auto"]["chosen"] in {b.name for b in dispatch.ops()["attention"].backends}
-    for row in rows:
+    # OpenVINO's SDPA in its own process where it is installed, else the reason
+    assert "f32 inside" in by["openvino"].get("note", "") or "not installed" in by["openvino"]["skipped"]
+    timed = [row for row in rows if "skipped" not in row]
+    for row in timed:
         low, high = row["vs_sdpa_range"]
         assert low <= row["vs_sdpa"] <= high and row["dtype"] == "float32"
     table = attention.render({"rows": rows, "machine": latency.machine_info("cpu"), "repeats": 3})
-    assert f"auto (chose {by['auto']['chosen']})" in table and table.count("| float32 |") == len(rows)
+    assert f"auto (chose {by['auto']['chosen']})" in table and table.count("| float32 |") == len(timed)
 
 
 def test_fp8_layer_benches_run_on_small_shapes():
