@@ -176,58 +176,20 @@ def peak_memory(tokens: int, dim: int = 512, device: str = "cpu") -> list[dict]:
     return rows
 
 
-# OpenVINO's attention, in a process of its own (its thread pool spins after each call, which
-# would slow whatever runs next in this one): torch's SDPA and OpenVINO's compiled SDPA take turns,
-# a pause between them, and each round gives the ratio. Inputs and outputs are fp32 arrays; a bf16
-# run computes in bf16 inside (OpenVINO's inference precision hint), as the openvino rows of
-# bench.latency and bench.cpu_runtimes do.
-_OPENVINO_CHILD = """
-import json, statistics, sys, time, torch
-import openvino as ov
-import torch.nn.functional as F
-b, h, sq, skv, d, repeats = map(int, sys.argv[1:7]); dtype = getattr(torch, sys.argv[7])
-torch.manual_seed(0)
-q = torch.randn(b, h, sq, d); k = torch.randn(b, h, skv, d); v = torch.randn(b, h, skv, d)
-class Sdpa(torch.nn.Module):
-    def forward(self, q, k, v):
-        return F.scaled_dot_product_attention(q, k, v)
-model = ov.convert_model(Sdpa(), example_input=(q, k, v))
-precision = "bf16" if dtype == torch.bfloat16 else "f32"
-compiled = ov.Core().compile_model(model, "CPU", {"INFERENCE_PRECISION_HINT": precision})
-arrays = [t.numpy() for t in (q, k, v)]
-tq, tk, tv = (t.to(dtype) for t in (q, k, v))
-runs = {"sdpa": lambda: F.scaled_dot_product_attention(tq, tk, tv), "openvino": lambda: compiled(arrays)}
-times = {n: [] for n in runs}
-for _ in range(repeats + 1):  # the first round warms up
-    for n, fn in runs.items():
-        time.sleep(0.2)
-        t0 = time.perf_counter(); fn(); times[n].append(time.perf_counter() - t0)
-ratios = [a / o for a, o in zip(times["sdpa"][1:], times["openvino"][1:])]
-print(json.dumps(dict(ms=statistics.median(times["openvino"][1:]) * 1e3, ratios=ratios, precision=precision,
-                      version=ov.__version__.split("-")[0])))
-"""
-
-
 def openvino_row(shape: Shape, dtype, repeats: int) -> dict:
-    """The shape's row for OpenVINO's compiled SDPA (CPU), its speed over SDPA from its own process's
-    rounds; or the reason it could not run."""
-    from bench.cpu_runtimes import unavailable
+    """The shape's row for OpenVINO's compiled SDPA (CPU; bench.openvino_ops), its speed over SDPA
+    from its own process's rounds; or the reason it could not run."""
+    from bench.openvino_ops import compare
 
     row = dict(kind="throughput", shape=shape.name, backend="openvino", **{k: v for k, v in asdict(shape).items()
                                                                            if k != "name"})
-    reason = unavailable("openvino")
-    if reason:
-        return dict(row, skipped=reason)
-    args = [str(x) for x in (shape.b, shape.h, shape.sq, shape.skv, shape.d, repeats)] + [str(dtype).removeprefix("torch.")]
-    proc = subprocess.run([sys.executable, "-c", _OPENVINO_CHILD, *args], capture_output=True, text=True, timeout=1800)
-    if proc.returncode != 0:
-        return dict(row, skipped=f"failed: {(proc.stderr.strip().splitlines() or ['rc ' + str(proc.returncode)])[-1]}")
-    got = json.loads(proc.stdout.strip().splitlines()[-1])
-    ratios = got["ratios"]
+    got = compare("attention", (shape.b, shape.h, shape.sq, shape.skv, shape.d), repeats, dtype)
+    if "skipped" in got:
+        return dict(row, **got)
+    r = got["ratios"]
     return dict(row, dtype=str(dtype).removeprefix("torch."), device="cpu", threads=torch.get_num_threads(),
-                ms=round(got["ms"], 3), gflops=round(shape.flops / got["ms"] / 1e6, 1),
-                vs_sdpa=round(statistics.median(ratios), 2), vs_sdpa_range=[round(min(ratios), 2), round(max(ratios), 2)],
-                note=f"OpenVINO {got['version']} in its own process, {got['precision']} inside, fp32 in and out")
+                ms=round(got["ms"], 3), gflops=round(shape.flops / got["ms"] / 1e6, 1), vs_sdpa=round(statistics.median(r), 2),
+                vs_sdpa_range=[round(min(r), 2), round(max(r), 2)], note=got["note"])
 
 
 def run(shapes=None, repeats: int = 5, vae_tokens: int = 16384, device: str | None = None,

@@ -129,6 +129,15 @@ def bench_linear(shapes=LINEAR_SHAPES, dtype: torch.dtype = torch.bfloat16, repe
                    pyext_vs_plain=_vs_plain(per_round, "fp8"), diffusers_vs_plain=_vs_plain(per_round, "diff"))
         if "dynamic" in t:
             row.update(pyext_dynamic_ms=t["dynamic"] * 1e3, dynamic_vs_plain=_vs_plain(per_round, "dynamic"))
+        if device == "cpu":  # OpenVINO's linear in its own process, against F.linear there
+            from bench.openvino_ops import compare
+
+            got = compare("linear", (m, k, n), repeats, dtype)
+            inverse = [1 / r for r in got.get("ratios", ())]  # OpenVINO's time over F.linear's
+            row["openvino"] = ({"skipped": got["skipped"]} if "skipped" in got else {
+                "ms": got["ms"], "vs_plain": {"median": round(statistics.median(inverse), 3),
+                                              "range": [round(min(inverse), 3), round(max(inverse), 3)]},
+                "note": got["note"]})
         out.append(row)
     return out
 
@@ -273,12 +282,18 @@ def render(result: dict) -> str:
     linears = [r for r in result["rows"] if r["bench"] == "fp8_linear"]
     if linears:
         dynamic = all("dynamic_vs_plain" in r for r in linears)  # (bf16 runs only)
+        openvino = any("vs_plain" in r.get("openvino", {}) for r in linears)  # (CPU runs with OpenVINO)
+        ov = lambda r: ratio(r["openvino"]["vs_plain"]) if "vs_plain" in r.get("openvino", {}) else "-"  # noqa: E731
         out += ["| linear | M, K, N | dtype | F.linear | pyext fp8 | pyext / F.linear, median (range) "
-                "| layerwise casting / F.linear |" + (" pyext dynamic fp8 / F.linear |" if dynamic else ""),
-                "|---|---|---|---:|---:|---:|---:|" + ("---:|" if dynamic else "")]
+                "| layerwise casting / F.linear |" + (" pyext dynamic fp8 / F.linear |" if dynamic else "")
+                + (" OpenVINO / F.linear |" if openvino else ""),
+                "|---|---|---|---:|---:|---:|---:|" + ("---:|" if dynamic else "") + ("---:|" if openvino else "")]
         out += [f"| {r['shape']} | {r['M']}, {r['K']}, {r['N']} | {r['dtype']} | {r['plain_ms']:.2f} ms | "
                 f"{r['pyext_fp8_ms']:.2f} ms | {ratio(r['pyext_vs_plain'])} | {ratio(r['diffusers_vs_plain'])} |"
-                + (f" {ratio(r['dynamic_vs_plain'])} |" if dynamic else "") for r in linears]
+                + (f" {ratio(r['dynamic_vs_plain'])} |" if dynamic else "") + (f" {ov(r)} |" if openvino else "")
+                for r in linears]
+        notes = {r["openvino"]["note"] for r in linears if "note" in r.get("openvino", {})}
+        out += [f"\nOpenVINO's column: {note}, its time over F.linear's from that process's rounds." for note in notes]
     convs = [r for r in result["rows"] if r["bench"] == "fp8_conv3x3_channels_last"]
     if convs:
         out += ["", "| 3x3 conv, channels-last | dtype | torch's conv | pyext fp8 | pyext / conv, median (range) "

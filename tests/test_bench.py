@@ -298,6 +298,16 @@ def test_attention_bench_times_dispatchs_choice_beside_sdpa_in_interleaved_round
     assert f"auto (chose {by['auto']['chosen']})" in table and table.count("| float32 |") == len(timed)
 
 
+def test_openvino_kernel_rows_say_why_they_cannot_run(monkeypatch):
+    from bench import attention, cpu_runtimes, openvino_ops
+
+    monkeypatch.setattr(cpu_runtimes, "unavailable", lambda runtime: f"{runtime} not installed (pip install openvino)")
+    assert openvino_ops.compare("linear", (5, 32, 48), 2, torch.float32) == {
+        "skipped": "openvino not installed (pip install openvino)"}
+    row = attention.openvino_row(attention.Shape("small", 1, 2, 20, 12, 40), torch.float32, 2)
+    assert row["backend"] == "openvino" and "not installed" in row["skipped"] and "ms" not in row
+
+
 def test_fp8_layer_benches_run_on_small_shapes():
     from bench import fp8
 
@@ -310,8 +320,11 @@ def test_fp8_layer_benches_run_on_small_shapes():
             low, high = row["pyext_vs_plain"]["range"]
             assert low <= row["pyext_vs_plain"]["median"] <= high and row["dtype"] == str(dtype)[6:]
         assert ("pyext_dynamic_ms" in lin[0]) == (dtype == torch.bfloat16)  # the dynamic GEMM takes bf16
+        ov = lin[0]["openvino"]  # OpenVINO's linear where it is installed, else the reason
+        assert ("vs_plain" in ov and ov["ms"] > 0) or "not installed" in ov["skipped"], ov
         table = fp8.render({"rows": conv + lin, "machine": latency.machine_info("cpu")})
         assert "| small | 5, 32, 48 |" in table and "| small | " + str(dtype)[6:] in table
+        assert ("OpenVINO / F.linear" in table) == ("vs_plain" in ov)
 
 
 def test_winograd_bench_pairs_rounds_and_reports_the_rule():
