@@ -240,9 +240,6 @@ def unavailable(name: str, preset: Preset, named: bool = False) -> str | None:
     skipped = dict(preset.skip).get(name)
     if skipped:
         return skipped
-    why = dict(preset.opt_in).get(name)
-    if why and not named:
-        return f"not in this preset's default run ({why}); `--rows {name}` (make bench ROWS={name}) runs it"
     steps = ROWS[name][1]
     if "xformers" in steps:
         if importlib.util.find_spec("xformers") is None:
@@ -259,7 +256,11 @@ def unavailable(name: str, preset: Preset, named: bool = False) -> str | None:
         from bench.cpu_runtimes import unavailable as runtime_unavailable
         if preset.device != "cpu":
             return "the openvino row is for CPU presets"
-        return runtime_unavailable("openvino")
+        if runtime_unavailable("openvino"):
+            return runtime_unavailable("openvino")
+    why = dict(preset.opt_in).get(name)  # (last: a row that cannot run here says so, named or not)
+    if why and not named:
+        return f"not in this preset's default run ({why}); `--rows {name}` (make bench ROWS={name}) runs it"
     return None
 
 

@@ -287,10 +287,10 @@ def test_fp8_on_a_cpu_reports_what_it_costs_in_time():
 
     pipe = pyext.optimize(build_pipeline("sd15", "tiny"), fp8="denoiser", dtype="keep")
     entry = next(e for e in pyext.report(pipe).entries if e.technique == "fp8" and e.status == "applied")
-    found = re.search(r"largest fp8 linear \((\d+)x(\d+)x(\d+) float32\) takes ([\d.]+)x the time", entry.detail)
-    assert found and float(found.group(4)) > 0, entry.detail
-    kept = dispatch.measured_choice("fp8_cost", f"{found.group(1)}x{found.group(2)}x{found.group(3)} float32",
-                                    torch.device("cpu"), dict.fromkeys(("fp8", "plain"), lambda: None))  # kept: not timed again
+    found = re.search(r"largest fp8 linear \((\d+x\d+x\d+ float32 weight_only)\) takes ([\d.]+)x the time", entry.detail)
+    assert found and float(found.group(2)) > 0, entry.detail
+    kept = dispatch.measured_choice("fp8_cost", found.group(1), torch.device("cpu"),
+                                    dict.fromkeys(("fp8", "plain"), lambda: None))  # kept: not timed again
     assert set(kept["timings"]) == {"fp8", "plain"}
 
 
