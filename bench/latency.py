@@ -256,8 +256,8 @@ def unavailable(name: str, preset: Preset, named: bool = False) -> str | None:
         from bench.cpu_runtimes import unavailable as runtime_unavailable
         if preset.device != "cpu":
             return "the openvino row is for CPU presets"
-        if runtime_unavailable("openvino"):
-            return runtime_unavailable("openvino")
+        if missing := runtime_unavailable("openvino"):
+            return missing
     why = dict(preset.opt_in).get(name)  # (last: a row that cannot run here says so, named or not)
     if why and not named:
         return f"not in this preset's default run ({why}); `--rows {name}` (make bench ROWS={name}) runs it"

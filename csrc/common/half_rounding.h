@@ -114,24 +114,19 @@ PYEXT_HOST_DEVICE inline void store_elem(void* p, int64_t i, float f, PyextDtype
   }
 }
 
-// n values src[c] * k, rounded to type t, into p from element i0: the switch outside the loops,
-// so that each loop vectorises.
+// n values src[c] * k, rounded to type t, into p from element i0: the switch outside the loop,
+// so that the loop vectorises.
+template <PyextDtype D>
+inline void store_scaled_row_as(void* p, int64_t i0, const float* src, float k, int64_t n) {
+  typename DtypeIo<D>::T* d = static_cast<typename DtypeIo<D>::T*>(p) + i0;
+  for (int64_t c = 0; c < n; ++c) d[c] = DtypeIo<D>::store(src[c] * k);
+}
+
 inline void store_scaled_row(void* p, int64_t i0, const float* src, float k, int64_t n, PyextDtype t) {
   switch (t) {
-    case PYEXT_BF16: {
-      uint16_t* d = static_cast<uint16_t*>(p) + i0;
-      for (int64_t c = 0; c < n; ++c) d[c] = float_to_bf16(src[c] * k);
-      break;
-    }
-    case PYEXT_F16: {
-      uint16_t* d = static_cast<uint16_t*>(p) + i0;
-      for (int64_t c = 0; c < n; ++c) d[c] = float_to_fp16(src[c] * k);
-      break;
-    }
-    default: {
-      float* d = static_cast<float*>(p) + i0;
-      for (int64_t c = 0; c < n; ++c) d[c] = src[c] * k;
-    }
+    case PYEXT_BF16: return store_scaled_row_as<PYEXT_BF16>(p, i0, src, k, n);
+    case PYEXT_F16: return store_scaled_row_as<PYEXT_F16>(p, i0, src, k, n);
+    default: return store_scaled_row_as<PYEXT_F32>(p, i0, src, k, n);
   }
 }
 
