@@ -49,7 +49,7 @@ struct VecAvx2 {
 }  // namespace attn
 
 // 4 rows x 2 vectors = 8 accumulators of the 16 ymm registers.
-AttnKernel attention_kernel_avx2() { return attn::Fp32Attention<attn::VecAvx2, 4, 2>::kernel(); }
+AttnKernel attention_kernel_avx2() { return attn::Fp32Attention<attn::VecAvx2, 6, 2, 2>::kernel(); }
 }  // namespace pyext::cpu
 #else
 #include "attention/attention_cpu.h"

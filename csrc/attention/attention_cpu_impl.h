@@ -25,7 +25,7 @@ constexpr int64_t kPass = 64;      // query rows that share one pass over k/v (k
 constexpr float kLog2e = 1.4426950408889634f;
 constexpr float kLn2 = 0.6931471805599453f;
 
-inline int64_t round_up(int64_t x, int64_t m) { return (x + m - 1) / m * m; }
+constexpr int64_t round_up(int64_t x, int64_t m) { return (x + m - 1) / m * m; }
 
 // The online softmax subtracts the running max before exp2. While a row has seen only
 // -inf scores (masked keys, or fp32 scores that overflowed), that max is -inf and
@@ -88,8 +88,9 @@ struct Scratch {
   }
 };
 
-// R: query rows per register tile; NC: output vectors per p @ v register tile.
-template <class V, int R, int NC>
+// R: query rows per register tile; NC: output vectors per p @ v register tile; KS: key stripes
+// per q k^T register tile. R * KS and R * NC accumulators must hide the FMA latency.
+template <class V, int R, int NC, int KS = 1>
 struct Fp32Attention {
   using reg = typename V::reg;
   static constexpr int64_t W = V::kW;
@@ -108,6 +109,26 @@ struct Fp32Attention {
           kp[(j0 * d) + c * W + l] = j0 + l < skv ? load_elem(k, (j0 + l) * d + c, t) : 0.0f;
     for (int64_t j = 0; j < skv; ++j)
       for (int64_t c = 0; c < dv; ++c) vp[j * dv + c] = c < d ? load_elem(v, j * d + c, t) : 0.0f;
+  }
+
+  // s[r][n*W + l] = (q[r] . k[n*W + l]) * c2 for N stripes of W keys from `ks` (stripe n at
+  // ks + n*W*d): each k vector loaded feeds R rows, each q broadcast N stripes.
+  template <int N>
+  static inline void qk_tile(const float* qf, int64_t d, const float* ks, float c2, float* s) {
+    reg acc[R][N];
+    for (int r = 0; r < R; ++r)
+      for (int n = 0; n < N; ++n) acc[r][n] = V::zero();
+    for (int64_t c = 0; c < d; ++c) {
+      reg kv[N];
+      for (int n = 0; n < N; ++n) kv[n] = V::load(ks + n * W * d + c * W);
+      for (int r = 0; r < R; ++r) {
+        const reg qb = V::set1(qf[r * d + c]);
+        for (int n = 0; n < N; ++n) acc[r][n] = V::fma(qb, kv[n], acc[r][n]);
+      }
+    }
+    const reg vc2 = V::set1(c2);
+    for (int r = 0; r < R; ++r)
+      for (int n = 0; n < N; ++n) V::store(s + r * kBlockKv + n * W, V::mul(acc[r][n], vc2));
   }
 
   // o[r][c + n*W] = o * alpha[r] + sum_j p[r][j] * v[j][c + n*W] for n < N. The block's sum
@@ -150,10 +171,11 @@ struct Fp32Attention {
     const int64_t dv = round_up(d, W);
     const float c2 = kBias ? scale : scale * kLog2e;  // exp(x * scale) = exp2(x * scale * log2e)
     thread_local Scratch buf;
-    float* qall = buf.get(static_cast<size_t>(kPass * d + kPass * dv + R * kBlockKv));
-    float* o = qall + kPass * d;
-    float* s = o + kPass * dv;
-    float m_all[kPass], l_all[kPass], alpha_all[kPass];
+    constexpr int64_t kTileRows = round_up(kPass, R);  // a pass's last tile may run past its rows
+    float* qall = buf.get(static_cast<size_t>(kTileRows * d + kTileRows * dv + R * kBlockKv));
+    float* o = qall + kTileRows * d;
+    float* s = o + kTileRows * dv;
+    float m_all[kTileRows], l_all[kTileRows], alpha_all[kTileRows];
 
     // Up to kPass query rows share each block of keys (kept in L2) before the next block,
     // so k/v that outgrow L2 (fp32 packs, long sequences) are streamed kPass / R times less.
@@ -172,18 +194,10 @@ struct Fp32Attention {
           float* m = m_all + g * R;
           float* l = l_all + g * R;
           float* alpha = alpha_all + g * R;
-          // s = (q k^T) * c2, one stripe of W keys at a time.
-          for (int64_t js = 0; js < ncp; js += W) {
-            const float* ks = kp + (j0 + js) * d;
-            reg acc[R];
-            for (int r = 0; r < R; ++r) acc[r] = V::zero();
-            for (int64_t c = 0; c < d; ++c) {
-              const reg kv = V::load(ks + c * W);
-              for (int r = 0; r < R; ++r) acc[r] = V::fma(V::set1(qf[r * d + c]), kv, acc[r]);
-            }
-            const reg vc2 = V::set1(c2);
-            for (int r = 0; r < R; ++r) V::store(s + r * kBlockKv + js, V::mul(acc[r], vc2));
-          }
+          // s = (q k^T) * c2, KS stripes of W keys at a time, then single stripes.
+          int64_t js = 0;
+          for (; js + KS * W <= ncp; js += KS * W) qk_tile<KS>(qf, d, kp + (j0 + js) * d, c2, s + js);
+          for (; js < ncp; js += W) qk_tile<1>(qf, d, kp + (j0 + js) * d, c2, s + js);
           // Online softmax: new running max, rescale factor for what was accumulated, p = exp2(s - max).
           for (int r = 0; r < R; ++r) {
             float* sr = s + r * kBlockKv;
