@@ -543,9 +543,32 @@ def time_call(fn: Callable[[], Any], device: torch.device, warmup: int = 1, runs
 
 
 # What measuring a key costs on a CPU, at most: each candidate runs once to be checked (its warm-up),
-# then up to TIMED_RUNS times; once if that first call alone took SLOWER_BY times the fastest's so
-# far (it cannot win), and twice if it took over LONG_CALL_S (its median of one is enough).
+# then up to TIMED_RUNS times; once if that first call alone took SLOWER_BY times the fastest first
+# call (it cannot win), and twice if it took over LONG_CALL_S (its median of one is enough).
 TIMED_RUNS, SLOWER_BY, LONG_CALL_S = 3, 4.0, 0.2
+
+
+def _cpu_timings(runs: dict[str, Callable[[], Any]], first_s: dict[str, float], rejected: dict) -> dict:
+    """Seconds per candidate from the first calls' times `first_s`: the median of its timed runs, taken
+    in rounds of one call of each candidate in turn (A, B, A, B, ...), so that a slow spell of a shared
+    machine falls on every candidate rather than on the one timed during it."""
+    fastest = min(first_s.values())
+    timings = {label: s for label, s in first_s.items() if s > SLOWER_BY * fastest}
+    times = {label: [] for label in first_s if label not in timings}
+    for round_ in range(TIMED_RUNS):
+        for label in list(times):
+            if round_ and first_s[label] > LONG_CALL_S:
+                continue
+            try:
+                start = time.perf_counter()
+                runs[label]()
+                times[label].append(time.perf_counter() - start)
+            except (PyextError, torch.OutOfMemoryError):
+                raise
+            except Exception as err:
+                rejected[label] = f"raised while timed: {type(err).__name__}: {str(err)[:200]}"
+                del times[label]
+    return timings | {label: sorted(ts)[len(ts) // 2] for label, ts in times.items()}
 
 
 def measured_choice(what: str, key: str, device: torch.device, runs: dict[str, Callable[[], Any]],
@@ -561,11 +584,12 @@ def measured_choice(what: str, key: str, device: torch.device, runs: dict[str, C
         if known and known["backend"] in runs:
             return known
         timings, rejected, first = {}, {}, None  # first: (label, output) of the first run that succeeds
+        first_s = {}  # on a CPU: each checked candidate's first call, seconds
         for label, fn in runs.items():
             try:
                 start = time.perf_counter()
                 out = fn()
-                first_s = time.perf_counter() - start
+                elapsed = time.perf_counter() - start
                 if check is not None:
                     problem = check(out)
                 elif close is not None and first is not None:
@@ -579,15 +603,14 @@ def measured_choice(what: str, key: str, device: torch.device, runs: dict[str, C
                     continue
                 if device.type != "cpu":  # the first call compiled or autotuned: warm up again, on events
                     timings[label] = time_call(fn, device)
-                elif first_s > SLOWER_BY * min(timings.values(), default=math.inf):
-                    timings[label] = first_s
                 else:
-                    timings[label] = time_call(fn, device, warmup=0,
-                                               runs=1 if first_s > LONG_CALL_S else TIMED_RUNS)
+                    first_s[label] = elapsed
             except (PyextError, torch.OutOfMemoryError):
                 raise
             except Exception as err:
                 rejected[label] = f"raised while timed: {type(err).__name__}: {str(err)[:200]}"
+        if first_s:
+            timings = _cpu_timings(runs, first_s, rejected)
         if not timings:
             raise PyextError(f"pyext.{what}: every candidate failed: "
                              + "; ".join(f"{k}: {v}" for k, v in rejected.items()))

@@ -511,3 +511,12 @@ def test_measuring_a_key_costs_one_call_of_a_candidate_that_cannot_win(monkeypat
 
     decision = dispatch.measured_choice("made_up", "k", torch.device("cpu"), {"fast": fast, "slow": slow})
     assert decision["backend"] == "fast" and runs == {"fast": 1 + dispatch.TIMED_RUNS, "slow": 1}
+
+
+def test_a_cpus_timed_runs_take_the_candidates_in_turn(monkeypatch):
+    """Rounds of one call each (A, B, A, B, ...): a slow spell of a shared CPU slows every candidate."""
+    monkeypatch.setenv("PYEXT_DISPATCH", "measured")
+    calls = []
+    runs = {name: (lambda name=name: calls.append(name)) for name in ("a", "b", "c")}
+    dispatch.measured_choice("made_up_rounds", "k", torch.device("cpu"), runs)
+    assert calls == ["a", "b", "c"] * (1 + dispatch.TIMED_RUNS)
