@@ -13,7 +13,8 @@ turn on what helps it, here and only here:
 release_after_optimize: after `optimize`, hand the heap's free pages back to the OS
     (glibc's malloc_trim) and ask the kernel to reclaim the pages of memory-mapped weight files
     that no weight uses any more (madvise MADV_PAGEOUT): the fp32 weights a cast or a packing
-    replaced stay resident otherwise (docs/optimize.md).
+    replaced stay resident otherwise (docs/optimize.md). The heap is trimmed again while the
+    first calls repack packed convolutions for their input shapes (pyext.nn.packed).
 vae_block_pool: while an exact tiled decode runs on a CPU, torch's CPU tensors of 64 KiB or
     more come from a pool that keeps freed blocks for the next tiles (it replaces torch's CPU
     allocator for the whole process during the decode), and the heap is trimmed between its

@@ -213,3 +213,24 @@ def test_settings_are_checked():
     with pytest.raises(pyext.PyextError, match="vae_block_pool=1 is not allowed"):
         pyext.memory.configure(vae_block_pool=1)
     assert pyext.memory.settings() == pyext.memory.MemorySettings()
+
+
+def test_release_after_optimize_trims_the_heap_as_first_calls_repack(monkeypatch):
+    """A packed convolution's first call repacks it for its input shape: with release_after_optimize the
+    heap is trimmed once enough has been repacked, without it never."""
+    import pyext
+    import pyext.nn.packed as packed
+
+    trims = []
+    monkeypatch.setattr(packed, "trim_heap", lambda: trims.append(1))
+    monkeypatch.setattr(packed, "TRIM_AFTER_REPACKED_BYTES", 1)
+    for release, expected in ((False, 0), (True, 2)):
+        model = torch.nn.Sequential(torch.nn.Conv2d(3, 8, 3, padding=1), torch.nn.Conv2d(8, 8, 3, padding=1))
+        if packed.pack(model).packed != ["0", "1"]:
+            pytest.skip("the convolutions are not packable here")
+        trims.clear()
+        with pyext.memory.using(release_after_optimize=release), torch.no_grad():
+            y = model(torch.randn(1, 3, 9, 9))
+            model(torch.randn(1, 3, 9, 9))  # the same shape: no repack, no trim
+        assert len(trims) == expected, release
+        assert y.shape == (1, 8, 9, 9)

@@ -29,8 +29,9 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
-from pyext import _compat, dispatch
+from pyext import _compat, dispatch, memory
 from pyext._ext import kernel_missing
+from pyext._memory import trim_heap
 from pyext.dispatch import PyextError
 from pyext.nn.stored import StoredWeight, probe_like
 from pyext.ops import winograd
@@ -48,6 +49,12 @@ CONV_LINEAR_MAX_IN = 2560
 # Wider fp32 Linear weights up to this size stay plain: torch's BLAS addmm beat oneDNN's packed
 # GEMM on the UNet's shapes of such weights.
 BLAS_LINEAR_BYTES = 32 << 20
+# A model's first call repacks its convolutions for their input shapes; glibc keeps the weights
+# they replace as free heap. Where pyext.memory's release_after_optimize is on, the heap is
+# trimmed whenever this much has been repacked since the last trim: a few milliseconds each,
+# against the seconds the repacking itself takes.
+TRIM_AFTER_REPACKED_BYTES = 64 << 20
+_repacked_since_trim = 0
 
 
 def dtype_reason(dtype: torch.dtype) -> str | None:
@@ -115,8 +122,20 @@ class _Packed:
         # shape runs, but up to 10x slower (measured at SD1.5 UNet shapes), so repack.
         with self.lock:
             if shape != self.input_shape:
-                self.pack(self.dense(), shape)
+                dense = self.dense()
+                self.pack(dense, shape)
+                _repacked(dense.numel() * dense.element_size())
             return self.tensor
+
+
+def _repacked(nbytes: int) -> None:
+    global _repacked_since_trim
+    if not memory.settings().release_after_optimize:
+        return
+    _repacked_since_trim += nbytes  # (racy across threads: at worst one trim sooner or later)
+    if _repacked_since_trim >= TRIM_AFTER_REPACKED_BYTES:
+        _repacked_since_trim = 0
+        trim_heap()
 
 
 def _conv_linear(weight: torch.Tensor) -> bool:
