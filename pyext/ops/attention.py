@@ -91,14 +91,16 @@ def _scale(q, scale) -> float:
 # ----------------------------------------------------------------------------- cpp (CPU)
 
 def _cpp_slower(q, k, v, scale, mask, lse):
-    # The AVX-512 paths beat CPU SDPA on every SD1.5/SDXL/Flux shape and dtype tried, the AVX2
-    # and scalar paths do not (`python -m bench.attention`; figures in docs/benchmarks.md). So
-    # auto-dispatch takes cpp only with AVX-512 in static dispatch (measured dispatch times it),
+    # The AVX-512 paths beat CPU SDPA on every SD1.5/SDXL/Flux shape and dtype tried; the AVX2
+    # path is ahead of it at some shapes and behind at others, the scalar one behind everywhere
+    # (`python -m bench.attention`; figures in docs/benchmarks.md). So static dispatch, which
+    # cannot time, takes cpp only with AVX-512 (measured dispatch times it),
     # or where SDPA cannot answer (the log-sum-exp); backend="cpp" runs any path
     # (PYEXT_CPU_SIMD caps it).
     best = torch.ops.pyext_C.attention_paths()[0]
     if not best.startswith("avx512") and not lse:
-        return [f"the C++ {best} path is slower than sdpa on CPU (measured); it runs when forced"]
+        return [f"the C++ {best} path is not faster than sdpa at every shape on CPU (measured); it runs "
+                "when forced or measured faster"]
     return []
 
 
