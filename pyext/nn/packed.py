@@ -123,8 +123,10 @@ class _Packed:
         with self.lock:
             if shape != self.input_shape:
                 dense = self.dense()
+                nbytes = dense.numel() * dense.element_size()
                 self.pack(dense, shape)
-                _repacked(dense.numel() * dense.element_size())
+                del dense  # (freed before a trim)
+                _repacked(nbytes)
             return self.tensor
 
 
