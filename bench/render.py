@@ -46,6 +46,7 @@ def _renderers() -> dict[str, Callable[[dict], str]]:
             "dispatch_overhead_cpu": render_dispatch,
             "fp8_accuracy_cpu": lambda r: render_fp8_accuracy(r["rows"]),
             "latency_peers_cpu": render_latency,
+            "latency_peers_cpu_avx2": render_latency,
             "latency_cpu_avx2": render_latency,
             "latency_cpu_avx512bf16": render_latency,
             "latency_flux_cpu_avx2": render_latency,
