@@ -283,7 +283,9 @@ def render(result: dict) -> str:
     if linears:
         dynamic = all("dynamic_vs_plain" in r for r in linears)  # (bf16 runs only)
         openvino = any("vs_plain" in r.get("openvino", {}) for r in linears)  # (CPU runs with OpenVINO)
-        ov = lambda r: ratio(r["openvino"]["vs_plain"]) if "vs_plain" in r.get("openvino", {}) else "-"  # noqa: E731
+
+        def ov(r: dict) -> str:
+            return ratio(r["openvino"]["vs_plain"]) if "vs_plain" in r.get("openvino", {}) else "-"
         out += ["| linear | M, K, N | dtype | F.linear | pyext fp8 | pyext / F.linear, median (range) "
                 "| layerwise casting / F.linear |" + (" pyext dynamic fp8 / F.linear |" if dynamic else "")
                 + (" OpenVINO / F.linear |" if openvino else ""),
