@@ -8,7 +8,8 @@ call. At a UNet's small spatial sizes that reorder costs more than the convoluti
 A PackedWeight is the layer's `weight` Parameter itself, so the layer stays an nn.Conv2d /
 nn.Linear and holds one copy of its weights, in the packed layout only:
 - F.conv2d / F.linear with it run oneDNN's kernels on the packed weight (`__torch_function__`);
-  a convolution is packed for the input shape it sees, repacked when the shape changes;
+  a convolution is packed for the input shape it sees (a plain copy until its first call),
+  repacked when the shape changes;
 - a 3x3 convolution (stride 1, padding 1) whose input shape suits Winograd (pyext.ops.winograd's
   rule) keeps its weight plain, stored (3, 3, in, out) as the Winograd op reads it, and runs that op;
 - an fp32 Linear of up to CONV_LINEAR_MAX_IN input features runs as a oneDNN 1x1 convolution over
@@ -49,8 +50,8 @@ CONV_LINEAR_MAX_IN = 2560
 # Wider fp32 Linear weights up to this size stay plain: torch's BLAS addmm beat oneDNN's packed
 # GEMM on the UNet's shapes of such weights.
 BLAS_LINEAR_BYTES = 32 << 20
-# A model's first call repacks its convolutions for their input shapes; glibc keeps the weights
-# they replace as free heap. Where pyext.memory's release_after_optimize is on, the heap is
+# A model's first call packs its convolutions for their input shapes; glibc keeps the plain
+# copies they replace as free heap. Where pyext.memory's release_after_optimize is on, the heap is
 # trimmed whenever this much has been repacked since the last trim: a few milliseconds each,
 # against the seconds the repacking itself takes.
 TRIM_AFTER_REPACKED_BYTES = 64 << 20
@@ -70,7 +71,7 @@ class _Packed:
     """What every alias of one PackedWeight shares (Parameter creation and `.data` make aliases)."""
 
     tensor: torch.Tensor               # the mkldnn-layout weight, or a plain one: for Winograd, for BLAS,
-                                       # or a Linear's until its first call
+                                       # or a layer's until its first call
     conv: tuple | None                 # (stride, padding, dilation, groups) of a Conv2d, None for a Linear
     input_shape: tuple | None = None   # the input shape a convolution weight is packed for (a Linear's:
                                        # (1, in, rows, 1), the 1x1 convolution it runs as)
@@ -80,7 +81,7 @@ class _Packed:
     @property
     def winograd(self) -> bool:
         """A plain weight ((3, 3, in, out) in memory) for winograd_conv3x3 rather than oneDNN's layout."""
-        return self.conv is not None and not self.tensor.is_mkldnn
+        return self.conv is not None and self.input_shape is not None and not self.tensor.is_mkldnn
 
     def __reduce_ex__(self, protocol):
         # Pickling a packed weight (torch.save(module)) reaches its state here, before oneDNN's
@@ -102,9 +103,10 @@ class _Packed:
         if self.conv is None and input_shape is not None:  # a 1x1 convolution over the rows
             tensor = _compat.mkldnn_reorder_conv_weight(dense.contiguous()[:, :, None, None], (0, 0), (1, 1), (1, 1),
                                                         1, list(input_shape))
-        elif self.conv is None and (_conv_linear(dense) or _blas_linear(dense)):
-            # BLAS, or plain until the first call gives the row count. A copy, as every other
-            # form is: the caller's tensor (a mapped file's, a deepcopy's source) stays its own.
+        elif input_shape is None and (self.conv is not None or _conv_linear(dense) or _blas_linear(dense)):
+            # BLAS, or plain until the first call gives the input shape that a convolution's (or a
+            # Linear's 1x1 convolution's) layout depends on: packed once, for it. A copy, as every
+            # other form is: the caller's tensor (a mapped file's, a deepcopy's source) stays its own.
             tensor = dense.clone(memory_format=torch.contiguous_format)
         elif self.conv is None:
             tensor = _compat.mkldnn_reorder_linear_weight(dense.contiguous())
@@ -113,7 +115,7 @@ class _Packed:
         else:
             stride, padding, dilation, groups = self.conv
             tensor = _compat.mkldnn_reorder_conv_weight(dense.contiguous(), padding, stride, dilation, groups,
-                                                        list(input_shape) if input_shape else None)
+                                                        list(input_shape))
         self.tensor, self.input_shape = tensor, input_shape
 
     def for_input(self, shape: tuple) -> torch.Tensor:
