@@ -1,20 +1,22 @@
-"""What pyext may do to the process's memory beyond the pipeline it is given: nothing, unless asked.
+"""What pyext may do to the process's memory beyond the pipeline it is given.
 
-pyext is a library inside someone else's process. By default `optimize` changes only the
-pipeline, and a tiled decode only allocates the tensors it needs, through torch's allocator;
-both leave the allocator, the heap's settings and the process's memory mappings as they were.
-A process that is pyext's own (a bench, a batch job that decodes large images on a CPU) may
-turn on what helps it, here and only here:
+pyext is a library inside someone else's process. `optimize` changes the pipeline, and then gives
+back the memory its own work freed (release_after_optimize, on unless turned off); a tiled decode
+only allocates the tensors it needs, through torch's allocator. Nothing else of the process's
+allocator, heap settings or memory mappings changes. A process that is pyext's own (a bench, a
+batch job that decodes large images on a CPU) may turn on more, here and only here:
 
-    pyext.memory.configure(release_after_optimize=True, vae_block_pool=True)
+    pyext.memory.configure(vae_block_pool=True)
     with pyext.memory.using(vae_state_on_disk=True):
         ...
 
-release_after_optimize: after `optimize`, hand the heap's free pages back to the OS
+release_after_optimize (default on): after `optimize`, hand the heap's free pages back to the OS
     (glibc's malloc_trim) and ask the kernel to reclaim the pages of memory-mapped weight files
-    that no weight uses any more (madvise MADV_PAGEOUT): the fp32 weights a cast or a packing
-    replaced stay resident otherwise (docs/optimize.md). The heap is trimmed again while the
-    first calls repack packed convolutions for their input shapes (pyext.nn.packed).
+    that no weight uses any more (madvise MADV_PAGEOUT: clean pages are dropped, a written one is
+    swapped or written back, never lost). Otherwise the fp32 weights that a cast or a packing
+    replaced stay resident as file pages, and the freed copies as heap (docs/optimize.md). The heap
+    is trimmed again while the first calls pack convolutions for their input shapes
+    (pyext.nn.packed). Off: the process's heap and mappings are left exactly as they were.
 vae_block_pool: while an exact tiled decode runs on a CPU, torch's CPU tensors of 64 KiB or
     more come from a pool that keeps freed blocks for the next tiles (it replaces torch's CPU
     allocator for the whole process during the decode), and the heap is trimmed between its
@@ -35,7 +37,7 @@ from pyext.dispatch import PyextError
 
 @dataclass(frozen=True)
 class MemorySettings:
-    release_after_optimize: bool = False
+    release_after_optimize: bool = True
     vae_block_pool: bool = False
     vae_state_on_disk: bool = False
 

@@ -58,7 +58,7 @@ def optimize(pipe, options: OptimizeOptions | None = None, **changes):
         _undo(pipe, [e for e in state.entries if e.exact])
         state.entries = [e for e in state.entries if not e.exact]
         decision = _check_again(state, decide(pipe, opts, state.decision.device))
-    release = memory.settings().release_after_optimize  # (pyext.memory: off unless asked)
+    release = memory.settings().release_after_optimize  # (pyext.memory: on unless turned off)
     before = storage_spans(modules_of(pipe).values()) if release else set()
     try:
         new = _apply(pipe, decision)

@@ -172,18 +172,23 @@ def _decode_tiled(pipe):
         return pipe.vae.decode(torch.randn(1, 4, 12, 12)).sample
 
 
-def test_the_defaults_leave_allocator_heap_and_mappings_alone(monkeypatch):
+@pytest.mark.parametrize("release", [True, False], ids=["default", "release_off"])
+def test_the_defaults_release_what_optimize_freed_and_leave_the_rest_alone(monkeypatch, release):
+    """By default optimize gives back what its own work freed, and nothing else of the process's
+    allocator, heap or mappings changes; with release_after_optimize off, nothing at all does."""
     import threading
 
     import pyext
     from pyext.offline import build_pipeline
     from pyext.vae import exact
 
+    assert pyext.memory.settings().release_after_optimize
     taken = _spies(monkeypatch)
     monkeypatch.setattr(exact, "AUTO_MEMORY_TILES", 0)  # a state that would go to a file if allowed
-    pipe = pyext.optimize(build_pipeline("sd15", "tiny"), dtype="keep")
-    _decode_tiled(pipe)
-    assert taken == []
+    with pyext.memory.using(release_after_optimize=release):
+        pipe = pyext.optimize(build_pipeline("sd15", "tiny"), dtype="keep")
+        _decode_tiled(pipe)
+    assert taken == (["release_freed_memory", "release_mapped_pages"] if release else [])
     assert not [t for t in threading.enumerate() if t.name.startswith("pyext-vae-spill")]
 
 
@@ -216,8 +221,8 @@ def test_settings_are_checked():
 
 
 def test_release_after_optimize_trims_the_heap_as_first_calls_repack(monkeypatch):
-    """A packed convolution's first call repacks it for its input shape: with release_after_optimize the
-    heap is trimmed once enough has been repacked, without it never."""
+    """A packed convolution's first call packs it for its input shape: with release_after_optimize the
+    heap is trimmed once enough has been packed, without it never."""
     import pyext
     import pyext.nn.packed as packed
 
