@@ -223,6 +223,11 @@ def half_dtype(preset: Preset):
     return torch.bfloat16 if preset.emulated_bf16 or cpu_has_native_bf16() else torch.float32
 
 
+def row_dtype(name: str, preset: Preset) -> torch.dtype:
+    """The dtype a row loads its pipeline in."""
+    return half_dtype(preset) if ROWS[name][0] or preset.load_half else torch.float32
+
+
 def bench_dtype(name: str = "auto") -> torch.dtype:
     """The kernel benches' dtype: `name`, or for "auto" the one pyext.optimize computes in on the
     device they run on (pyext.decision.auto_dtype)."""
@@ -241,6 +246,9 @@ def unavailable(name: str, preset: Preset, named: bool = False) -> str | None:
     if skipped:
         return skipped
     steps = ROWS[name][1]
+    if name != "original" and steps == ROWS["original"][1] and row_dtype(name, preset) == row_dtype("original", preset):
+        return (f"the half rows run {str(row_dtype(name, preset)).replace('torch.', '')} here (no native half "
+                f"precision on this CPU): this row would run the original row's configuration again")
     if "xformers" in steps:
         if importlib.util.find_spec("xformers") is None:
             return "xformers not installed"
@@ -522,8 +530,8 @@ def run_row(name: str, spec: dict) -> dict:
     import pyext.offline
 
     preset = Preset(**spec["preset"])
-    half, steps = ROWS[name]
-    dtype = half_dtype(preset) if half or preset.load_half else torch.float32
+    steps = ROWS[name][1]
+    dtype = row_dtype(name, preset)
     if preset.threads:
         torch.set_num_threads(preset.threads)
     torch.manual_seed(SEED)

@@ -626,3 +626,21 @@ def test_the_flux_gpu_preset_makes_weights_on_the_device_and_passes_prompt_embed
     assert torch.equal(first["prompt_embeds"], again["prompt_embeds"])
     with pytest.raises(PyextError, match="without=.*names no component"):
         build_pipeline("flux", "tiny", without=("text_encoder_3",))
+
+
+@pytest.mark.parametrize("native_bf16", [True, False], ids=["native_bf16", "no_native_bf16"])
+def test_the_fp16_row_runs_only_where_it_differs_from_the_original_row(monkeypatch, native_bf16):
+    """On a CPU without native bf16 the cpu preset's half rows run fp32, so the fp16 row (the original
+    row's steps in the half dtype) would run the original row again: it says so instead. Where bf16
+    is native it runs, in bf16; the rows with steps of their own run either way."""
+    import pyext._compat
+
+    monkeypatch.setattr(pyext._compat, "cpu_has_native_bf16", lambda: native_bf16)
+    cpu = latency.preset_of("cpu", "sd15")
+    assert latency.row_dtype("fp16", cpu) == (torch.bfloat16 if native_bf16 else torch.float32)
+    reason = latency.unavailable("fp16", cpu)
+    assert (reason is None) == native_bf16
+    if reason:
+        assert "float32" in reason and "original row's configuration" in reason
+    assert latency.unavailable("original", cpu) is None and latency.unavailable("channels_last", cpu) is None
+    assert latency.unavailable("fp16", latency.preset_of("tiny", "sd15")) is None  # emulated bf16: a row of its own
