@@ -246,7 +246,8 @@ def unavailable(name: str, preset: Preset, named: bool = False) -> str | None:
     if skipped:
         return skipped
     steps = ROWS[name][1]
-    if name != "original" and steps == ROWS["original"][1] and row_dtype(name, preset) == row_dtype("original", preset):
+    if (preset.device == "cpu" and name != "original" and steps == ROWS["original"][1]
+            and row_dtype(name, preset) == row_dtype("original", preset)):
         return (f"the half rows run {str(row_dtype(name, preset)).replace('torch.', '')} here (no native half "
                 f"precision on this CPU): this row would run the original row's configuration again")
     if "xformers" in steps:

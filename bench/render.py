@@ -48,6 +48,7 @@ def _renderers() -> dict[str, Callable[[dict], str]]:
             "latency_peers_cpu": render_latency,
             "latency_peers_cpu_avx2": render_latency,
             "latency_cpu_avx2": render_latency,
+            "latency_rounds_cpu_avx2": render_latency,
             "latency_cpu_avx512bf16": render_latency,
             "latency_flux_cpu_avx2": render_latency,
             "latency_flux_fp8_cpu_avx2": render_latency,

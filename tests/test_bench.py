@@ -644,3 +644,4 @@ def test_the_fp16_row_runs_only_where_it_differs_from_the_original_row(monkeypat
         assert "float32" in reason and "original row's configuration" in reason
     assert latency.unavailable("original", cpu) is None and latency.unavailable("channels_last", cpu) is None
     assert latency.unavailable("fp16", latency.preset_of("tiny", "sd15")) is None  # emulated bf16: a row of its own
+    assert latency.unavailable("fp16", latency.preset_of("gpu", "sd15")) is None  # fp16 on a GPU

@@ -140,7 +140,7 @@ def test_trim_heap_hands_free_heap_pages_back():
     libc.free(top)
 
 
-# ----------------------------------------------------------------------------- the process left alone
+# ----------------------------------------------------------------------------- what the defaults change
 
 def _spies(monkeypatch):
     """Records every process-wide memory action optimize and the exact tiled decode can take."""

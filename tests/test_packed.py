@@ -72,6 +72,9 @@ def test_conv_matches_plain_and_unpacks_exactly(spec, dtype, channels_last, monk
     calls = count_fast_calls(monkeypatch)
     assert pack(conv).packed == [""]
     assert isinstance(conv.weight, PackedWeight)
+    # Plain until the first call gives the input shape its layout is packed for (once).
+    assert conv.weight.packed.input_shape is None and not conv.weight.packed.winograd
+    assert "plain until its first call" in repr(conv.weight)
     assert rel_err(conv(x), ref) <= TOL[dtype]
     assert calls["conv"] == 1  # oneDNN on the packed weight, not the plain path
     assert conv.weight.packed.input_shape == tuple(x.shape)

@@ -189,7 +189,7 @@ class PackedWeight(StoredWeight):
     def __repr__(self) -> str:
         p = self.packed
         kind = "Linear" if p.conv is None else "Conv2d"
-        layout = "plain" if not p.tensor.is_mkldnn else "oneDNN layout"
+        layout = "oneDNN layout" if p.tensor.is_mkldnn else "plain" if p.input_shape else "plain until its first call"
         shape = f", input {p.input_shape}" if p.input_shape else ""
         return f"PackedWeight({tuple(self.shape)}, {self.dtype}, {layout} for {kind}{shape})"
 
