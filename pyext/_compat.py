@@ -332,6 +332,12 @@ def mkldnn_linear(x, packed, bias):
     return torch.ops.mkldnn._linear_pointwise(x, packed, bias, "none", [], "")
 
 
+def im2col_conv2d(x, weight, bias, stride, padding):
+    """torch's own CPU convolution (im2col + GEMM: groups 1, dilation 1), which never reorders the
+    weight into oneDNN's layout as torch's default CPU path does on every call."""
+    return torch.ops.aten._slow_conv2d_forward(x, weight, list(weight.shape[2:]), bias, list(stride), list(padding))
+
+
 # ----------------------------------------------------------------------------- devices
 
 def cpu_has_native_bf16() -> bool:

@@ -105,6 +105,50 @@ def test_the_probe_leaves_a_block_plain_where_the_fused_output_differs(monkeypat
     assert not report.fused and "differs" in report.skipped["0"] and not is_fused(block)
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
+@pytest.mark.parametrize("stride, padding, kernel", [(1, 1, 3), (2, 1, 3), (2, 0, 3), (1, 0, 1)])
+@pytest.mark.parametrize("layout", [torch.contiguous_format, torch.channels_last])
+def test_the_probes_im2col_convolution_gives_conv2ds_output(dtype, stride, padding, kernel, layout):
+    from pyext import _compat
+
+    g = torch.Generator().manual_seed(0)
+    x = torch.randn(2, 6, 7, 5, generator=g).to(dtype).contiguous(memory_format=layout)
+    w = (torch.randn(5, 6, kernel, kernel, generator=g) / 4).to(dtype).contiguous(memory_format=layout)
+    b = torch.randn(5, generator=g).to(dtype)
+    exact = F.conv2d(x.double(), w.double(), b.double(), stride, padding)
+    got = _compat.im2col_conv2d(x, w, b, (stride, stride), (padding, padding))
+    tol = 1e-5 if dtype == torch.float32 else 3e-2
+    assert got.dtype == dtype and got.shape == exact.shape
+    assert (got.double() - exact).abs().max() <= tol * exact.abs().max()
+
+
+@pytest.mark.parametrize("kind", ["plain", "down", "up", "shortcut"])
+def test_the_probe_runs_every_convolution_by_im2col_and_gives_the_forwards_back(kind, monkeypatch):
+    """Both probe forwards call each of the block's convolutions through im2col_conv2d; afterwards
+    no conv holds a forward of its own, also where the probe raised."""
+    from pyext import _compat
+
+    block = {"plain": lambda: resnet(16), "down": lambda: resnet(16, down=True),
+             "up": lambda: resnet(16, up=True), "shortcut": lambda: resnet(16, output_scale_factor=2.0,
+                                                                            use_in_shortcut=True)}[kind]()
+    convs = [m for m in block.modules() if isinstance(m, nn.Conv2d)]
+    calls = []
+    real = _compat.im2col_conv2d
+    monkeypatch.setattr(_compat, "im2col_conv2d", lambda x, w, *a: calls.append(w) or real(x, w, *a))
+    report = fuse_norms(nn.Sequential(block))
+    assert report.fused == ["0"] and is_fused(block)
+    assert sorted(map(id, calls)) == sorted(2 * [id(c.weight) for c in convs])
+    assert not any("forward" in c.__dict__ for c in convs)
+    unfuse_norms(block)
+
+    def broken(*args):
+        raise RuntimeError("no")
+    monkeypatch.setattr(_compat, "im2col_conv2d", broken)
+    report = fuse_norms(nn.Sequential(block))
+    assert "could not run" in report.skipped["0"] and not is_fused(block)
+    assert not any("forward" in c.__dict__ for c in convs)
+
+
 def test_blocks_with_their_own_forward_or_other_parts_are_not_fused():
     from diffusers.models.resnet import ResnetBlock2D
 

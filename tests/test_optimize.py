@@ -503,3 +503,40 @@ def test_video_vae_whose_default_tiles_would_give_the_wrong_size_stays_untiled()
     assert entry.status == "skipped" and "tile_sample_min_width=96" in entry.detail and "wrong size" in entry.detail
     assert not pipe.vae.use_tiling and pipe.vae.tile_sample_min_width == 96
     pyext.restore(pipe)
+
+
+@pytest.mark.parametrize("case", ["prepack", "no_prepack", "fp8_convs_not_packed", "a_conv_not_packable"])
+def test_channels_last_leaves_the_convs_prepack_packs(case):
+    """Packed convolutions take oneDNN's layout from any plain one (and give channels-last outputs):
+    channels_last converts only the convs prepack leaves plain, and the undo gives each back."""
+    from pyext.nn.packed import PackedWeight
+
+    options = dict(dtype="keep", channels_last="on", fp8="denoiser" if case == "fp8_convs_not_packed" else "off",
+                   prepack="off" if case == "no_prepack" else "auto")
+    pipe, twin = build_pipeline("sd15", "tiny"), build_pipeline("sd15", "tiny")
+    if case == "a_conv_not_packable":
+        for model in (pipe, twin):
+            model.unet.conv_in.padding_mode = "reflect"  # prepack packs only zero padding
+    reference = generate(twin)
+    pyext.optimize(pipe, **options)
+    entry = next(e for e in pyext.report(pipe).entries if (e.component, e.technique) == ("unet", "channels_last"))
+    convs = [m for m in pipe.unet.modules() if isinstance(m, torch.nn.Conv2d)]
+    packed = [c for c in convs if isinstance(c.weight, PackedWeight)]
+    plain = [c for c in convs if not isinstance(c.weight, PackedWeight)]
+    assert all(c.weight.is_contiguous(memory_format=torch.channels_last) for c in plain)
+    assert all(c.weight.is_contiguous() for c in packed)
+    if case == "prepack":
+        assert not plain and entry.status == "skipped" and "prepack packs all" in entry.detail
+    elif case == "no_prepack":
+        assert not packed and entry.status == "applied" and f"{len(plain)} conv weights" in entry.detail
+    elif case == "a_conv_not_packable":
+        assert plain == [pipe.unet.conv_in] and entry.status == "applied"
+        assert entry.detail == f"1 conv weights in NHWC order (the other {len(packed)} are packed by prepack)"
+    else:
+        assert packed and plain  # fp8 convs are not packed; FP8 stores their codes channels-last already
+        assert entry.status == "already"
+    out = generate(pipe)
+    assert np.abs(out - reference).max() <= 1e-3 if case != "fp8_convs_not_packed" else psnr(out, reference) > 25
+    pyext.restore(pipe)
+    assert all(type(c) is torch.nn.Conv2d and c.weight.is_contiguous() for c in pipe.unet.modules()
+               if isinstance(c, torch.nn.Conv2d))

@@ -13,10 +13,14 @@ TorchFunctionMode watching torch's calls, modules swapped for others, inputs tha
 
 Each block is probed when fused: on a small random input, the fused block must give the plain
 block's output, else it stays plain and the report says by how much it differed. A block with
-hooks already on it stays plain: they would see the probe's calls.
+hooks already on it stays plain: they would see the probe's calls. The probe's convolutions run
+torch's im2col kernel: both forwards call the same convolutions on the same inputs, so the
+kernel does not change the comparison, and torch's default CPU path would reorder every weight
+into oneDNN's layout on every call, most of a probe's time at a UNet's widths.
 """
 from __future__ import annotations
 
+import contextlib
 import functools
 from dataclasses import dataclass, field
 
@@ -122,6 +126,25 @@ def _probe_args(block: nn.Module):
     return x, temb
 
 
+@contextlib.contextmanager
+def _im2col_convs(block: nn.Module):
+    """The block's plain CPU Conv2d layers run pyext._compat.im2col_conv2d inside (their forwards
+    replaced per instance; unseen() looks only at the norms and the SiLU)."""
+    convs = [m for m in block.modules() if type(m) is nn.Conv2d and m.weight.device.type == "cpu" and m.groups == 1
+             and tuple(m.dilation) == (1, 1) and m.padding_mode == "zeros" and not isinstance(m.padding, str)]
+    for conv in convs:
+        conv.forward = functools.partial(_im2col_forward, conv)
+    try:
+        yield
+    finally:
+        for conv in convs:
+            del conv.forward
+
+
+def _im2col_forward(conv: nn.Conv2d, x: torch.Tensor) -> torch.Tensor:
+    return _compat.im2col_conv2d(x, conv.weight, conv.bias, conv.stride, conv.padding)
+
+
 def _probe(block: nn.Module) -> str | None:
     """None when the fused block gives the plain block's output on a small input, else why not
     (and the block is plain again)."""
@@ -131,7 +154,7 @@ def _probe(block: nn.Module) -> str | None:
         return "hooks on it would see the probe's calls"
     try:
         x, temb = _probe_args(block)
-        with torch.no_grad():
+        with torch.no_grad(), _im2col_convs(block):
             plain = block(x, temb)
             block.__class__ = fused_resnet_block_2d()
             fused = block(x, temb)

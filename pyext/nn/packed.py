@@ -270,8 +270,11 @@ def weight_reason(w: torch.Tensor) -> str | None:
     return dtype_reason(w.dtype)
 
 
-def skip_reason(module: nn.Module) -> str | None:
-    """Why a layer is not packed; None when it is packable."""
+def skip_reason(module: nn.Module, name: str = "") -> str | None:
+    """Why pack() leaves a layer (named `name` in its model) plain; None when it packs it."""
+    if _compat.is_peft_adapter_layer(name):
+        return ("a LoRA adapter layer (PEFT writes its weights in place, hotswap into slices a packed "
+                "layout cannot take)")
     w = getattr(module, "weight", None)
     if isinstance(w, PackedWeight):
         return "already packed"
@@ -389,8 +392,7 @@ def pack(model: nn.Module, layers: tuple[type, ...] = (nn.Conv2d, nn.Linear)) ->
     for name, module in model.named_modules():
         if not isinstance(module, layers):
             continue
-        reason = ("a LoRA adapter layer (PEFT writes its weights in place, hotswap into slices a packed "
-                  "layout cannot take)") if _compat.is_peft_adapter_layer(name) else skip_reason(module)
+        reason = skip_reason(module, name)
         if reason:
             report.skipped[name] = reason
             continue

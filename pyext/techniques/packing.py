@@ -3,10 +3,20 @@ from __future__ import annotations
 
 import functools
 
-from pyext.nn.packed import dtype_reason, pack, unpack
+import torch.nn as nn
+
+from pyext.nn.packed import dtype_reason, pack, skip_reason, unpack
 from pyext.techniques.base import Entry, PerComponent
 
 AUTO_ROLES = ("denoiser", "vae", "controlnet")  # where convolutions and large GEMMs carry the time
+
+
+def convs_it_packs(name: str, d) -> list[nn.Conv2d]:
+    """The Conv2d layers of component `name` that Prepack will pack, as the modules are now."""
+    module = d.components.modules[name]
+    if Prepack().why_not(name, module, d):
+        return []
+    return [m for n, m in module.named_modules() if isinstance(m, nn.Conv2d) and skip_reason(m, n) is None]
 
 
 class Prepack(PerComponent):
