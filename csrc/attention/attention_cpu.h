@@ -43,6 +43,8 @@ struct AttnKernel {
   void (*forward)(const void* q, int64_t rows, const void* packed, int64_t skv, int64_t d, float scale,
                   const float* bias, int64_t bias_stride, PyextDtype t, void* out, float* lse,
                   const AttnCarry* carry);
+  // Query rows the glue hands each parallel task (forward takes any count; this is its pass).
+  int64_t query_block = 64;
 };
 
 // fp32 accumulation everywhere; the *_bf16dot kernel (bf16 inputs only, needs

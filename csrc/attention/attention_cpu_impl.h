@@ -21,7 +21,7 @@ namespace pyext::cpu::attn {
 namespace {
 
 constexpr int64_t kBlockKv = 256;  // keys per online-softmax step: scores for R rows stay in L1
-constexpr int64_t kPass = 64;      // query rows that share one pass over k/v (kQueryBlock in the glue)
+constexpr int64_t kPass = 64;      // query rows that share one pass over k/v (AttnKernel::query_block)
 constexpr float kLog2e = 1.4426950408889634f;
 constexpr float kLn2 = 0.6931471805599453f;
 

@@ -22,7 +22,6 @@
 namespace pyext::cpu {
 namespace {
 
-constexpr int64_t kQueryBlock = 64;  // query rows per parallel task
 // Packed k/v per (batch, head) beyond which keys are packed and attended a chunk at a time
 // (AttnCarry): the copy stays this size however long the sequence (a VAE's whole-image
 // attention: 133,440 keys at 3840x2224), at the cost of a pass over each query block's
@@ -30,9 +29,12 @@ constexpr int64_t kQueryBlock = 64;  // query rows per parallel task
 // query block reads it, which makes long-key calls faster than one pack of all keys.
 constexpr size_t kChunkBytes = size_t{1} << 20;
 constexpr int64_t kChunkAlign = 256;  // keys: a chunk is whole blocks of the kernels' loops
-// Minimum work (multiply-adds, or elements packed) per thread: smaller calls run on the
-// calling thread, since waking a pool thread on a busy machine can cost milliseconds.
+// Minimum work (multiply-adds) per thread: smaller calls run on the calling thread, since waking
+// a pool thread on a busy machine can cost milliseconds. An element packed (a load and a
+// scattered store) counts as kPackWork of them: at 256 keys x 160 dims a head's pack is then one
+// task, where at one multiply-add each 25 heads made one and the pack ran on one thread.
 constexpr int64_t kMinWorkPerThread = int64_t{1} << 20;
+constexpr int64_t kPackWork = 16;
 
 int64_t grain(int64_t work_per_item) {
   return std::max<int64_t>(1, kMinWorkPerThread / std::max<int64_t>(work_per_item, 1));
@@ -156,19 +158,19 @@ std::tuple<at::Tensor, at::Tensor> attention_cpu(const at::Tensor& q, const at::
   char* pp = static_cast<char*>(packed.data_ptr());
   char* op = static_cast<char*>(out.data_ptr());
   float* lp = return_lse ? lse.data_ptr<float>() : nullptr;
-  const int64_t nqb = (Sq + kQueryBlock - 1) / kQueryBlock;
+  const int64_t qblock = kernel.query_block, nqb = (Sq + qblock - 1) / qblock;
   const float fscale = static_cast<float>(scale);
   for (int64_t j0 = 0; j0 < Skv; j0 += chunk) {
     const int64_t n = std::min(chunk, Skv - j0);
-    at::parallel_for(0, BHkv, grain(n * D), [&](int64_t b, int64_t e) {
+    at::parallel_for(0, BHkv, grain(n * D * kPackWork), [&](int64_t b, int64_t e) {
       for (int64_t i = b; i < e; ++i) {
         const int64_t off = (i * Skv + j0) * D * esize;
         kernel.pack(kp + off, vp + off, n, D, type, pp + i * per_head);
       }
     });
-    at::parallel_for(0, BH * nqb, grain(std::min(kQueryBlock, Sq) * n * D), [&](int64_t b, int64_t e) {
+    at::parallel_for(0, BH * nqb, grain(std::min(qblock, Sq) * n * D), [&](int64_t b, int64_t e) {
       for (int64_t t = b; t < e; ++t) {
-        const int64_t i = t / nqb, q0 = (t % nqb) * kQueryBlock, rows = std::min(kQueryBlock, Sq - q0);
+        const int64_t i = t / nqb, q0 = (t % nqb) * qblock, rows = std::min(qblock, Sq - q0);
         const int64_t row = i * Sq + q0, off = row * D * esize;
         // query head h of sample s reads kv head h / group of that sample
         const int64_t s = i / H, h = i % H, ikv = s * Hkv + h / group;
