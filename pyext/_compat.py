@@ -357,3 +357,8 @@ def cpu_conv_im2col(dtype: torch.dtype, dims: int) -> bool:
     x, w = torch.empty(shape, dtype=dtype), torch.empty(shape[1], shape[1], *[3] * dims, dtype=dtype)
     backend = torch._C._select_conv_backend(x, w, None, [1] * dims, [1] * dims, [1] * dims, False, [0] * dims, 1, None)
     return backend.name.startswith("Slow")
+
+
+def cpu_has_amx() -> bool:
+    """Whether this CPU has AMX tiles (torch's own check, private in torch.cpu)."""
+    return bool(torch.cpu._is_amx_tile_supported())

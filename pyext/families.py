@@ -201,6 +201,8 @@ class VaeFamily:
         them in oneDNN (`_compat.cpu_conv_im2col`): Conv3d in fp32 and fp16, and every convolution
         in bf16 and fp16 on a CPU without native bf16.
     frames: output frames the decoder holds at once; None: every frame (one batch).
+    amx_bf16_maps: the maps in place of `maps` where a CPU with AMX computes the decode in bf16,
+        for the 3-D VAEs whose peak is lower there (measured on one such CPU); None: `maps`.
     """
 
     name: str
@@ -210,6 +212,7 @@ class VaeFamily:
     conv3d_columns: float = 27.0
     conv2d_columns: float = 30.0
     frames: int | None = None
+    amx_bf16_maps: float | None = None
 
 
 # Unknown VAEs take the default descriptor: as many maps as the most memory-hungry measured.
@@ -223,8 +226,10 @@ VAE_FAMILIES = (
     VaeFamily("qwenimage", ("AutoencoderKLQwenImage",), maps=16.5, conv3d_columns=24.0, conv2d_columns=0.0,
               frames=4),
     # (their spatial up-samplers are 2-D convolutions)
-    VaeFamily("cogvideox", ("AutoencoderKLCogVideoX",), maps=25.0, conv3d_columns=15.0, conv2d_columns=24.5),
-    VaeFamily("hunyuanvideo", ("AutoencoderKLHunyuanVideo",), maps=15.0, conv3d_columns=18.0, conv2d_columns=30.0),
+    VaeFamily("cogvideox", ("AutoencoderKLCogVideoX",), maps=25.0, conv3d_columns=15.0, conv2d_columns=24.5,
+              amx_bf16_maps=16.7),
+    VaeFamily("hunyuanvideo", ("AutoencoderKLHunyuanVideo",), maps=15.0, conv3d_columns=18.0, conv2d_columns=30.0,
+              amx_bf16_maps=13.1),
     VaeFamily("ltx-video", ("AutoencoderKLLTXVideo",), maps=7.0, conv3d_columns=25.0, conv2d_columns=0.0),
 )
 _VAE_BY_CLASS = MappingProxyType({cls: fam for fam in VAE_FAMILIES for cls in fam.classes})

@@ -190,6 +190,8 @@ def vae_decode_bytes(module: nn.Module, geo: Geometry, elem: int, host: torch.dt
     family = vae_family_of(module)
     frames = geo.frames if family.frames is None else min(family.frames, geo.frames)
     maps = family.maps
+    if host == torch.bfloat16 and family.amx_bf16_maps is not None and _compat.cpu_has_amx():
+        maps = family.amx_bf16_maps
     if columns and host is not None:
         maps += family.conv3d_columns * _compat.cpu_conv_im2col(host, 3) + \
             family.conv2d_columns * _compat.cpu_conv_im2col(host, 2)

@@ -450,6 +450,24 @@ def test_planner_knows_frames_compression_and_every_denoiser():
     assert vae_compression(sana) == (2 ** (len(sana.vae.config.encoder_block_out_channels) - 1), 1)
 
 
+@pytest.mark.parametrize("amx", [False, True])
+def test_video_vae_estimate_takes_its_amx_maps_only_for_bf16_on_an_amx_cpu(monkeypatch, amx):
+    """Both sides of the CPU's AMX, whatever this CPU has: a family's amx_bf16_maps replace its maps
+    in bf16 on an AMX CPU only; fp32, a GPU and a family without them keep `maps`."""
+    monkeypatch.setattr(_compat, "cpu_has_amx", lambda: amx)
+    monkeypatch.setattr(_compat, "cpu_conv_im2col", lambda dtype, dims: False)  # no columns: maps alone
+    vae = build_pipeline("cogvideox", "tiny").vae
+    family = planner.vae_family_of(vae)
+    assert family.amx_bf16_maps is not None and family.amx_bf16_maps < family.maps
+    geo = planner.Geometry(64, 64, 9, 8, 4)
+    per_map = planner.vae_decode_bytes(vae, geo, 1, None) / family.maps  # a GPU: maps, 1-byte elements
+    bf16, fp32 = (planner.vae_decode_bytes(vae, geo, 2, host) for host in (torch.bfloat16, torch.float32))
+    assert bf16 == int((family.amx_bf16_maps if amx else family.maps) * 2 * per_map)
+    assert fp32 == int(family.maps * 2 * per_map)
+    sd = build_pipeline("sd15", "tiny").vae  # a family without them
+    assert planner.vae_decode_bytes(sd, geo, 2, torch.bfloat16) == planner.vae_decode_bytes(sd, geo, 2, torch.float32)
+
+
 @pytest.mark.parametrize("arch,kind", [("sd15", "pyext tiling"), ("sana", "diffusers' tiling")])
 def test_vae_tiling_auto_only_when_the_budget_needs_it(arch, kind):
     from pyext.decision import decide
