@@ -18,8 +18,10 @@ from pyext.reference.fp8 import FP8
 pytestmark = pytest.mark.skipif(not has_kernel("fp8_linear_brgemm"), reason="pyext._C is not built")
 
 # (rows, in features, out features): one row, a block of rows and its tail (32), one panel and its
-# tail (64), K from one VNNI pair to a width diffusion uses.
-SHAPES = [(1, 2, 1), (3, 40, 7), (31, 96, 64), (32, 130, 65), (33, 64, 130), (70, 320, 200), (5, 1280, 96)]
+# tail (64), K from one VNNI pair to a width diffusion uses; up to 64 rows the GEMM multiplies
+# w x^T, above it x w^T, its panels decoded in groups of up to four (520 channels: 4 + 4 + 1).
+SHAPES = [(1, 2, 1), (3, 40, 7), (31, 96, 64), (32, 130, 65), (33, 64, 130), (64, 66, 70), (65, 2, 64),
+          (70, 320, 200), (130, 64, 520), (5, 1280, 96)]
 
 
 def brgemm(x, w, scale, bias, **switches):
@@ -68,9 +70,26 @@ def test_the_simd_and_scalar_packers_write_the_same_panels(m, k, n):
     x, w, scale, bias = case(m, k, n, True, True, seed=1)
     w[0, 0] = 0x7F  # a NaN code: its row decodes to NaN, in both packers alike
     simd = brgemm(x, w, scale, bias, stand_in=True)
-    scalar = brgemm(x, w, scale, bias, stand_in=True, scalar_pack=True)
+    scalar = brgemm(x, w, scale, bias, stand_in=True, scalar=True)
     assert torch.equal(simd.view(torch.int16), scalar.view(torch.int16))
     assert bool(simd[:, 0].isnan().all()) and not bool(simd[:, 1:].isnan().any())
+
+
+@pytest.mark.parametrize("threads", [2, 3])
+@pytest.mark.parametrize("m,k,n", [(40, 96, 200), (200, 96, 200), (200, 96, 256), (100, 64, 64)])
+def test_the_split_over_threads_gives_the_bits_of_one_thread(m, k, n, threads):
+    """Tasks take shares of the panels (five panels over two threads: the rows instead; one panel:
+    the rows); each output is the same sum whatever task computes it."""
+    x, w, scale, bias = case(m, k, n, True, True, seed=3)
+    before = torch.get_num_threads()
+    try:
+        torch.set_num_threads(1)
+        one = brgemm(x, w, scale, bias, stand_in=True)
+        torch.set_num_threads(threads)
+        split = brgemm(x, w, scale, bias, stand_in=True)
+    finally:
+        torch.set_num_threads(before)
+    assert torch.equal(one.view(torch.int16), split.view(torch.int16))
 
 
 def test_batched_input_keeps_its_leading_dimensions():
@@ -154,7 +173,7 @@ def test_the_stand_in_convolution_gives_the_rounded_product(b, c, h, w, n, k, st
     exact = exact_conv(x, codes, scale, bias, stride, padding)
     assert out.shape == exact.shape and out.is_contiguous(memory_format=torch.channels_last)
     assert_rounded_from(out, exact)
-    scalar = conv_brgemm(x, codes, scale, bias, stride, padding, stand_in=True, scalar_pack=True)
+    scalar = conv_brgemm(x, codes, scale, bias, stride, padding, stand_in=True, scalar=True)
     assert torch.equal(out.view(torch.int16), scalar.view(torch.int16))
 
 

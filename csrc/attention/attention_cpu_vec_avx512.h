@@ -6,6 +6,7 @@
 #include <immintrin.h>
 
 #include "attention/attention_cpu_impl.h"
+#include "common/bf16_avx512.h"
 
 namespace pyext::cpu::attn {
 namespace {
@@ -34,15 +35,7 @@ struct VecAvx512 {
   }
   // 16 bf16, rounded to nearest even as float_to_bf16 (NaN quiet): AVX512F only, bit-identical to
   // the portable units' rounding.
-  static void store_bf16(uint16_t* p, reg x) {
-    const __m512i u = _mm512_castps_si512(x);
-    const __m512i odd = _mm512_and_si512(_mm512_srli_epi32(u, 16), _mm512_set1_epi32(1));
-    const __m512i rounded = _mm512_srli_epi32(_mm512_add_epi32(u, _mm512_add_epi32(odd, _mm512_set1_epi32(0x7fff))), 16);
-    const __m512i nan = _mm512_or_si512(_mm512_srli_epi32(u, 16), _mm512_set1_epi32(0x40));
-    const __mmask16 is_nan = _mm512_cmpgt_epu32_mask(_mm512_and_si512(u, _mm512_set1_epi32(0x7fffffff)),
-                                                     _mm512_set1_epi32(0x7f800000));
-    _mm256_storeu_si256(reinterpret_cast<__m256i*>(p), _mm512_cvtepi32_epi16(_mm512_mask_mov_epi32(rounded, is_nan, nan)));
-  }
+  static void store_bf16(uint16_t* p, reg x) { _mm256_storeu_si256(reinterpret_cast<__m256i*>(p), bf16_round_avx512(x)); }
 };
 
 }  // namespace

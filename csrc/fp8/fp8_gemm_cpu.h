@@ -40,20 +40,53 @@ void fp8_gemm_bf16_avx512(const Fp8GemmArgs& a, int64_t unit_begin, int64_t unit
 bool fp8_gemm_supported();
 
 // A panel: channels [n0, n0 + kFp8Panel) of w decoded to bf16 in the VNNI pair layout,
-// packed[k / 2][channel][k % 2], zero past N and K. The AVX-512 packer (fp8_gemm_supported()
+// packed[k / 2][channel][k % 2] with `ld` channels per pair row (a panel's own kFp8Panel, or a
+// group's: fp8_gemm_brgemm), zero past N and K. The AVX-512 packer (fp8_brgemm_simd_supported()
 // CPUs) and the scalar one write the same bits.
 constexpr int64_t kFp8Panel = 64;
-void fp8_pack_panel_avx512(const uint8_t* w, int64_t N, int64_t K, int64_t n0, uint16_t* packed);
-void fp8_pack_panel_scalar(const uint8_t* w, int64_t N, int64_t K, int64_t n0, uint16_t* packed);
+void fp8_pack_panel_avx512(const uint8_t* w, int64_t N, int64_t K, int64_t n0, uint16_t* packed, int64_t ld);
+void fp8_pack_panel_scalar(const uint8_t* w, int64_t N, int64_t K, int64_t n0, uint16_t* packed, int64_t ld);
+
+// Rows [n0, n0 + rows) of w (K codes each) decoded to bf16 row-major: the small-M GEMM's A operand.
+// The AVX-512 decoder (AVX512_VBMI's byte tables: fp8_brgemm_simd_supported() CPUs) and the scalar
+// one write the same bits.
+void fp8_decode_rows_avx512(const uint8_t* w, int64_t K, int64_t n0, int64_t rows, uint16_t* out);
+void fp8_decode_rows_scalar(const uint8_t* w, int64_t K, int64_t n0, int64_t rows, uint16_t* out);
+
+// y[r][c] = bf16(fma(acc[r][c], scale[c], bias[c])) for rows x cols of an fp32 block (ld_acc per
+// row) into y (ld_y per row), rounded to nearest even: the AVX-512 epilogue (AVX512_BF16's conversion)
+// and the scalar one (float_to_bf16) write the same bits, but for results below bf16's smallest
+// normal, which the conversion flushes to zero.
+void fp8_epilogue_avx512(const float* acc, int64_t ld_acc, int64_t rows, int64_t cols, const float* scale,
+                         const float* bias, uint16_t* y, int64_t ld_y);
+void fp8_epilogue_scalar(const float* acc, int64_t ld_acc, int64_t rows, int64_t cols, const float* scale,
+                         const float* bias, uint16_t* y, int64_t ld_y);
 
 // The same GEMM on torch's micro-kernel (fp8_gemm_cpu_brgemm.cpp), for a linear with an even K or
 // a convolution with an even C: kOneDnn is at::native::cpublas::brgemm (oneDNN's AMX kernel where
 // cpublas::could_pack(bf16)), kStandIn a plain loop over the same layout, which the tests take as
-// the oracle on every machine. A unit is a panel times a block of up to kFp8BrgemmRows rows (a
-// convolution's blocks lie within one output row).
+// the oracle on every machine.
+//
+// The work is split into tasks, one per thread: each takes a balanced share of the 64-channel
+// panels (and, where there are fewer panels than threads, of the blocks of kFp8BrgemmRows rows; a
+// convolution's blocks lie within one output row). A task decodes its panels a group at a time
+// (Fp8BrgemmSplit::group of them, one buffer that stays in L2) and multiplies each group with every
+// block of its rows, so x is read once per group rather than once per panel.
+//
+// A linear of at most kFp8SmallRows rows instead multiplies y^T = w x^T: each panel's 64 rows of w
+// are decoded as they lie (the A operand, read as one contiguous run, no transpose), and x^T is
+// packed once per task as B. At few rows the decode is most of the work, and this one streams.
 enum class Microkernel { kOneDnn, kStandIn };
-constexpr int64_t kFp8BrgemmRows = 32;  // rows of x per unit: two AMX tiles of 16
-int64_t fp8_brgemm_units(const Fp8GemmArgs& a);
-void fp8_gemm_brgemm(const Fp8GemmArgs& a, int64_t unit_begin, int64_t unit_end, Microkernel mk, bool simd_pack);
+constexpr int64_t kFp8BrgemmRows = 32;  // rows of x per micro-kernel call: two AMX tiles of 16
+constexpr int64_t kFp8SmallRows = 64;
+struct Fp8BrgemmSplit {
+  int64_t panel_shares, row_shares;  // tasks = panel_shares x row_shares
+  int64_t group;                     // panels decoded and multiplied together
+};
+Fp8BrgemmSplit fp8_brgemm_split(const Fp8GemmArgs& a, int64_t threads);
+// simd: the AVX-512 packer, decoder and epilogue (fp8_brgemm_simd_supported(): AVX512_BF16 and
+// AVX512_VBMI, which every AMX CPU has), else the scalar ones.
+bool fp8_brgemm_simd_supported();
+void fp8_gemm_brgemm(const Fp8GemmArgs& a, const Fp8BrgemmSplit& split, int64_t task, Microkernel mk, bool simd);
 
 }  // namespace pyext::cpu

@@ -1,21 +1,23 @@
 // The fp8-weight GEMM on torch's oneDNN micro-kernel, at::native::cpublas::brgemm, on the AMX
 // tiles of CPUs where torch packs bf16 for it (see fp8_gemm_cpu.h).
 //
-// A thread runs a contiguous range of (64-channel panel, block of rows) units. It decodes each of
-// its panels once, into the VNNI pair layout brgemm takes (kept in L2, reused by every block of
-// rows), has brgemm accumulate a block in fp32, and then applies the per-channel scale and the
-// bias and rounds to bf16 (the epilogue). The stand-in micro-kernel is a plain loop over the same
-// layout: the oracle the tests check the decode, blocking and epilogue with on every machine.
+// A task decodes its 64-channel panels a group at a time into the VNNI pair layout brgemm takes
+// (one buffer kept in L2, reused by every block of the task's rows), has brgemm multiply a block
+// of rows with the whole group in fp32, and then applies the per-channel scale and the bias and
+// rounds to bf16 (the epilogue). The stand-in micro-kernel is a plain loop over the same layout:
+// the oracle the tests check the decode, blocking and epilogue with on every machine.
 //
 // A convolution is the same GEMM over channels-last input (fp8_gemm_cpu.h), K = kh * kw * C. Its
 // block is a run of output pixels within one output row, so under each tap of the kernel the
 // block's inputs are one strided run of an input row: brgemm reads them in place (ld_a = stride * C)
-// and adds each tap's products into the block, with the tap's C / 2 pairs of the panel as B. Taps
+// and adds each tap's products into the block, with the tap's C / 2 pairs of the group as B. Taps
 // that fall outside the image (the zero padding) add nothing.
 #include <c10/util/Exception.h>
 
 #include <algorithm>
 #include <array>
+#include <cmath>
+#include <utility>
 
 #include "common/brgemm.h"
 #include "common/half_rounding.h"
@@ -36,27 +38,32 @@ const std::array<uint16_t, 256>& bf16_of_code() {
   return table;
 }
 
-void multiply(Microkernel mk, int64_t M, int64_t N, int64_t K, int64_t ld_a, bool add, const uint16_t* A,
+// A group's decoded panels, `ld` channels per pair row.
+struct Group {
+  const uint16_t* packed;
+  int64_t n0, cols, ld;
+};
+
+void multiply(Microkernel mk, int64_t M, int64_t N, int64_t K, int64_t ld_a, int64_t ld_b, bool add, const uint16_t* A,
               const uint16_t* B, float* C) {
-  (mk == Microkernel::kStandIn ? brgemm_bf16_stand_in : brgemm_bf16_onednn)(M, N, K, ld_a, kFp8Panel, kFp8Panel, add,
-                                                                            A, B, C);
+  (mk == Microkernel::kStandIn ? brgemm_bf16_stand_in : brgemm_bf16_onednn)(M, N, K, ld_a, ld_b, ld_b, add, A, B, C);
 }
 
 int64_t floor_div(int64_t n, int64_t d) { return n >= 0 ? n / d : -((-n + d - 1) / d); }
 
-// Blocks of rows per panel: a linear's rows, a convolution's output rows, kFp8BrgemmRows at a time.
+// Blocks of rows: a linear's rows, a convolution's output rows, kFp8BrgemmRows at a time.
 int64_t row_blocks(const Fp8GemmArgs& a) {
   if (!a.conv) return (a.M + kFp8BrgemmRows - 1) / kFp8BrgemmRows;
   const Conv2dGeometry& g = *a.conv;
   return g.batch * g.OH * ((g.OW + kFp8BrgemmRows - 1) / kFp8BrgemmRows);
 }
 
-// acc = the products of output pixels [ow0, ow0 + rows) of output row (b, oh) with the panel's
-// cols channels: per tap, the output pixels whose input pixel is inside the image.
-void conv_block(Microkernel mk, const Fp8GemmArgs& a, const uint16_t* packed, int64_t b, int64_t oh, int64_t ow0,
-                int64_t rows, int64_t cols, float* acc) {
+// acc = the products of output pixels [ow0, ow0 + rows) of output row (b, oh) with the group's
+// channels: per tap, the output pixels whose input pixel is inside the image.
+void conv_block(Microkernel mk, const Fp8GemmArgs& a, const Group& grp, int64_t b, int64_t oh, int64_t ow0,
+                int64_t rows, float* acc) {
   const Conv2dGeometry& g = *a.conv;
-  std::fill(acc, acc + rows * kFp8Panel, 0.0f);
+  std::fill(acc, acc + rows * grp.ld, 0.0f);
   for (int64_t dy = 0; dy < g.kh; ++dy) {
     const int64_t ih = oh * g.sh - g.ph + dy;
     if (ih < 0 || ih >= g.H) continue;
@@ -66,71 +73,142 @@ void conv_block(Microkernel mk, const Fp8GemmArgs& a, const uint16_t* packed, in
       const int64_t hi = std::min(ow0 + rows, floor_div(g.W - 1 + g.pw - dx, g.sw) + 1);
       if (lo >= hi) continue;
       const uint16_t* x = a.x + ((b * g.H + ih) * g.W + lo * g.sw - g.pw + dx) * g.C;
-      const uint16_t* tap = packed + (dy * g.kw + dx) * g.C * kFp8Panel;  // the tap's C / 2 pairs of 64 x 2
-      multiply(mk, hi - lo, cols, g.C, g.sw * g.C, true, x, tap, acc + (lo - ow0) * kFp8Panel);
+      const uint16_t* tap = grp.packed + (dy * g.kw + dx) * g.C * grp.ld;  // the tap's C / 2 pairs of ld x 2
+      multiply(mk, hi - lo, grp.cols, g.C, g.sw * g.C, grp.ld, true, x, tap, acc + (lo - ow0) * grp.ld);
     }
   }
 }
 
-// y[m0 + r][n0 + c] = bf16(C[r][c] * scale + bias) for the block's rows and the panel's channels.
-void epilogue(const Fp8GemmArgs& a, const float* C, int64_t m0, int64_t rows, int64_t n0, int64_t cols) {
-  float scale[kFp8Panel], bias[kFp8Panel];
-  for (int64_t c = 0; c < cols; ++c) {
-    scale[c] = a.scale[a.per_tensor ? 0 : n0 + c];
-    bias[c] = a.bias ? bf16_to_float(a.bias[n0 + c]) : 0.0f;
+// Block `block` of the rows times the group, into y.
+void run_block(Microkernel mk, bool simd, const Fp8GemmArgs& a, const Group& grp, const float* scale,
+               const float* bias, int64_t block, float* acc) {
+  int64_t m0, rows;
+  if (!a.conv) {
+    m0 = block * kFp8BrgemmRows, rows = std::min(kFp8BrgemmRows, a.M - m0);
+    multiply(mk, rows, grp.cols, a.K, a.K, grp.ld, false, a.x + m0 * a.K, grp.packed, acc);
+  } else {
+    const Conv2dGeometry& g = *a.conv;
+    const int64_t runs = (g.OW + kFp8BrgemmRows - 1) / kFp8BrgemmRows;  // blocks per output row
+    const int64_t out_row = block / runs, ow0 = (block % runs) * kFp8BrgemmRows;
+    rows = std::min(kFp8BrgemmRows, g.OW - ow0), m0 = out_row * g.OW + ow0;
+    conv_block(mk, a, grp, out_row / g.OH, out_row % g.OH, ow0, rows, acc);
   }
-  for (int64_t r = 0; r < rows; ++r) {
-    uint16_t* y = a.y + (m0 + r) * a.N + n0;
-    for (int64_t c = 0; c < cols; ++c) y[c] = float_to_bf16(C[r * kFp8Panel + c] * scale[c] + bias[c]);
-  }
+  (simd ? fp8_epilogue_avx512 : fp8_epilogue_scalar)(acc, grp.ld, rows, grp.cols, scale, bias,
+                                                     a.y + m0 * a.N + grp.n0, a.N);
 }
+
+// [begin, end) of n things split into `shares` balanced shares.
+std::pair<int64_t, int64_t> share(int64_t n, int64_t shares, int64_t i) { return {n * i / shares, n * (i + 1) / shares}; }
+
+bool small_linear(const Fp8GemmArgs& a) { return !a.conv && a.M <= kFp8SmallRows; }
+
+// The small-M GEMM (fp8_gemm_cpu.h): y^T = w x^T for the task's share of the panels.
+void gemm_small(const Fp8GemmArgs& a, const Fp8BrgemmSplit& split, int64_t task, Microkernel mk, bool simd) {
+  const int64_t M = a.M, K = a.K, panels = (a.N + kFp8Panel - 1) / kFp8Panel;
+  const auto [p0, p1] = share(panels, split.panel_shares, task);
+  thread_local ScratchPtr<uint16_t> xt_buf, w_buf;
+  thread_local ScratchPtr<float> acc_buf;
+  thread_local size_t xt_cap = 0, w_cap = 0, acc_cap = 0;
+  uint16_t* xt = grow(xt_buf, xt_cap, static_cast<size_t>(K) * M * sizeof(uint16_t));
+  uint16_t* wd = grow(w_buf, w_cap, static_cast<size_t>(kFp8Panel) * K * sizeof(uint16_t));
+  // acc: the panel's channels x M (the product), then M x its channels (the epilogue's rows), and the
+  // panel's scales and biases.
+  float* acc = grow(acc_buf, acc_cap, static_cast<size_t>(2 * kFp8Panel * M + 2 * kFp8Panel) * sizeof(float));
+  float* rows = acc + kFp8Panel * M;
+  float* scale = rows + kFp8Panel * M;
+  float* bias = scale + kFp8Panel;
+  // x^T in VNNI pairs, xt[k / 2][m][2]: the transpose of x as M x K / 2 words of a pair each.
+  const uint32_t* x32 = reinterpret_cast<const uint32_t*>(a.x);
+  uint32_t* xt32 = reinterpret_cast<uint32_t*>(xt);
+  for (int64_t m = 0; m < M; ++m)
+    for (int64_t p2 = 0; p2 < K / 2; ++p2) xt32[p2 * M + m] = x32[m * (K / 2) + p2];
+  for (int64_t p = p0; p < p1; ++p) {
+    const int64_t n0 = p * kFp8Panel, cols = std::min(kFp8Panel, a.N - n0);
+    (simd ? fp8_decode_rows_avx512 : fp8_decode_rows_scalar)(a.w, K, n0, cols, wd);
+    multiply(mk, cols, M, K, K, M, false, wd, xt, acc);
+    for (int64_t c = 0; c < cols; ++c) {
+      scale[c] = a.scale[a.per_tensor ? 0 : n0 + c];
+      bias[c] = a.bias ? bf16_to_float(a.bias[n0 + c]) : 0.0f;
+      for (int64_t m = 0; m < M; ++m) rows[m * kFp8Panel + c] = acc[c * M + m];
+    }
+    (simd ? fp8_epilogue_avx512 : fp8_epilogue_scalar)(rows, kFp8Panel, M, cols, scale, bias, a.y + n0, a.N);
+  }
+  if (mk == Microkernel::kOneDnn) brgemm_release_onednn();
+}
+
+// Decoded groups stay within this, at most kMaxGroup panels (256 channels per micro-kernel call).
+constexpr size_t kGroupBytes = size_t{1} << 20;
+constexpr int64_t kMaxGroup = 4;
+// A GEMM below this many multiply-adds runs as one task: waking a thread costs more.
+constexpr int64_t kMinTaskWork = int64_t{1} << 22;
 
 }  // namespace
 
-void fp8_pack_panel_scalar(const uint8_t* w, int64_t N, int64_t K, int64_t n0, uint16_t* packed) {
+void fp8_pack_panel_scalar(const uint8_t* w, int64_t N, int64_t K, int64_t n0, uint16_t* packed, int64_t ld) {
   const std::array<uint16_t, 256>& bf16 = bf16_of_code();
   for (int64_t p = 0; p < (K + 1) / 2; ++p)
     for (int64_t c = 0; c < kFp8Panel; ++c) {
       const int64_t n = n0 + c;
       for (int64_t j = 0; j < 2; ++j) {
         const int64_t k = 2 * p + j;
-        packed[(p * kFp8Panel + c) * 2 + j] = n < N && k < K ? bf16[w[n * K + k]] : 0;
+        packed[(p * ld + c) * 2 + j] = n < N && k < K ? bf16[w[n * K + k]] : 0;
       }
     }
 }
 
-int64_t fp8_brgemm_units(const Fp8GemmArgs& a) { return ((a.N + kFp8Panel - 1) / kFp8Panel) * row_blocks(a); }
+void fp8_decode_rows_scalar(const uint8_t* w, int64_t K, int64_t n0, int64_t rows, uint16_t* out) {
+  const std::array<uint16_t, 256>& bf16 = bf16_of_code();
+  for (int64_t i = 0; i < rows * K; ++i) out[i] = bf16[w[n0 * K + i]];
+}
 
-void fp8_gemm_brgemm(const Fp8GemmArgs& a, int64_t unit_begin, int64_t unit_end, Microkernel mk, bool simd_pack) {
+void fp8_epilogue_scalar(const float* acc, int64_t ld_acc, int64_t rows, int64_t cols, const float* scale,
+                         const float* bias, uint16_t* y, int64_t ld_y) {
+  for (int64_t r = 0; r < rows; ++r)
+    for (int64_t c = 0; c < cols; ++c) y[r * ld_y + c] = float_to_bf16(std::fma(acc[r * ld_acc + c], scale[c], bias[c]));
+}
+
+Fp8BrgemmSplit fp8_brgemm_split(const Fp8GemmArgs& a, int64_t threads) {
+  const int64_t panels = (a.N + kFp8Panel - 1) / kFp8Panel, blocks = row_blocks(a);
+  if (a.M * a.N * a.K < kMinTaskWork) threads = 1;
+  Fp8BrgemmSplit split;
+  // Panels, unless they do not split evenly and the rows do (then every task decodes every panel,
+  // a small cost beside that many rows); the small-M GEMM splits panels only.
+  const bool by_rows = !small_linear(a) && panels % threads != 0 && blocks >= threads;
+  split.panel_shares = by_rows ? 1 : std::max<int64_t>(1, std::min(panels, threads));
+  split.row_shares = small_linear(a) ? 1 : std::max<int64_t>(1, std::min(blocks, threads / split.panel_shares));
+  const int64_t per_task = (panels + split.panel_shares - 1) / split.panel_shares;
+  const int64_t fit = static_cast<int64_t>(kGroupBytes / (static_cast<size_t>(a.K) * kFp8Panel * sizeof(uint16_t)));
+  split.group = std::clamp<int64_t>(std::min(fit, kMaxGroup), 1, per_task);
+  return split;
+}
+
+void fp8_gemm_brgemm(const Fp8GemmArgs& a, const Fp8BrgemmSplit& split, int64_t task, Microkernel mk, bool simd) {
   TORCH_CHECK(a.conv ? a.conv->C % 2 == 0 : a.K % 2 == 0,
               "pyext fp8 brgemm: a linear with an even K or a convolution with an even C only");
-  // Per-thread scratch, reused across calls and layers: the decoded panel and the fp32 block.
-  thread_local ScratchPtr<uint16_t> panel_buf;
-  thread_local ScratchPtr<float> acc_buf;
-  thread_local size_t panel_cap = 0, acc_cap = 0;
-  uint16_t* packed = grow(panel_buf, panel_cap, static_cast<size_t>(a.K) * kFp8Panel * sizeof(uint16_t));
-  float* acc = grow(acc_buf, acc_cap, kFp8BrgemmRows * kFp8Panel * sizeof(float));
-  const int64_t blocks = row_blocks(a);
-  const int64_t row_runs = a.conv ? (a.conv->OW + kFp8BrgemmRows - 1) / kFp8BrgemmRows : 0;  // blocks per output row
-  int64_t decoded = -1;
-  for (int64_t u = unit_begin; u < unit_end; ++u) {
-    const int64_t panel = u / blocks, block = u % blocks, n0 = panel * kFp8Panel;
-    const int64_t cols = std::min<int64_t>(kFp8Panel, a.N - n0);
-    if (panel != decoded) {
-      (simd_pack ? fp8_pack_panel_avx512 : fp8_pack_panel_scalar)(a.w, a.N, a.K, n0, packed);
-      decoded = panel;
+  if (small_linear(a)) return gemm_small(a, split, task, mk, simd);
+  const int64_t panels = (a.N + kFp8Panel - 1) / kFp8Panel, ld = split.group * kFp8Panel;
+  const auto [p0, p1] = share(panels, split.panel_shares, task / split.row_shares);
+  const auto [b0, b1] = share(row_blocks(a), split.row_shares, task % split.row_shares);
+  // Per-thread scratch, reused across calls and layers: the decoded group, the fp32 block, the
+  // group's scales and biases.
+  thread_local ScratchPtr<uint16_t> group_buf;
+  thread_local ScratchPtr<float> acc_buf, epi_buf;
+  thread_local size_t group_cap = 0, acc_cap = 0, epi_cap = 0;
+  uint16_t* packed = grow(group_buf, group_cap, static_cast<size_t>(a.K + 1) * ld * sizeof(uint16_t));
+  float* acc = grow(acc_buf, acc_cap, kFp8BrgemmRows * ld * sizeof(float));
+  float* scale = grow(epi_buf, epi_cap, 2 * ld * sizeof(float));
+  float* bias = scale + ld;
+  for (int64_t g0 = p0; g0 < p1; g0 += split.group) {
+    const int64_t g1 = std::min(p1, g0 + split.group), n0 = g0 * kFp8Panel;
+    const Group grp{packed, n0, std::min(a.N, g1 * kFp8Panel) - n0, ld};
+    for (int64_t p = g0; p < g1; ++p)
+      (simd ? fp8_pack_panel_avx512 : fp8_pack_panel_scalar)(a.w, a.N, a.K, p * kFp8Panel,
+                                                           packed + (p - g0) * kFp8Panel * 2, ld);
+    for (int64_t c = 0; c < grp.cols; ++c) {
+      scale[c] = a.scale[a.per_tensor ? 0 : n0 + c];
+      bias[c] = a.bias ? bf16_to_float(a.bias[n0 + c]) : 0.0f;
     }
-    if (!a.conv) {
-      const int64_t m0 = block * kFp8BrgemmRows, rows = std::min(kFp8BrgemmRows, a.M - m0);
-      multiply(mk, rows, cols, a.K, a.K, false, a.x + m0 * a.K, packed, acc);
-      epilogue(a, acc, m0, rows, n0, cols);
-      continue;
-    }
-    const Conv2dGeometry& g = *a.conv;
-    const int64_t out_row = block / row_runs, ow0 = (block % row_runs) * kFp8BrgemmRows;
-    const int64_t rows = std::min(kFp8BrgemmRows, g.OW - ow0);
-    conv_block(mk, a, packed, out_row / g.OH, out_row % g.OH, ow0, rows, cols, acc);
-    epilogue(a, acc, out_row * g.OW + ow0, rows, n0, cols);
+    for (int64_t block = b0; block < b1; ++block) run_block(mk, simd, a, grp, scale, bias, block, acc);
   }
   if (mk == Microkernel::kOneDnn) brgemm_release_onednn();  // the thread's AMX tile state
 }

@@ -245,23 +245,27 @@ at::Tensor fp8_linear_cpu(const at::Tensor& x, const at::Tensor& w, const at::Te
   return y.view(out_shape);
 }
 
-// The micro-kernel and panel packer a brgemm op runs with: torch's AMX kernel, which `op` refuses
-// to run without, or the tests' switches (the stand-in, the scalar packer).
-std::pair<Microkernel, bool> brgemm_setup(const char* op, bool stand_in, bool scalar_pack) {
+// Runs a brgemm op's GEMM, a task per thread, on torch's AMX kernel, which `op` refuses to run
+// without, or with the tests' switches: the stand-in micro-kernel (any CPU) and the scalar packer,
+// decoder and epilogue (any CPU with the SIMD ones too).
+void run_brgemm(const char* op, const Fp8GemmArgs& args, bool stand_in, bool scalar) {
   TORCH_CHECK(stand_in || brgemm_amx_available(), op, ": torch's brgemm has no AMX kernel for bf16 on this CPU "
               "(cpublas::could_pack)");
-  return {stand_in ? Microkernel::kStandIn : Microkernel::kOneDnn, !scalar_pack && fp8_gemm_supported()};
+  const Microkernel mk = stand_in ? Microkernel::kStandIn : Microkernel::kOneDnn;
+  const bool simd = !scalar && fp8_brgemm_simd_supported();
+  const Fp8BrgemmSplit split = fp8_brgemm_split(args, at::get_num_threads());
+  at::parallel_for(0, split.panel_shares * split.row_shares, 1, [&](int64_t b, int64_t e) {
+    for (int64_t t = b; t < e; ++t) fp8_gemm_brgemm(args, split, t, mk, simd);
+  });
 }
 
 // The GEMM on torch's brgemm (fp8_gemm_cpu_brgemm.cpp) for bf16 x and an even K. Scales that do not
-// fuse exactly take fp8_linear_cpu's upcast path, as there. stand_in and scalar_pack are the
-// tests' switches: the stand-in micro-kernel (any CPU) and the scalar packer (any AVX-512 CPU too).
+// fuse exactly take fp8_linear_cpu's upcast path, as there. stand_in and scalar: run_brgemm's.
 at::Tensor fp8_linear_brgemm_cpu(const at::Tensor& x, const at::Tensor& w, const at::Tensor& scale,
-                                 const std::optional<at::Tensor>& bias, bool stand_in, bool scalar_pack) {
+                                 const std::optional<at::Tensor>& bias, bool stand_in, bool scalar) {
   check_fp8_weight(w, scale);
   TORCH_CHECK(w.dim() == 2 && x.size(-1) == w.size(1) && w.size(1) % 2 == 0 && x.scalar_type() == at::kBFloat16,
               "pyext fp8_linear brgemm: x must be bf16 with an even K matching the weight");
-  const auto [mk, simd_pack] = brgemm_setup("pyext fp8_linear brgemm", stand_in, scalar_pack);
   const int64_t K = w.size(1), N = w.size(0), M = K ? x.numel() / K : 0;
   const at::Tensor wc = w.contiguous(), sc = scale.contiguous();
   if (M == 0 || N == 0 || K == 0 || !scales_fuse_exactly(sc)) return fp8_linear_cpu(x, w, scale, bias, -1);
@@ -275,8 +279,7 @@ at::Tensor fp8_linear_brgemm_cpu(const at::Tensor& x, const at::Tensor& w, const
                          sc.data_ptr<float>(), sc.numel() == 1,
                          bias ? reinterpret_cast<const uint16_t*>(bc.data_ptr()) : nullptr,
                          reinterpret_cast<uint16_t*>(y.data_ptr()), M, N, K};
-  at::parallel_for(0, fp8_brgemm_units(args), fused_gemm_grain(K, kFp8BrgemmRows),
-                   [&](int64_t b, int64_t e) { fp8_gemm_brgemm(args, b, e, mk, simd_pack); });
+  run_brgemm("pyext fp8_linear brgemm", args, stand_in, scalar);
   return y.view(out_shape);
 }
 
@@ -331,14 +334,14 @@ at::Tensor fp8_conv2d_cpu(const at::Tensor& x, const at::Tensor& w, const at::Te
   });
 }
 
-// The convolution on torch's brgemm; stand_in and scalar_pack as for fp8_linear_brgemm_cpu.
+// The convolution on torch's brgemm; stand_in and scalar: run_brgemm's.
 at::Tensor fp8_conv2d_brgemm_cpu(const at::Tensor& x, const at::Tensor& w, const at::Tensor& scale,
                                  const std::optional<at::Tensor>& bias, at::IntArrayRef stride,
-                                 at::IntArrayRef padding, bool stand_in, bool scalar_pack) {
-  const auto [mk, simd_pack] = brgemm_setup("pyext fp8_conv2d brgemm", stand_in, scalar_pack);
+                                 at::IntArrayRef padding, bool stand_in, bool scalar) {
+  TORCH_CHECK(stand_in || brgemm_amx_available(), "pyext fp8_conv2d brgemm: torch's brgemm has no AMX kernel for "
+              "bf16 on this CPU (cpublas::could_pack)");
   return fp8_conv2d_implicit(x, w, scale, bias, stride, padding, [&](const Fp8GemmArgs& args) {
-    at::parallel_for(0, fp8_brgemm_units(args), fused_gemm_grain(args.K, kFp8BrgemmRows),
-                     [&](int64_t b, int64_t e) { fp8_gemm_brgemm(args, b, e, mk, simd_pack); });
+    run_brgemm("pyext fp8_conv2d brgemm", args, stand_in, scalar);
   });
 }
 
@@ -443,11 +446,11 @@ TORCH_LIBRARY_FRAGMENT(pyext_C, m) {
   m.def("fp8_linear_disarm() -> ()", fp8_linear_disarm);
   m.def("fp8_conv2d(Tensor x, Tensor w, Tensor scale, Tensor? bias, int[] stride, int[] padding) -> Tensor");
   m.def("fp8_conv2d_brgemm(Tensor x, Tensor w, Tensor scale, Tensor? bias, int[] stride, int[] padding, "
-        "bool stand_in=False, bool scalar_pack=False) -> Tensor");
+        "bool stand_in=False, bool scalar=False) -> Tensor");
   m.def("fp8_upcast_out(Tensor w, Tensor scale, Tensor(a!) out) -> ()");
   m.def("fp8_linear(Tensor x, Tensor w, Tensor scale, Tensor? bias, int tile_rows=0) -> Tensor");
   m.def("fp8_linear_brgemm(Tensor x, Tensor w, Tensor scale, Tensor? bias, bool stand_in=False, "
-        "bool scalar_pack=False) -> Tensor");
+        "bool scalar=False) -> Tensor");
   m.def("fp8_brgemm_available() -> bool", brgemm_amx_available);  // AMX: see common/brgemm.h
 }
 
