@@ -98,7 +98,8 @@ def _conv_calls(model, x):
     with torch.profiler.profile() as prof:
         y = model(x)
     counts = {e.key: e.count for e in prof.key_averages()}
-    return y, counts.get("pyext_C::fp8_conv2d", 0), counts.get("aten::convolution", 0)
+    fused = counts.get("pyext_C::fp8_conv2d", 0) + counts.get("pyext_C::fp8_conv2d_brgemm", 0)  # (brgemm: AMX CPUs)
+    return y, fused, counts.get("aten::convolution", 0)
 
 
 @needs_fused

@@ -216,18 +216,19 @@ LINEAR_TEST_SHAPES = ((5, 40, 7, True, True), (1, 33, 70, False, False), (70, 96
 # brgemm's: even in features; blocks of rows and panels of channels, whole and with tails.
 BRGEMM_TEST_SHAPES = ((5, 40, 7, True, True), (70, 96, 130, True, False), (33, 2, 64, False, True))
 
-dispatch.register("fp8_linear", Backend(
-    "cpp", _linear_cpp, unavailable=partial(kernel_missing, "fp8_linear"), devices=("cpu",),
-    dtypes=COMPUTE_DTYPES, test_shapes=LINEAR_TEST_SHAPES,
-    doc="C++: bf16 on AVX512_BF16 CPUs: a GEMM that decodes fp8 in its packing step; small layers: "
-        "a plain loop over the upcast weight; otherwise weight tiles upcast into a cache-sized buffer, "
-        "torch GEMM per tile"))
+# brgemm first: where it runs (AMX CPUs) it was 1.5-8x faster than cpp at every shape measured.
 dispatch.register("fp8_linear", Backend(
     "brgemm", _linear_brgemm, unavailable=brgemm_missing, reasons=_odd_k, devices=("cpu",),
     dtypes=(torch.bfloat16,), test_shapes=BRGEMM_TEST_SHAPES,
     notes=BRGEMM_NOTES,
     doc="C++ on AMX CPUs: 64-channel panels decoded once per thread into the VNNI layout of torch's "
         "oneDNN brgemm, scale and bias in the fp32 epilogue"))
+dispatch.register("fp8_linear", Backend(
+    "cpp", _linear_cpp, unavailable=partial(kernel_missing, "fp8_linear"), devices=("cpu",),
+    dtypes=COMPUTE_DTYPES, test_shapes=LINEAR_TEST_SHAPES,
+    doc="C++: bf16 on AVX512_BF16 CPUs: a GEMM that decodes fp8 in its packing step; small layers: "
+        "a plain loop over the upcast weight; otherwise weight tiles upcast into a cache-sized buffer, "
+        "torch GEMM per tile"))
 dispatch.register("fp8_linear", Backend(
     "upcast_cublas", _linear_upcast_cublas, unavailable=partial(cuda_kernel_missing, "fp8_upcast_out"),
     devices=("cuda",), dtypes=COMPUTE_DTYPES, test_shapes=LINEAR_TEST_SHAPES,

@@ -128,11 +128,12 @@ _CPP = Backend(
     "cpp", _conv_cpp, _cpp_argument_reasons, _cpp_unavailable, devices=("cpu",), dtypes=(torch.bfloat16,),
     guard=_cpp_scale_guard, test_shapes=CPP_TEST_SHAPES,
     doc="C++ implicit GEMM over channels-last bf16 activations, fp8 decoded in the GEMM's packing step")
-dispatch.register("fp8_conv2d", _CPP)
+# brgemm first: where it runs (AMX CPUs) it was 2-10x faster than cpp at every shape measured.
 dispatch.register("fp8_conv2d", Backend(
     "brgemm", _conv_brgemm, _cpp_argument_reasons, lambda: brgemm_missing("fp8_conv2d_brgemm"), devices=("cpu",),
     dtypes=(torch.bfloat16,), guard=_cpp_scale_guard, test_shapes=CPP_TEST_SHAPES,
     notes=BRGEMM_NOTES, doc="C++ on AMX CPUs: the same implicit GEMM on torch's oneDNN brgemm, each tap's inputs read in place"))
+dispatch.register("fp8_conv2d", _CPP)
 dispatch.register("fp8_conv2d", Backend(
     "upcast", _conv_upcast, dtypes=COMPUTE_DTYPES,
     test_shapes=CPP_TEST_SHAPES + ((1, 3, 6, 5, 4, 3, 1, 1, 1, False), (1, 4, 7, 7, 6, 3, 2, 0, 2, True)),
