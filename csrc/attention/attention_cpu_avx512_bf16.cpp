@@ -28,17 +28,16 @@ inline __mmask16 valid_lanes(int64_t n) {
 
 // 2^x for x <= 0 to ~2e-6 relative (Taylor degree 5 on [-0.5, 0.5]): p is rounded to
 // bf16 (2^-9) right after, so the two extra terms of the fp32 path buy nothing here.
-// NaN stays NaN, as in VecAvx512::exp2.
+// NaN stays NaN, and no denormal is made, as in VecAvx512::exp2.
 inline __m512 exp2_bf16(__m512 x) {
-  x = _mm512_max_ps(_mm512_set1_ps(-150.0f), x);
-  const __m512 n = _mm512_roundscale_ps(x, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
-  const __m512 f = _mm512_sub_ps(x, n);
-  __m512 p = _mm512_set1_ps(1.3333558e-03f);
-  p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(9.6181291e-03f));
-  p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(5.5504109e-02f));
-  p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(2.4022651e-01f));
-  p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(6.9314718e-01f));
-  return _mm512_scalef_ps(_mm512_fmadd_ps(p, f, _mm512_set1_ps(1.0f)), n);
+  return VecAvx512::exp2_scaled(x, [](__m512 f) {
+    __m512 p = _mm512_set1_ps(1.3333558e-03f);
+    p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(9.6181291e-03f));
+    p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(5.5504109e-02f));
+    p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(2.4022651e-01f));
+    p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(6.9314718e-01f));
+    return _mm512_fmadd_ps(p, f, _mm512_set1_ps(1.0f));
+  });
 }
 
 // The scores of a stripe of keys from key j: a * c2 (+ bias_row[j...]), -inf past the valid

@@ -131,11 +131,14 @@ void brgemm_forward(const void* q, int64_t rows, const void* packed, int64_t skv
   const int64_t ldq = round_up(dp, 32);
   thread_local ScratchPtr<float> buf;
   thread_local size_t cap = 0;
-  float* o = grow(buf, cap, static_cast<size_t>(kBrgemmRows * dv + kBrgemmRows * kBrgemmKeys + (kBrgemmRows * ldq + kBrgemmRows * kBrgemmKeys) / 2) * 4);
-  float* s = o + kBrgemmRows * dv;               // kBrgemmRows x kBrgemmKeys scores
-  uint16_t* qb = reinterpret_cast<uint16_t*>(s + kBrgemmRows * kBrgemmKeys);  // kBrgemmRows x ldq
-  uint16_t* pb = qb + kBrgemmRows * ldq;          // kBrgemmRows x kBrgemmKeys probabilities
-  float m_all[kBrgemmRows], l_all[kBrgemmRows];
+  // Score and probability rows as long as a block's keys, and 16 more: rows a power of two apart
+  // put a row's loads and the last row's stores on the same 4 KiB offsets.
+  const int64_t lds = round_up(std::min(skv, kBrgemmKeys), 16) + 16;
+  float* o = grow(buf, cap, static_cast<size_t>(kBrgemmRows * dv + kBrgemmRows * lds + (kBrgemmRows * ldq + kBrgemmRows * lds) / 2) * 4);
+  float* s = o + kBrgemmRows * dv;                                    // kBrgemmRows x lds scores
+  uint16_t* qb = reinterpret_cast<uint16_t*>(s + kBrgemmRows * lds);  // kBrgemmRows x ldq
+  uint16_t* pb = qb + kBrgemmRows * ldq;                              // kBrgemmRows x lds probabilities
+  float m_all[kBrgemmRows], l_all[kBrgemmRows], m_block[kBrgemmRows];
   // As in the fp32 kernels: without a bias the scores are kept in base 2 (scaled by scale * log2e),
   // with one in natural units, the exponent scaled instead. Either way each score is scaled once and
   // stored, so the row's max is one of the stored values and its exponent exactly 0: scaling inside
@@ -145,21 +148,28 @@ void brgemm_forward(const void* q, int64_t rows, const void* packed, int64_t skv
   const float c2 = biased ? scale : scale * kLog2e;
   for (int64_t r0 = 0; r0 < rows; r0 += kBrgemmRows) {
     const int64_t nr = std::min(kBrgemmRows, rows - r0);
-    for (int64_t r = 0; r < nr; ++r)
-      for (int64_t c = 0; c < dp; ++c) qb[r * ldq + c] = c < d ? qs[(r0 + r) * d + c] : 0;
+    for (int64_t r = 0; r < nr; ++r) {
+      std::memcpy(qb + r * ldq, qs + (r0 + r) * d, d * sizeof(uint16_t));
+      if (dp > d) qb[r * ldq + d] = 0;  // an odd d's pair partner
+    }
     carry_in(carry, r0, nr, nr, d, dv, o, m_all, l_all);
     for (int64_t j0 = 0; j0 < skv; j0 += kBrgemmKeys) {
       const int64_t nc = std::min(kBrgemmKeys, skv - j0), ncp = round_up(nc, 2);
-      MK(nr, nc, dp, ldq, ld, kBrgemmKeys, false, qb, kt + (j0 / kBrgemmKeys) * dp * ld, s);
+      MK(nr, nc, dp, ldq, ld, lds, false, qb, kt + (j0 / kBrgemmKeys) * dp * ld, s);
+      // Every row's max first, then every row's exponentials: each row's exponentials wait on its
+      // max's horizontal reduction, and rows apart in the loop overlap where one loop did both.
       for (int64_t r = 0; r < nr; ++r) {
-        float* sr = s + r * kBrgemmKeys;
+        float* sr = s + r * lds;
         const float* br = biased ? bias + (r0 + r) * bias_stride + j0 : nullptr;
-        const float m_block = biased ? scale_scores<V, true>(sr, br, nc, c2) : scale_scores<V, false>(sr, br, nc, c2);
-        const float m_new = std::max(m_all[r], m_block), shift = softmax_shift(m_new);
+        m_block[r] = biased ? scale_scores<V, true>(sr, br, nc, c2) : scale_scores<V, false>(sr, br, nc, c2);
+      }
+      for (int64_t r = 0; r < nr; ++r) {
+        const float* sr = s + r * lds;
+        const float m_new = std::max(m_all[r], m_block[r]), shift = softmax_shift(m_new);
         const float dm = m_all[r] - shift;  // 0 while the max stands; -inf on the first block (alpha 0)
-        const float alpha = dm == 0.0f ? 1.0f : std::exp2(biased ? dm * kLog2e : dm);
+        const float alpha = dm == 0.0f ? 1.0f : dm == -INFINITY ? 0.0f : std::exp2(biased ? dm * kLog2e : dm);
         m_all[r] = m_new;
-        uint16_t* pr = pb + r * kBrgemmKeys;
+        uint16_t* pr = pb + r * lds;
         const float sum = biased ? exponentiate<V, true>(sr, pr, nc, shift) : exponentiate<V, false>(sr, pr, nc, shift);
         for (int64_t j = round_up(nc, V::kW); j < ncp; ++j) pr[j] = 0;  // a key pair's padding (1-lane vectors)
         l_all[r] = l_all[r] * alpha + sum;
@@ -168,7 +178,7 @@ void brgemm_forward(const void* q, int64_t rows, const void* packed, int64_t skv
           for (int64_t j = 0; j < dv; j += V::kW) V::store(orow + j, V::mul(V::load(orow + j), V::set1(alpha)));
         }
       }
-      MK(nr, d, ncp, kBrgemmKeys, dv, dv, true, pb, vp + (j0 / 2) * dv * 2, o);
+      MK(nr, d, ncp, lds, dv, dv, true, pb, vp + (j0 / 2) * dv * 2, o);
     }
     carry_out(carry, r0, nr, d, dv, o, m_all, l_all, PYEXT_BF16, out, lse, biased);
   }

@@ -25,13 +25,19 @@ struct VecAvx512 {
   static reg fma(reg a, reg b, reg c) { return _mm512_fmadd_ps(a, b, c); }
   static float reduce_max(reg x) { return _mm512_reduce_max_ps(x); }
   static float reduce_add(reg x) { return _mm512_reduce_add_ps(x); }
-  // 2^x for x <= 0 (including -inf): clamping to -150 makes vscalefps underflow to exactly 0.
-  // A NaN score (NaN in q or k) must stay NaN, as in softmax: vmaxps returns its second
-  // operand when either is NaN, so x goes second.
-  static reg exp2(reg x) {
-    x = _mm512_max_ps(_mm512_set1_ps(-150.0f), x);
+  // 2^x for x <= 0 (including -inf), as exp2_scaled's p(x - n) * 2^n with exp2_poly as p.
+  static reg exp2(reg x) { return exp2_scaled(x, [](reg f) { return exp2_poly<VecAvx512>(f); }); }
+  // Below x = -125 the result is 0, not a float below 2^-126: Intel CPUs take a microcode assist
+  // of about a hundred cycles for every denormal vscalefps writes, and every -inf padding lane of
+  // a row's last vector made one (twice the time of cross-attention over 77 keys). A NaN score
+  // (NaN in q or k) must stay NaN, as in softmax: the ordered compare leaves NaN lanes computed,
+  // and vmaxps returns its second operand when either is NaN, so x goes second.
+  template <class Poly>
+  static reg exp2_scaled(reg x, Poly poly) {
+    const __mmask16 kept = _mm512_cmp_ps_mask(x, _mm512_set1_ps(-125.0f), _CMP_NLT_UQ);
+    x = _mm512_max_ps(_mm512_set1_ps(-125.0f), x);
     const reg n = _mm512_roundscale_ps(x, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
-    return _mm512_scalef_ps(exp2_poly<VecAvx512>(_mm512_sub_ps(x, n)), n);
+    return _mm512_maskz_scalef_ps(kept, poly(_mm512_sub_ps(x, n)), n);
   }
   // 16 bf16, rounded to nearest even as float_to_bf16 (NaN quiet): AVX512F only, bit-identical to
   // the portable units' rounding.
