@@ -102,7 +102,8 @@ def fused_resnet_block_2d() -> type:
                 if self.training:
                     input_tensor = input_tensor.contiguous()
                 input_tensor = self.conv_shortcut(input_tensor)
-            return (input_tensor + hidden_states) / self.output_scale_factor
+            out = input_tensor + hidden_states
+            return out if self.output_scale_factor == 1 else out / self.output_scale_factor  # (x / 1 is x)
 
     return FusedResnetBlock2D
 
