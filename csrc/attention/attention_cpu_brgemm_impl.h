@@ -26,16 +26,16 @@ constexpr int64_t kKeyAlign = 32;
 // Query rows per pass (and per parallel task: AttnKernel::query_block) and keys per online-softmax
 // step: each block of K^T and V feeds twice the fp32 kernels' rows into the micro-kernel, which also
 // takes half as many calls per score; a pass's scores (256 KiB fp32) and probabilities stay in L2.
-// Measured on an AMX CPU against 64 x 256, 64 x 1024, 128 x 256 and 256 x 512 (bench.attention's shapes).
+// Measured on an AMX CPU against (rows x keys) 64 x 256, 64 x 512, 64 x 1024 and 256 x 512 at
+// bench.attention's shapes.
 constexpr int64_t kBrgemmRows = 128;
 constexpr int64_t kBrgemmKeys = 512;
 
 inline int64_t key_stride(int64_t skv) { return round_up(skv, kKeyAlign); }
 
 // K^T is stored a block of kBrgemmKeys keys at a time, so that a block's pair rows are read
-// kt_ld keys apart rather than all the keys': a stride of 16 KiB at 4096 keys put every row of a
-// micro-kernel's B tile in one L1 set (and, by the physical pages a process got, L2 sets). The 16
-// extra keys keep the stride off a power of two.
+// kt_ld keys apart rather than all the keys': a stride of 16 KiB at 4096 keys puts every row of a
+// micro-kernel's B tile in one L1 set. The 16 extra keys keep the stride off a power of two.
 inline int64_t kt_ld(int64_t skv) { return std::min(kBrgemmKeys, key_stride(skv)) + 16; }
 inline int64_t kt_blocks(int64_t skv) { return (skv + kBrgemmKeys - 1) / kBrgemmKeys; }
 

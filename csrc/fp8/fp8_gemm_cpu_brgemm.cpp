@@ -17,6 +17,7 @@
 #include <algorithm>
 #include <array>
 #include <cmath>
+#include <cstring>
 #include <utility>
 
 #include "common/brgemm.h"
@@ -117,11 +118,11 @@ void gemm_small(const Fp8GemmArgs& a, const Fp8BrgemmSplit& split, int64_t task,
   float* rows = acc + kFp8Panel * M;
   float* scale = rows + kFp8Panel * M;
   float* bias = scale + kFp8Panel;
-  // x^T in VNNI pairs, xt[k / 2][m][2]: the transpose of x as M x K / 2 words of a pair each.
-  const uint32_t* x32 = reinterpret_cast<const uint32_t*>(a.x);
+  // x^T in VNNI pairs, xt[k / 2][m][2]: the transpose of x as M x K / 2 words of a pair each (read
+  // by memcpy: x may start at any bf16).
   uint32_t* xt32 = reinterpret_cast<uint32_t*>(xt);
   for (int64_t m = 0; m < M; ++m)
-    for (int64_t p2 = 0; p2 < K / 2; ++p2) xt32[p2 * M + m] = x32[m * (K / 2) + p2];
+    for (int64_t p2 = 0; p2 < K / 2; ++p2) std::memcpy(xt32 + p2 * M + m, a.x + m * K + 2 * p2, sizeof(uint32_t));
   for (int64_t p = p0; p < p1; ++p) {
     const int64_t n0 = p * kFp8Panel, cols = std::min(kFp8Panel, a.N - n0);
     (simd ? fp8_decode_rows_avx512 : fp8_decode_rows_scalar)(a.w, K, n0, cols, wd);
