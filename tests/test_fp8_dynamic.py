@@ -1,6 +1,8 @@
 """The dynamic fp8 linear (activations quantized per row, fp8 x fp8 GEMM): the op against its
 reference (tests/test_fuzz.py: against a float64 oracle), its accuracy against the plain layer, the layers' GEMM modes,
 and optimize(fp8_gemm=...) against plain diffusers."""
+import time
+
 import numpy as np
 import pytest
 import torch
@@ -10,7 +12,7 @@ import torch.nn.functional as F
 import pyext
 from pyext import dispatch
 from pyext.dispatch import PyextError
-from pyext.nn.fp8 import _GEMM_CHOICE, FP8Linear
+from pyext.nn.fp8 import _GEMM_CHOICE, FP8Conv2d, FP8Linear
 from pyext.offline import build_pipeline
 from pyext.ops import fp8_linear, fp8_linear_dynamic, fp8_quantize
 from pyext.reference.fp8 import quantize_rows
@@ -266,6 +268,31 @@ def test_the_reports_cpu_cost_is_measured_for_the_gemm_mode_that_runs():
     pyext.optimize(build_pipeline("sd15", "tiny"), dtype=torch.bfloat16, fp8="denoiser", fp8_gemm="dynamic")
     modes = {key.rsplit(" ", 1)[1] for key in costs()}
     assert {"weight_only", "dynamic"} <= modes, costs()
+
+
+def test_the_reports_cpu_cost_leaves_out_the_layers_first_call(monkeypatch):
+    """The layer's first call makes its GEMM's own measured choice: one-time work that is not what
+    fp8 costs per call (it once made an fp8 linear on par with F.linear read as 53x)."""
+    from pyext.techniques.weights import cpu_cost
+
+    monkeypatch.setenv("PYEXT_DISPATCH", "measured")
+    dispatch.reset()
+    layer = FP8Linear.from_linear(torch.nn.Linear(64, 96).to(torch.bfloat16))
+    forward, calls = FP8Linear.forward, []
+
+    def first_call_slow(self, x):
+        calls.append(1)
+        if len(calls) == 1:
+            time.sleep(0.3)
+        return forward(self, x)
+
+    monkeypatch.setattr(FP8Linear, "forward", first_call_slow)
+    conv = FP8Conv2d.from_conv(torch.nn.Conv2d(8, 16, 3, padding=1).to(torch.bfloat16))
+    cost = cpu_cost(torch.nn.Sequential(layer, conv))
+    assert "largest fp8 linear (256x64x96" in cost and "largest fp8 convolution (2x8x32x32 -> 16, 3x3" in cost, cost
+    timings = next(d["timings"] for d in dispatch.decisions() if d["op"] == "fp8_cost" and "x64x96" in d["key"])
+    assert len(calls) > 1 and timings["fp8"] < 0.1, timings
+    dispatch.reset()
 
 
 def test_auto_is_weight_only_without_fp8_tensor_cores_and_a_second_optimize_changes_the_mode():

@@ -281,17 +281,20 @@ def test_parse_bytes():
 
 
 def test_fp8_on_a_cpu_reports_what_it_costs_in_time():
-    """The largest fp8 linear against a plain one on its dequantized weight, timed once per CPU and
-    kept with dispatch's decisions: the report gives the ratio, whichever way it goes."""
+    """The largest fp8 linear and convolution against the plain op on their dequantized weights,
+    timed once per CPU and kept with dispatch's decisions: the report gives the ratios, whichever
+    way they go."""
     from pyext import dispatch
 
     pipe = pyext.optimize(build_pipeline("sd15", "tiny"), fp8="denoiser", dtype="keep")
     entry = next(e for e in pyext.report(pipe).entries if e.technique == "fp8" and e.status == "applied")
-    found = re.search(r"largest fp8 linear \((\d+x\d+x\d+ float32 weight_only)\) takes ([\d.]+)x the time", entry.detail)
-    assert found and float(found.group(2)) > 0, entry.detail
-    kept = dispatch.measured_choice("fp8_cost", found.group(1), torch.device("cpu"),
-                                    dict.fromkeys(("fp8", "plain"), lambda: None))  # kept: not timed again
-    assert set(kept["timings"]) == {"fp8", "plain"}
+    found = re.search(r"largest fp8 linear \((\d+x\d+x\d+ float32 weight_only)\) takes ([\d.]+)x and its largest "
+                      r"fp8 convolution \((2x\d+x32x32 -> \d+, 3x3 float32)\) takes ([\d.]+)x the time", entry.detail)
+    assert found and float(found.group(2)) > 0 and float(found.group(4)) > 0, entry.detail
+    for key in (found.group(1), found.group(3)):
+        kept = dispatch.measured_choice("fp8_cost", key, torch.device("cpu"),
+                                        dict.fromkeys(("fp8", "plain"), lambda: None))  # kept: not timed again
+        assert set(kept["timings"]) == {"fp8", "plain"}
 
 
 def test_budget_on_cpu_picks_fp8_not_offload():

@@ -74,30 +74,59 @@ class DType(Technique):
 
 
 COST_ROWS = 256  # rows of the sample input cpu_cost times: a denoiser's tokens are more, a batch's text fewer
+COST_PIXELS = 32  # side of the sample image of its convolutions (SD's latent at 256x256)
+
+
+def _largest(module: nn.Module, kind: type) -> nn.Module | None:
+    layers = [m for m in module.modules() if isinstance(m, kind) and m.weight.device.type == "cpu"]
+    return max(layers, key=lambda m: m.weight.numel(), default=None)
+
+
+def _cost(layer: nn.Module, x: torch.Tensor, plain, key: str) -> float | None:
+    """The time of `layer` on x over `plain`'s (the layer's op on its dequantized weight), timed once
+    per CPU identity (dispatch keeps the decision with its others); None if either failed."""
+    with torch.no_grad():
+        # The layer's first call makes its op's own measured choice for this shape, which
+        # measured_choice would take for the layer's time (its first calls screen out slow candidates).
+        layer(x)
+        decision = dispatch.measured_choice("fp8_cost", key, torch.device("cpu"),
+                                            {"fp8": lambda: layer(x), "plain": plain})
+    timings = decision["timings"]
+    return timings["fp8"] / timings["plain"] if {"fp8", "plain"} <= timings.keys() else None
 
 
 def cpu_cost(module: nn.Module) -> str:
     """What fp8 storage costs in time on this CPU, for the report: the module's largest fp8 linear
-    against a plain linear on its dequantized weight, on COST_ROWS random rows, timed once per CPU
-    identity (dispatch keeps the decision with its others)."""
-    layers = [m for m in module.modules() if isinstance(m, FP8Linear) and m.weight.device.type == "cpu"]
-    if not layers:
+    and convolution against the plain op on the dequantized weight, on COST_ROWS random rows and a
+    COST_PIXELS-square channels-last image."""
+    g = torch.Generator().manual_seed(0)
+    ratios = {}  # what -> (key, ratio)
+    linear = _largest(module, FP8Linear)
+    if linear is not None:
+        dtype = linear.compute_dtype
+        x = torch.randn(COST_ROWS, linear.in_features, generator=g).to(dtype)
+        weight, bias = linear.dequantized_weight(), None if linear.bias is None else linear.bias.to(dtype)
+        # (the GEMM mode too: weight-only and dynamic fp8 cost differently on one shape)
+        key = f"{COST_ROWS}x{linear.in_features}x{linear.out_features} {str(dtype).removeprefix('torch.')} {linear.gemm}"
+        ratios["linear"] = key, _cost(linear, x, lambda: F.linear(x, weight, bias), key)
+    conv = _largest(module, FP8Conv2d)
+    if conv is not None:
+        dtype = conv.compute_dtype
+        x = torch.randn(2, conv.in_channels, COST_PIXELS, COST_PIXELS, generator=g).to(dtype)
+        x = x.contiguous(memory_format=torch.channels_last)
+        weight = conv.dequantized_weight().contiguous(memory_format=torch.channels_last)
+        bias = None if conv.bias is None else conv.bias.to(dtype)
+        plain = functools.partial(F.conv2d, x, weight, bias, conv.stride, conv.padding, conv.dilation, conv.groups)
+        key = (f"2x{conv.in_channels}x{COST_PIXELS}x{COST_PIXELS} -> {conv.out_channels}, "
+               f"{'x'.join(map(str, conv.kernel_size))} {str(dtype).removeprefix('torch.')}")
+        ratios["convolution"] = key, _cost(conv, x, plain, key)
+    measured = {what: kr for what, kr in ratios.items() if kr[1] is not None}
+    if not measured:
         return ""
-    layer = max(layers, key=lambda m: m.in_features * m.out_features)
-    dtype = layer.compute_dtype
-    x = torch.randn(COST_ROWS, layer.in_features, generator=torch.Generator().manual_seed(0)).to(dtype)
-    weight, bias = layer.dequantized_weight(), None if layer.bias is None else layer.bias.to(dtype)
-    # (the GEMM mode too: weight-only and dynamic fp8 cost differently on one shape)
-    key = f"{COST_ROWS}x{layer.in_features}x{layer.out_features} {str(dtype).removeprefix('torch.')} {layer.gemm}"
-    with torch.no_grad():
-        decision = dispatch.measured_choice("fp8_cost", key, torch.device("cpu"),
-                                            {"fp8": lambda: layer(x), "plain": lambda: F.linear(x, weight, bias)})
-    timings = decision["timings"]
-    if not {"fp8", "plain"} <= timings.keys():
-        return ""
-    ratio = timings["fp8"] / timings["plain"]
-    return (f"; on this CPU its largest fp8 linear ({key}) takes {ratio:.2f}x the time of a plain one on the "
-            f"same weight ({'slower: fp8 saves memory here, not time' if ratio > 1.05 else 'no slower'})")
+    parts = [f"its largest fp8 {what} ({key}) takes {ratio:.2f}x" for what, (key, ratio) in measured.items()]
+    slower = any(ratio > 1.05 for _, ratio in measured.values())
+    return (f"; on this CPU {' and '.join(parts)} the time of the plain op on the same weight "
+            f"({'slower: fp8 saves memory here, not time' if slower else 'no slower'})")
 
 
 class FP8(Technique):
