@@ -7,6 +7,7 @@
 #include <immintrin.h>
 
 #include "fp8/fp8_convert_cpu.h"
+#include "fp8/fp8_lut_avx512.h"
 
 namespace pyext::cpu {
 namespace {
@@ -77,9 +78,7 @@ int64_t align_head(const uint8_t* src, char* out, int64_t n, __m512 scale256, bo
   return k;
 }
 
-// The vpermi2b unit: compiled for it here, run only where the CPU reports it.
-#define PYEXT_VBMI_TARGET __attribute__((target("avx512f,avx512bw,avx512vl,avx512dq,avx512vbmi,avx2,fma,f16c,bmi2")))
-
+// The vpermi2b lookups (fp8_lut_avx512.h): compiled for it, run only where the CPU reports it.
 bool cpu_has_vbmi() {
   static const bool has = [] {
     __builtin_cpu_init();
@@ -101,36 +100,18 @@ struct Iota128 {
 };
 constexpr Iota128 kCodes;
 
-// 16-bit outputs by table lookup. The table holds the outputs of the 128 non-negative
-// codes, computed by step32 itself, so every value is the arithmetic kernel's bit for
-// bit; it is split into low- and high-byte planes of two registers each, and 64 codes
-// take one vpermi2b per plane (the index's bit 7 is ignored). A negative code's output
-// is its positive twin's with the sign bit flipped: the decoded value is negated, the
-// product with the scale and the round-to-nearest-even of a negated value are the
+// 16-bit outputs by table lookup (fp8_lut_avx512.h). The table holds the outputs of the 128
+// non-negative codes, computed by step32 itself, so every value is the arithmetic kernel's bit for
+// bit. A negative code's output is its positive twin's with the sign bit flipped: the decoded value
+// is negated, the product with the scale and the round-to-nearest-even of a negated value are the
 // negated results, and a NaN keeps its own sign through the multiply on x86.
 // The tests check all 256 codes against the reference, positive and negative scales.
-PYEXT_VBMI_TARGET inline void lookup64(const __m512i* planes, __m512i codes, __m512i* first, __m512i* second) {
-  // unpacklo/hi interleave within 128-bit lanes: reorder the codes' qwords so that the
-  // low unpack yields outputs 0-31 and the high one outputs 32-63
-  const __m512i c = _mm512_permutexvar_epi64(_mm512_set_epi64(7, 3, 6, 2, 5, 1, 4, 0), codes);
-  const __m512i lo = _mm512_permutex2var_epi8(planes[0], c, planes[1]);
-  const __m512i hi = _mm512_ternarylogic_epi32(_mm512_permutex2var_epi8(planes[2], c, planes[3]), c,
-                                               _mm512_set1_epi8(static_cast<char>(0x80)), 0x78);  // hi ^ (c & 0x80)
-  *first = _mm512_unpacklo_epi8(lo, hi);
-  *second = _mm512_unpackhi_epi8(lo, hi);
-}
-
 template <PyextDtype kOut>
 PYEXT_VBMI_TARGET void rows_lut(const uint8_t* src, char* out, int64_t n, __m512 scale256, bool stream) {
   alignas(64) uint16_t table[128];
   for (int j = 0; j < 128; j += 32) step32<kOut>(kCodes.v + j, table + j, scale256, ~__mmask32(0));
-  __m512i planes[4];  // low bytes 0-63, 64-127; high bytes 0-63, 64-127
-  for (int half = 0; half < 2; ++half) {
-    const __m512i a = _mm512_load_si512(table + 64 * half), b = _mm512_load_si512(table + 64 * half + 32);
-    planes[half] = _mm512_inserti64x4(_mm512_castsi256_si512(_mm512_cvtepi16_epi8(a)), _mm512_cvtepi16_epi8(b), 1);
-    planes[2 + half] = _mm512_inserti64x4(_mm512_castsi256_si512(_mm512_cvtepi16_epi8(_mm512_srli_epi16(a, 8))),
-                                          _mm512_cvtepi16_epi8(_mm512_srli_epi16(b, 8)), 1);
-  }
+  __m512i planes[4];
+  lut_planes(table, planes);
   int64_t i = 0;
   __m512i a, b;
   if (stream) {  // whole 64-byte lines with non-temporal stores (the caller aligned out)

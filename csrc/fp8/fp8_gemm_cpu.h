@@ -47,12 +47,6 @@ constexpr int64_t kFp8Panel = 64;
 void fp8_pack_panel_avx512(const uint8_t* w, int64_t N, int64_t K, int64_t n0, uint16_t* packed, int64_t ld);
 void fp8_pack_panel_scalar(const uint8_t* w, int64_t N, int64_t K, int64_t n0, uint16_t* packed, int64_t ld);
 
-// Rows [n0, n0 + rows) of w (K codes each) decoded to bf16 row-major: the small-M GEMM's A operand.
-// The AVX-512 decoder (AVX512_VBMI's byte tables: fp8_brgemm_simd_supported() CPUs) and the scalar
-// one write the same bits.
-void fp8_decode_rows_avx512(const uint8_t* w, int64_t K, int64_t n0, int64_t rows, uint16_t* out);
-void fp8_decode_rows_scalar(const uint8_t* w, int64_t K, int64_t n0, int64_t rows, uint16_t* out);
-
 // y[r][c] = bf16(fma(acc[r][c], scale[c], bias[c])) for rows x cols of an fp32 block (ld_acc per
 // row) into y (ld_y per row), rounded to nearest even: the AVX-512 epilogue (AVX512_BF16's conversion)
 // and the scalar one (float_to_bf16) write the same bits, but for results below bf16's smallest
@@ -75,7 +69,8 @@ void fp8_epilogue_scalar(const float* acc, int64_t ld_acc, int64_t rows, int64_t
 //
 // A linear of at most kFp8SmallRows rows instead multiplies y^T = w x^T: each panel's 64 rows of w
 // are decoded as they lie (the A operand, read as one contiguous run, no transpose), and x^T is
-// packed once per task as B. At few rows the decode is most of the work, and this one streams.
+// packed once per task as B, each row decoded by fp8_upcast's row kernel (fp8_convert_cpu.h). At
+// few rows the decode is most of the work, and this one streams.
 enum class Microkernel { kOneDnn, kStandIn };
 constexpr int64_t kFp8BrgemmRows = 32;  // rows of x per micro-kernel call: two AMX tiles of 16
 constexpr int64_t kFp8SmallRows = 64;
@@ -84,7 +79,7 @@ struct Fp8BrgemmSplit {
   int64_t group;                     // panels decoded and multiplied together
 };
 Fp8BrgemmSplit fp8_brgemm_split(const Fp8GemmArgs& a, int64_t threads);
-// simd: the AVX-512 packer, decoder and epilogue (fp8_brgemm_simd_supported(): AVX512_BF16 and
+// simd: the AVX-512 packer, row decoder and epilogue (fp8_brgemm_simd_supported(): AVX512_BF16 and
 // AVX512_VBMI, which every AMX CPU has), else the scalar ones.
 bool fp8_brgemm_simd_supported();
 void fp8_gemm_brgemm(const Fp8GemmArgs& a, const Fp8BrgemmSplit& split, int64_t task, Microkernel mk, bool simd);

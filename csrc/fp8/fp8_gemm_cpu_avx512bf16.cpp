@@ -10,7 +10,6 @@
 #include <immintrin.h>
 
 #include <algorithm>
-#include <array>
 #include <cstdlib>
 #include <cstring>
 #include <memory>
@@ -21,6 +20,7 @@
 #include "common/scratch.h"
 #include "fp8/fp8_e4m3.h"
 #include "fp8/fp8_gemm_cpu.h"
+#include "fp8/fp8_lut_avx512.h"
 
 namespace pyext::cpu {
 namespace {
@@ -172,67 +172,25 @@ void run_tile(const Fp8GemmArgs& a, int64_t m0, int64_t n0, const uint16_t* pack
 
 }  // namespace
 
-// The brgemm GEMM's decoders (fp8_brgemm_simd_supported() CPUs), 64 codes at a time: two
-// 128-entry byte tables (AVX512_VBMI's vpermi2b reads an index's low 7 bits, the magnitude) give
-// the low and the high byte of each magnitude's bf16, the code's sign bit is ORed into the high
-// byte, and the bytes are interleaved into words. The codes' qwords are first put in the order
-// that makes the in-lane interleave come out in element order. (The functions carry VBMI as an
-// attribute, in this namespace: on an exported C++ function it would make a multi-versioned one.)
+// The brgemm GEMM's packer (fp8_brgemm_simd_supported() CPUs): pack_panel's layout from 64 codes
+// of 16 channels at a time, decoded by table lookup (fp8_lut_avx512.h), then two 16 x 16
+// transposes of pairs.
 namespace {
 
-#define PYEXT_VBMI __attribute__((target("avx512vbmi")))
-
-struct Vbmi {
-  __m512i lo0, lo1, hi0, hi1, order, sign;
-
-  PYEXT_VBMI Vbmi() {
-    alignas(64) static const std::array<uint8_t, 256> tables = [] {  // low bytes, then high bytes
-      std::array<uint8_t, 256> t{};
-      for (uint32_t m = 0; m < 128; ++m) {
-        const uint16_t b = float_to_bf16(fp8_e4m3_decode(m));
-        t[m] = static_cast<uint8_t>(b & 0xff), t[128 + m] = static_cast<uint8_t>(b >> 8);
-      }
-      return t;
-    }();
-    lo0 = _mm512_load_si512(tables.data()), lo1 = _mm512_load_si512(tables.data() + 64);
-    hi0 = _mm512_load_si512(tables.data() + 128), hi1 = _mm512_load_si512(tables.data() + 192);
-    order = _mm512_set_epi64(7, 3, 6, 2, 5, 1, 4, 0), sign = _mm512_set1_epi8(static_cast<char>(0x80));
-  }
-
-  // The n <= 64 codes at src as bf16: codes [0, 32) in first, [32, 64) in second (zero past n).
-  PYEXT_VBMI void decode64(const uint8_t* src, int64_t n, __m512i& first, __m512i& second) const {
-    const __m512i x = _mm512_permutexvar_epi64(order, _mm512_maskz_loadu_epi8(_bzhi_u64(~0ull, n), src));
-    const __m512i lo = _mm512_permutex2var_epi8(lo0, x, lo1);
-    const __m512i hi = _mm512_ternarylogic_epi32(_mm512_permutex2var_epi8(hi0, x, hi1), x, sign, 0xf8);  // a | b & c
-    first = _mm512_unpacklo_epi8(lo, hi), second = _mm512_unpackhi_epi8(lo, hi);
-  }
-};
-
-PYEXT_VBMI void decode_rows_vbmi(const uint8_t* w, int64_t K, int64_t n0, int64_t rows, uint16_t* out) {
-  const Vbmi v;
-  for (int64_t r = 0; r < rows; ++r) {
-    const uint8_t* src = w + (n0 + r) * K;
-    uint16_t* dst = out + r * K;
-    for (int64_t k = 0; k < K; k += 64) {
-      const int64_t n = std::min<int64_t>(64, K - k);
-      __m512i a, b;
-      v.decode64(src + k, n, a, b);
-      _mm512_mask_storeu_epi16(dst + k, _bzhi_u32(~0u, std::min<int64_t>(32, n)), a);
-      if (n > 32) _mm512_mask_storeu_epi16(dst + k + 32, _bzhi_u32(~0u, n - 32), b);
-    }
-  }
-}
-
-// pack_panel's layout from 64 codes of 16 channels at a time: two 16 x 16 transposes of pairs.
-PYEXT_VBMI void pack_panel_vbmi(const uint8_t* w, int64_t N, int64_t K, int64_t n0, uint16_t* packed, int64_t ld) {
-  const Vbmi v;
+PYEXT_VBMI_TARGET void pack_panel_lut(const uint8_t* w, int64_t N, int64_t K, int64_t n0, uint16_t* packed,
+                                      int64_t ld) {
+  alignas(64) uint16_t table[128];  // bf16 of the non-negative codes (exact)
+  for (uint32_t c = 0; c < 128; ++c) table[c] = float_to_bf16(fp8_e4m3_decode(c));
+  __m512i planes[4];
+  lut_planes(table, planes);
   const int64_t pairs = (K + 1) / 2;
   for (int g = 0; g < kVecs; ++g) {
     for (int64_t k = 0; k < K; k += 64) {
+      const __mmask64 valid = _bzhi_u64(~0ull, static_cast<unsigned>(std::min<int64_t>(64, K - k)));
       __m512i r[2][16];
       for (int i = 0; i < 16; ++i) {
         const int64_t n = n0 + g * 16 + i;
-        if (n < N) v.decode64(w + n * K + k, std::min<int64_t>(64, K - k), r[0][i], r[1][i]);
+        if (n < N) lookup64(planes, _mm512_maskz_loadu_epi8(valid, w + n * K + k), &r[0][i], &r[1][i]);
         else r[0][i] = r[1][i] = _mm512_setzero_si512();
       }
       for (int h = 0; h < 2; ++h) {
@@ -246,16 +204,10 @@ PYEXT_VBMI void pack_panel_vbmi(const uint8_t* w, int64_t N, int64_t K, int64_t 
   }
 }
 
-#undef PYEXT_VBMI
-
 }  // namespace
 
 void fp8_pack_panel_avx512(const uint8_t* w, int64_t N, int64_t K, int64_t n0, uint16_t* packed, int64_t ld) {
-  pack_panel_vbmi(w, N, K, n0, packed, ld);
-}
-
-void fp8_decode_rows_avx512(const uint8_t* w, int64_t K, int64_t n0, int64_t rows, uint16_t* out) {
-  decode_rows_vbmi(w, K, n0, rows, out);
+  pack_panel_lut(w, N, K, n0, packed, ld);
 }
 
 void fp8_epilogue_avx512(const float* acc, int64_t ld_acc, int64_t rows, int64_t cols, const float* scale,
@@ -331,7 +283,6 @@ void fp8_gemm_bf16_avx512(const Fp8GemmArgs&, int64_t, int64_t) {}
 bool fp8_gemm_supported() { return false; }
 bool fp8_brgemm_simd_supported() { return false; }
 void fp8_pack_panel_avx512(const uint8_t*, int64_t, int64_t, int64_t, uint16_t*, int64_t) {}
-void fp8_decode_rows_avx512(const uint8_t*, int64_t, int64_t, int64_t, uint16_t*) {}
 void fp8_epilogue_avx512(const float*, int64_t, int64_t, int64_t, const float*, const float*, uint16_t*, int64_t) {}
 }  // namespace pyext::cpu
 #endif

@@ -23,6 +23,7 @@
 #include "common/brgemm.h"
 #include "common/half_rounding.h"
 #include "common/scratch.h"
+#include "fp8/fp8_convert_cpu.h"
 #include "fp8/fp8_e4m3.h"
 #include "fp8/fp8_gemm_cpu.h"
 
@@ -123,9 +124,11 @@ void gemm_small(const Fp8GemmArgs& a, const Fp8BrgemmSplit& split, int64_t task,
   uint32_t* xt32 = reinterpret_cast<uint32_t*>(xt);
   for (int64_t m = 0; m < M; ++m)
     for (int64_t p2 = 0; p2 < K / 2; ++p2) std::memcpy(xt32 + p2 * M + m, a.x + m * K + 2 * p2, sizeof(uint32_t));
+  // w's rows to bf16 (exact: a scale of 1), as fp8_upcast decodes them
+  const Fp8RowFn decode = fp8_row_kernel(PYEXT_BF16, simd ? SimdLevel::kAvx512 : SimdLevel::kScalar);
   for (int64_t p = p0; p < p1; ++p) {
     const int64_t n0 = p * kFp8Panel, cols = std::min(kFp8Panel, a.N - n0);
-    (simd ? fp8_decode_rows_avx512 : fp8_decode_rows_scalar)(a.w, K, n0, cols, wd);
+    decode(a.w + n0 * K, wd, cols * K, 1.0f, false);  // the panel's rows lie one after another
     multiply(mk, cols, M, K, K, M, false, wd, xt, acc);
     for (int64_t c = 0; c < cols; ++c) {
       scale[c] = a.scale[a.per_tensor ? 0 : n0 + c];
@@ -155,11 +158,6 @@ void fp8_pack_panel_scalar(const uint8_t* w, int64_t N, int64_t K, int64_t n0, u
         packed[(p * ld + c) * 2 + j] = n < N && k < K ? bf16[w[n * K + k]] : 0;
       }
     }
-}
-
-void fp8_decode_rows_scalar(const uint8_t* w, int64_t K, int64_t n0, int64_t rows, uint16_t* out) {
-  const std::array<uint16_t, 256>& bf16 = bf16_of_code();
-  for (int64_t i = 0; i < rows * K; ++i) out[i] = bf16[w[n0 * K + i]];
 }
 
 void fp8_epilogue_scalar(const float* acc, int64_t ld_acc, int64_t rows, int64_t cols, const float* scale,

@@ -62,10 +62,9 @@ bool scales_fuse_exactly(const at::Tensor& scale) {
   });
 }
 
-// Units a thread must get to be worth waking the pool: 2^20 multiply-adds (a unit is rows x 64 x K).
-int64_t fused_gemm_grain(int64_t K, int64_t rows = 6) {
-  return std::max<int64_t>(1, (int64_t{1} << 20) / (rows * kFp8Panel * K));
-}
+// Units of the AVX-512 GEMM a thread must get to be worth waking the pool: 2^20 multiply-adds (a
+// unit is its 6-row tile x 64 x K).
+int64_t fused_gemm_grain(int64_t K) { return std::max<int64_t>(1, (int64_t{1} << 20) / (6 * kFp8Panel * K)); }
 
 // Upcasts rows [row0, row0 + nrows) of a (rows, cols) fp8 matrix into dst,
 // in parallel. A single (per-tensor) scale is split by element chunks instead.
@@ -245,12 +244,16 @@ at::Tensor fp8_linear_cpu(const at::Tensor& x, const at::Tensor& w, const at::Te
   return y.view(out_shape);
 }
 
-// Runs a brgemm op's GEMM, a task per thread, on torch's AMX kernel, which `op` refuses to run
-// without, or with the tests' switches: the stand-in micro-kernel (any CPU) and the scalar packer,
-// decoder and epilogue (any CPU with the SIMD ones too).
-void run_brgemm(const char* op, const Fp8GemmArgs& args, bool stand_in, bool scalar) {
+// A brgemm op refuses to run without torch's AMX kernel, but on the stand-in.
+void require_brgemm(const char* op, bool stand_in) {
   TORCH_CHECK(stand_in || brgemm_amx_available(), op, ": torch's brgemm has no AMX kernel for bf16 on this CPU "
               "(cpublas::could_pack)");
+}
+
+// Runs a brgemm op's GEMM, a task per thread, on torch's AMX kernel or with the tests' switches:
+// the stand-in micro-kernel (any CPU) and the scalar packer, decoder and epilogue (any CPU with the
+// SIMD ones too).
+void run_brgemm(const Fp8GemmArgs& args, bool stand_in, bool scalar) {
   const Microkernel mk = stand_in ? Microkernel::kStandIn : Microkernel::kOneDnn;
   const bool simd = !scalar && fp8_brgemm_simd_supported();
   const Fp8BrgemmSplit split = fp8_brgemm_split(args, at::get_num_threads());
@@ -266,6 +269,7 @@ at::Tensor fp8_linear_brgemm_cpu(const at::Tensor& x, const at::Tensor& w, const
   check_fp8_weight(w, scale);
   TORCH_CHECK(w.dim() == 2 && x.size(-1) == w.size(1) && w.size(1) % 2 == 0 && x.scalar_type() == at::kBFloat16,
               "pyext fp8_linear brgemm: x must be bf16 with an even K matching the weight");
+  require_brgemm("pyext fp8_linear brgemm", stand_in);
   const int64_t K = w.size(1), N = w.size(0), M = K ? x.numel() / K : 0;
   const at::Tensor wc = w.contiguous(), sc = scale.contiguous();
   if (M == 0 || N == 0 || K == 0 || !scales_fuse_exactly(sc)) return fp8_linear_cpu(x, w, scale, bias, -1);
@@ -279,7 +283,7 @@ at::Tensor fp8_linear_brgemm_cpu(const at::Tensor& x, const at::Tensor& w, const
                          sc.data_ptr<float>(), sc.numel() == 1,
                          bias ? reinterpret_cast<const uint16_t*>(bc.data_ptr()) : nullptr,
                          reinterpret_cast<uint16_t*>(y.data_ptr()), M, N, K};
-  run_brgemm("pyext fp8_linear brgemm", args, stand_in, scalar);
+  run_brgemm(args, stand_in, scalar);
   return y.view(out_shape);
 }
 
@@ -338,11 +342,9 @@ at::Tensor fp8_conv2d_cpu(const at::Tensor& x, const at::Tensor& w, const at::Te
 at::Tensor fp8_conv2d_brgemm_cpu(const at::Tensor& x, const at::Tensor& w, const at::Tensor& scale,
                                  const std::optional<at::Tensor>& bias, at::IntArrayRef stride,
                                  at::IntArrayRef padding, bool stand_in, bool scalar) {
-  TORCH_CHECK(stand_in || brgemm_amx_available(), "pyext fp8_conv2d brgemm: torch's brgemm has no AMX kernel for "
-              "bf16 on this CPU (cpublas::could_pack)");
-  return fp8_conv2d_implicit(x, w, scale, bias, stride, padding, [&](const Fp8GemmArgs& args) {
-    run_brgemm("pyext fp8_conv2d brgemm", args, stand_in, scalar);
-  });
+  require_brgemm("pyext fp8_conv2d brgemm", stand_in);
+  return fp8_conv2d_implicit(x, w, scale, bias, stride, padding,
+                             [&](const Fp8GemmArgs& args) { run_brgemm(args, stand_in, scalar); });
 }
 
 // ---- pyext::fp8_linear without entering Python (fp8_linear_entry.h)
