@@ -223,7 +223,7 @@ def test_non_contiguous_and_explicit_scale(backend):
 @needs_kernel
 def test_auto_dispatch_on_cpu_prefers_cpp_where_it_wins():
     q, k, v = make_qkv(2, 8, 64, 64, 40, torch.bfloat16)
-    expect = "cpp" if cpu_paths()[0].startswith("avx512") else "sdpa"
+    expect = "cpp" if "avx512" in cpu_paths() else "sdpa"  # (an AMX CPU's first path is amx)
     assert select("attention", (q, k, v, None, None, False)).name == expect
 
 
@@ -323,8 +323,12 @@ def test_kernels_clean_under_sanitizers(tmp_path):
 
 
 @needs_kernel
-def test_auto_dispatch_declines_cpp_without_avx512():
-    """Below AVX-512 the C++ kernel measured slower than SDPA: auto picks sdpa, forcing still runs cpp."""
+@pytest.mark.parametrize("level,auto", [("avx2", "sdpa"), ("avx512", "cpp"), ("", "cpp")])
+def test_static_dispatch_takes_cpp_with_avx512_only(level, auto):
+    """Below AVX-512 the C++ kernel measured slower than SDPA: static dispatch picks sdpa, forcing
+    still runs cpp. With AVX-512 (and on AMX CPUs, whose first path is amx: level "") it takes cpp."""
+    if (level or "avx512") not in EXT.cpu_capabilities():
+        pytest.skip(f"this CPU has no {level or 'avx512'}")
     script = textwrap.dedent("""
         import json, torch
         from pyext.dispatch import select
@@ -334,9 +338,10 @@ def test_auto_dispatch_declines_cpp_without_avx512():
         print(json.dumps(dict(auto=select("attention", (q, q, q, None, None, False)).name, forced_ok=out.shape == q.shape)))
     """)
     proc = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=300,
-                          env=dict(os.environ, PYEXT_CPU_SIMD="avx2"))
+                          env={k: v for k, v in os.environ.items() if k != "PYEXT_CPU_SIMD"} | (
+                              {"PYEXT_CPU_SIMD": level} if level else {}))
     assert proc.returncode == 0, proc.stderr[-3000:]
-    assert json.loads(proc.stdout.strip().splitlines()[-1]) == {"auto": "sdpa", "forced_ok": True}
+    assert json.loads(proc.stdout.strip().splitlines()[-1]) == {"auto": auto, "forced_ok": True}
 
 
 # ----------------------------------------------------------------------------- hardening: bad and extreme inputs
@@ -362,7 +367,7 @@ def test_first_key_block_of_neg_inf_scores(dtype):
     q, k, v = q.to(dtype), k.to(dtype), v.to(dtype)
     expected = attention(q, k, v, backend="reference")
     assert expected.isfinite().all()
-    for path in cpu_paths():  # the brgemm paths too: scores of 1e20 once overflowed their exp2 at the row max
+    for path in cpu_paths():  # the brgemm paths too: at scores of 1e20 the row max's exponent must be exactly 0
         if path in BF16_PATHS and dtype != torch.bfloat16:
             continue
         out = torch.ops.pyext_C.attention(q, k, v, 0.5, path)[0]

@@ -272,7 +272,7 @@ def test_the_reports_cpu_cost_is_measured_for_the_gemm_mode_that_runs():
 
 def test_the_reports_cpu_cost_leaves_out_the_layers_first_call(monkeypatch):
     """The layer's first call makes its GEMM's own measured choice: one-time work that is not what
-    fp8 costs per call (it once made an fp8 linear on par with F.linear read as 53x)."""
+    fp8 costs per call, and that the cost must leave out."""
     from pyext.techniques.weights import cpu_cost
 
     monkeypatch.setenv("PYEXT_DISPATCH", "measured")

@@ -44,7 +44,7 @@ struct AttnKernel {
                   const float* bias, int64_t bias_stride, PyextDtype t, void* out, float* lse,
                   const AttnCarry* carry);
   // Query rows the glue hands each parallel task (forward takes any count; this is its pass).
-  int64_t query_block = 64;
+  int64_t query_block;
 };
 
 // fp32 accumulation everywhere; the *_bf16dot kernel (bf16 inputs only, needs

@@ -203,7 +203,7 @@ void forward(const void* q, int64_t rows, const void* packed, int64_t skv, int64
 }  // namespace
 }  // namespace attn
 
-AttnKernel attention_kernel_avx512_bf16dot() { return AttnKernel{attn::packed_bytes, attn::pack, attn::forward}; }
+AttnKernel attention_kernel_avx512_bf16dot() { return AttnKernel{attn::packed_bytes, attn::pack, attn::forward, attn::kPass}; }
 }  // namespace pyext::cpu
 #else
 #include "attention/attention_cpu.h"

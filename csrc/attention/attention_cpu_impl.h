@@ -262,7 +262,7 @@ struct Fp32Attention {
                                                                  t, out, lse, carry);
   }
 
-  static AttnKernel kernel() { return AttnKernel{packed_bytes, pack, forward}; }
+  static AttnKernel kernel() { return AttnKernel{packed_bytes, pack, forward, kPass}; }
 };
 
 // 2^f for f in [-0.5, 0.5]: Taylor series of exp(f ln 2) to degree 7, relative error < 1e-8.

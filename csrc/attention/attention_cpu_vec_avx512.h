@@ -28,8 +28,8 @@ struct VecAvx512 {
   // 2^x for x <= 0 (including -inf), as exp2_scaled's p(x - n) * 2^n with exp2_poly as p.
   static reg exp2(reg x) { return exp2_scaled(x, [](reg f) { return exp2_poly<VecAvx512>(f); }); }
   // Below x = -125 the result is 0, not a float below 2^-126: Intel CPUs take a microcode assist
-  // of about a hundred cycles for every denormal vscalefps writes, and every -inf padding lane of
-  // a row's last vector made one (twice the time of cross-attention over 77 keys). A NaN score
+  // for every denormal vscalefps writes, and every -inf padding lane of a row's last vector would
+  // make one. A NaN score
   // (NaN in q or k) must stay NaN, as in softmax: the ordered compare leaves NaN lanes computed,
   // and vmaxps returns its second operand when either is NaN, so x goes second.
   template <class Poly>

@@ -97,8 +97,9 @@ def _cpp_slower(q, k, v, scale, mask, lse):
     # cannot time, takes cpp only with AVX-512 (measured dispatch times it),
     # or where SDPA cannot answer (the log-sum-exp); backend="cpp" runs any path
     # (PYEXT_CPU_SIMD caps it).
-    best = torch.ops.pyext_C.attention_paths()[0]
-    if not best.startswith("avx512") and not lse:
+    paths = torch.ops.pyext_C.attention_paths()
+    best = paths[0]
+    if "avx512" not in paths and not lse:  # (AMX CPUs list amx first, and avx512 too)
         return [f"the C++ {best} path is not faster than sdpa at every shape on CPU (measured); it runs "
                 "when forced or measured faster"]
     return []

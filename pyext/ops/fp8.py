@@ -216,7 +216,7 @@ LINEAR_TEST_SHAPES = ((5, 40, 7, True, True), (1, 33, 70, False, False), (70, 96
 # brgemm's: even in features; blocks of rows and panels of channels, whole and with tails.
 BRGEMM_TEST_SHAPES = ((5, 40, 7, True, True), (70, 96, 130, True, False), (33, 2, 64, False, True))
 
-# brgemm first: where it runs (AMX CPUs) it was 1.5-8x faster than cpp at every shape measured.
+# brgemm first: where it runs (AMX CPUs) it was faster than cpp at every shape measured (docs/benchmarks.md).
 dispatch.register("fp8_linear", Backend(
     "brgemm", _linear_brgemm, unavailable=brgemm_missing, reasons=_odd_k, devices=("cpu",),
     dtypes=(torch.bfloat16,), test_shapes=BRGEMM_TEST_SHAPES,

@@ -128,7 +128,7 @@ _CPP = Backend(
     "cpp", _conv_cpp, _cpp_argument_reasons, _cpp_unavailable, devices=("cpu",), dtypes=(torch.bfloat16,),
     guard=_cpp_scale_guard, test_shapes=CPP_TEST_SHAPES,
     doc="C++ implicit GEMM over channels-last bf16 activations, fp8 decoded in the GEMM's packing step")
-# brgemm first: where it runs (AMX CPUs) it was 2-10x faster than cpp at every shape measured.
+# brgemm first: where it runs (AMX CPUs) it was faster than cpp at every shape measured (docs/benchmarks.md).
 dispatch.register("fp8_conv2d", Backend(
     "brgemm", _conv_brgemm, _cpp_argument_reasons, lambda: brgemm_missing("fp8_conv2d_brgemm"), devices=("cpu",),
     dtypes=(torch.bfloat16,), guard=_cpp_scale_guard, test_shapes=CPP_TEST_SHAPES,
