@@ -347,18 +347,21 @@ def test_cpu_runtimes_pairs_rounds_and_checks_outputs(tmp_path):
     from bench import cpu_runtimes
 
     report = cpu_runtimes.main(["--size", "tiny", "--height", "64", "--width", "64", "--rounds", "2",
-                                "--threads", "1", "--runtimes", "eager,pyext", "--out", str(tmp_path)])
+                                "--threads", "1", "--runtimes", "eager,pyext,pyext_fp8", "--out", str(tmp_path)])
     from pyext.decision import auto_dtype
 
     rows = report["rows"]
     dtype = str(auto_dtype(torch.device("cpu"))).removeprefix("torch.")
     tolerance = 1e-4 if dtype == "float32" else 5e-2  # bf16 where the CPU has it natively
-    assert set(rows) == {"eager", "pyext"}
+    assert set(rows) == {"eager", "pyext", "pyext_fp8"}
     for c in ("unet", "vae"):
         assert all(len(row[c]["times_s"]) == 2 and all(t > 0 for t in row[c]["times_s"]) for row in rows.values())
         versus = rows["pyext"][c]["vs"]["eager"]
         assert versus["min"] <= versus["median"] <= versus["max"]
         assert rows["pyext"][c]["max_rel_err_vs_eager"] < tolerance  # pyext computes what eager does
+    # fp8 weights in the UNet only: its step carries their rounding, the VAE's decode none
+    assert 0 < rows["pyext_fp8"]["unet"]["max_rel_err_vs_eager"] < 0.25
+    assert rows["pyext_fp8"]["vae"]["max_rel_err_vs_eager"] < tolerance
     assert f"| pyext | {dtype} |" in (tmp_path / "cpu_runtimes.md").read_text()
     fake = {"spec": {"components": ["unet"]}, "rows": {"openvino": {"reason": "openvino not installed"}}}
     assert "| openvino | n/a: openvino not installed |" in cpu_runtimes.markdown(fake)

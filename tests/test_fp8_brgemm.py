@@ -20,8 +20,12 @@ pytestmark = pytest.mark.skipif(not has_kernel("fp8_linear_brgemm"), reason="pye
 # (rows, in features, out features): one row, a block of rows and its tail (32), one panel and its
 # tail (64), K from one VNNI pair to a width diffusion uses; up to 64 rows the GEMM multiplies
 # w x^T, above it x w^T, its panels decoded in groups of up to four (520 channels: 4 + 4 + 1).
+# K past 4096 codes: the small-M GEMM decodes rows a chunk at a time (two chunks and a tail);
+# K past 8192: the larger one decodes its groups a chunk of K at a time.
 SHAPES = [(1, 2, 1), (3, 40, 7), (31, 96, 64), (32, 130, 65), (33, 64, 130), (64, 66, 70), (65, 2, 64),
-          (70, 320, 200), (130, 64, 520), (5, 1280, 96)]
+          (70, 320, 200), (130, 64, 520), (5, 1280, 96), (7, 8200, 70), (66, 8258, 130)]
+# Chunks of K with more rows than their fp32 sums may hold at once: two runs of blocks per chunk.
+CHUNKED_RUNS = (530, 8258, 260)
 
 
 def brgemm(x, w, scale, bias, **switches):
@@ -61,6 +65,19 @@ def test_the_stand_in_path_gives_the_rounded_product(m, k, n, per_channel, with_
     out = brgemm(x, w, scale, bias, stand_in=True)
     assert out.shape == (m, n)
     assert_rounded_from(out, exact_product(x, w, scale, bias))
+
+
+def test_chunks_of_k_over_runs_of_blocks_give_the_rounded_product():
+    """One thread, so that one task holds all 17 blocks of rows (runs of 16 and 1)."""
+    x, w, scale, bias = case(*CHUNKED_RUNS, True, True, seed=4)
+    before = torch.get_num_threads()
+    try:
+        torch.set_num_threads(1)
+        outs = [brgemm(x, w, scale, bias, stand_in=True)] + ([brgemm(x, w, scale, bias)] if amx_brgemm() else [])
+    finally:
+        torch.set_num_threads(before)
+    for out in outs:
+        assert_rounded_from(out, exact_product(x, w, scale, bias))
 
 
 @pytest.mark.parametrize("m,k,n", SHAPES)
@@ -144,9 +161,11 @@ def test_without_amx_the_real_path_is_an_error_not_a_wrong_answer():
 
 # (batch, in channels, height, width, out channels, kernel, stride, padding): a 1x1 conv; 3x3 with
 # padding whose rows cross blocks of 32 output pixels; stride 2 with an odd width; a panel's tail
-# (70 channels); padding larger than the kernel reaches (output pixels of bias only); a 1-pixel row.
+# (70 channels); padding larger than the kernel reaches (output pixels of bias only); a 1-pixel row;
+# K = 9 x 1024 past 8192, decoded a tap at a time.
 CONV_SHAPES = [(1, 8, 6, 6, 64, 1, 1, 0), (2, 6, 5, 40, 16, 3, 1, 1), (1, 4, 9, 11, 70, 3, 2, 1),
-               (1, 2, 4, 5, 3, 3, 1, 3), (2, 10, 1, 1, 5, 1, 1, 0), (1, 320, 8, 8, 130, 3, 1, 1)]
+               (1, 2, 4, 5, 3, 3, 1, 3), (2, 10, 1, 1, 5, 1, 1, 0), (1, 320, 8, 8, 130, 3, 1, 1),
+               (2, 1024, 5, 6, 260, 3, 1, 1)]
 
 
 def conv_case(b, c, h, w, n, k, seed=0):

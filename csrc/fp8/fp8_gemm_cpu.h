@@ -39,13 +39,26 @@ void fp8_gemm_bf16_avx512(const Fp8GemmArgs& a, int64_t unit_begin, int64_t unit
 // True when this CPU can run fp8_gemm_bf16_avx512 (AVX-512 F/BW/VL + AVX512_BF16).
 bool fp8_gemm_supported();
 
-// A panel: channels [n0, n0 + kFp8Panel) of w decoded to bf16 in the VNNI pair layout,
+// A panel: channels [n0, n0 + kFp8Panel) of w (N rows of K codes, ld_w apart: a chunk of the
+// weight's columns when ld_w > K) decoded to bf16 in the VNNI pair layout,
 // packed[k / 2][channel][k % 2] with `ld` channels per pair row (a panel's own kFp8Panel, or a
 // group's: fp8_gemm_brgemm), zero past N and K. The AVX-512 packer (fp8_brgemm_simd_supported()
 // CPUs) and the scalar one write the same bits.
 constexpr int64_t kFp8Panel = 64;
-void fp8_pack_panel_avx512(const uint8_t* w, int64_t N, int64_t K, int64_t n0, uint16_t* packed, int64_t ld);
-void fp8_pack_panel_scalar(const uint8_t* w, int64_t N, int64_t K, int64_t n0, uint16_t* packed, int64_t ld);
+void fp8_pack_panel_avx512(const uint8_t* w, int64_t ld_w, int64_t N, int64_t K, int64_t n0, uint16_t* packed,
+                           int64_t ld);
+void fp8_pack_panel_scalar(const uint8_t* w, int64_t ld_w, int64_t N, int64_t K, int64_t n0, uint16_t* packed,
+                           int64_t ld);
+
+// Rows of K codes (ld_w apart) decoded to bf16 as they lie, ld_out apart: the small-M GEMM's A.
+// The AVX-512 decoder (fp8_brgemm_simd_supported() CPUs) and the scalar one write the same bits.
+void fp8_decode_rows_avx512(const uint8_t* w, int64_t ld_w, int64_t rows, int64_t K, uint16_t* out, int64_t ld_out);
+void fp8_decode_rows_scalar(const uint8_t* w, int64_t ld_w, int64_t rows, int64_t K, uint16_t* out, int64_t ld_out);
+
+// x (M rows of K bf16, K even) to xt[k / 2][m][2], x^T in VNNI pairs: the small-M GEMM's B. The
+// AVX-512 one (fp8_brgemm_simd_supported() CPUs) and the scalar one write the same bits.
+void fp8_transpose_pairs_avx512(const uint16_t* x, int64_t M, int64_t K, uint16_t* xt);
+void fp8_transpose_pairs_scalar(const uint16_t* x, int64_t M, int64_t K, uint16_t* xt);
 
 // y[r][c] = bf16(fma(acc[r][c], scale[c], bias[c])) for rows x cols of an fp32 block (ld_acc per
 // row) into y (ld_y per row), rounded to nearest even: the AVX-512 epilogue (AVX512_BF16's conversion)
@@ -65,18 +78,22 @@ void fp8_epilogue_scalar(const float* acc, int64_t ld_acc, int64_t rows, int64_t
 // panels (and, where there are fewer panels than threads, of the blocks of kFp8BrgemmRows rows; a
 // convolution's blocks lie within one output row). A task decodes its panels a group at a time
 // (Fp8BrgemmSplit::group of them, one buffer that stays in L2) and multiplies each group with every
-// block of its rows, so x is read once per group rather than once per panel.
+// block of its rows, so x is read once per group rather than once per panel. Where even one panel
+// of the whole K would not stay in L2, the group is decoded a chunk of K at a time
+// (Fp8BrgemmSplit::k_chunk; a convolution's chunks are whole taps), each chunk multiplied with a run
+// of the task's blocks whose fp32 sums stay in L2 beside it.
 //
 // A linear of at most kFp8SmallRows rows instead multiplies y^T = w x^T: each panel's 64 rows of w
-// are decoded as they lie (the A operand, read as one contiguous run, no transpose), and x^T is
-// packed once per task as B, each row decoded by fp8_upcast's row kernel (fp8_convert_cpu.h). At
-// few rows the decode is most of the work, and this one streams.
+// are decoded as they lie (the A operand: no transpose; a chunk of K at a time where a panel would
+// not stay in L2), and x^T is packed once per task as B. At few rows the decode is most of the
+// work, and this one streams.
 enum class Microkernel { kOneDnn, kStandIn };
 constexpr int64_t kFp8BrgemmRows = 32;  // rows of x per micro-kernel call: two AMX tiles of 16
 constexpr int64_t kFp8SmallRows = 64;
 struct Fp8BrgemmSplit {
   int64_t panel_shares, row_shares;  // tasks = panel_shares x row_shares
   int64_t group;                     // panels decoded and multiplied together
+  int64_t k_chunk;                   // columns of K decoded at a time: K, or less where K is large
 };
 Fp8BrgemmSplit fp8_brgemm_split(const Fp8GemmArgs& a, int64_t threads);
 // simd: the AVX-512 packer, row decoder and epilogue (fp8_brgemm_simd_supported(): AVX512_BF16 and

@@ -177,8 +177,8 @@ void run_tile(const Fp8GemmArgs& a, int64_t m0, int64_t n0, const uint16_t* pack
 // transposes of pairs.
 namespace {
 
-PYEXT_VBMI_TARGET void pack_panel_lut(const uint8_t* w, int64_t N, int64_t K, int64_t n0, uint16_t* packed,
-                                      int64_t ld) {
+PYEXT_VBMI_TARGET void pack_panel_lut(const uint8_t* w, int64_t ld_w, int64_t N, int64_t K, int64_t n0,
+                                      uint16_t* packed, int64_t ld) {
   alignas(64) uint16_t table[128];  // bf16 of the non-negative codes (exact)
   for (uint32_t c = 0; c < 128; ++c) table[c] = float_to_bf16(fp8_e4m3_decode(c));
   __m512i planes[4];
@@ -190,7 +190,7 @@ PYEXT_VBMI_TARGET void pack_panel_lut(const uint8_t* w, int64_t N, int64_t K, in
       __m512i r[2][16];
       for (int i = 0; i < 16; ++i) {
         const int64_t n = n0 + g * 16 + i;
-        if (n < N) lookup64(planes, _mm512_maskz_loadu_epi8(valid, w + n * K + k), &r[0][i], &r[1][i]);
+        if (n < N) lookup64(planes, _mm512_maskz_loadu_epi8(valid, w + n * ld_w + k), &r[0][i], &r[1][i]);
         else r[0][i] = r[1][i] = _mm512_setzero_si512();
       }
       for (int h = 0; h < 2; ++h) {
@@ -204,10 +204,51 @@ PYEXT_VBMI_TARGET void pack_panel_lut(const uint8_t* w, int64_t N, int64_t K, in
   }
 }
 
+PYEXT_VBMI_TARGET void decode_rows_lut(const uint8_t* w, int64_t ld_w, int64_t rows, int64_t K, uint16_t* out,
+                                       int64_t ld_out) {
+  alignas(64) uint16_t table[128];  // bf16 of the non-negative codes (exact)
+  for (uint32_t c = 0; c < 128; ++c) table[c] = float_to_bf16(fp8_e4m3_decode(c));
+  __m512i planes[4];
+  lut_planes(table, planes);
+  for (int64_t r = 0; r < rows; ++r)
+    for (int64_t k = 0; k < K; k += 64) {
+      const int64_t left = std::min<int64_t>(64, K - k);
+      __m512i a, b;
+      lookup64(planes, _mm512_maskz_loadu_epi8(_bzhi_u64(~0ull, static_cast<unsigned>(left)), w + r * ld_w + k), &a, &b);
+      uint16_t* o = out + r * ld_out + k;
+      _mm512_mask_storeu_epi16(o, _bzhi_u32(~0u, static_cast<unsigned>(std::min<int64_t>(left, 32))), a);
+      if (left > 32) _mm512_mask_storeu_epi16(o + 32, _bzhi_u32(~0u, static_cast<unsigned>(left - 32)), b);
+    }
+}
+
 }  // namespace
 
-void fp8_pack_panel_avx512(const uint8_t* w, int64_t N, int64_t K, int64_t n0, uint16_t* packed, int64_t ld) {
-  pack_panel_lut(w, N, K, n0, packed, ld);
+void fp8_transpose_pairs_avx512(const uint16_t* x, int64_t M, int64_t K, uint16_t* xt) {
+  const int64_t pairs = K / 2;
+  const uint32_t* src = reinterpret_cast<const uint32_t*>(x);
+  uint32_t* dst = reinterpret_cast<uint32_t*>(xt);
+  for (int64_t m0 = 0; m0 < M; m0 += 16) {
+    const int64_t ms = std::min<int64_t>(16, M - m0);
+    const __mmask16 mmask = _bzhi_u32(0xffff, static_cast<unsigned>(ms));
+    for (int64_t p0 = 0; p0 < pairs; p0 += 16) {
+      const int64_t ps = std::min<int64_t>(16, pairs - p0);
+      const __mmask16 pmask = _bzhi_u32(0xffff, static_cast<unsigned>(ps));
+      __m512i r[16];
+      for (int i = 0; i < 16; ++i)  // unaligned 32-bit loads: x may start at any bf16
+        r[i] = i < ms ? _mm512_maskz_loadu_epi32(pmask, src + (m0 + i) * pairs + p0) : _mm512_setzero_si512();
+      transpose16(r);  // r[j] = pair p0 + j of the 16 rows
+      for (int64_t j = 0; j < ps; ++j) _mm512_mask_storeu_epi32(dst + (p0 + j) * M + m0, mmask, r[j]);
+    }
+  }
+}
+
+void fp8_decode_rows_avx512(const uint8_t* w, int64_t ld_w, int64_t rows, int64_t K, uint16_t* out, int64_t ld_out) {
+  decode_rows_lut(w, ld_w, rows, K, out, ld_out);
+}
+
+void fp8_pack_panel_avx512(const uint8_t* w, int64_t ld_w, int64_t N, int64_t K, int64_t n0, uint16_t* packed,
+                           int64_t ld) {
+  pack_panel_lut(w, ld_w, N, K, n0, packed, ld);
 }
 
 void fp8_epilogue_avx512(const float* acc, int64_t ld_acc, int64_t rows, int64_t cols, const float* scale,
@@ -282,7 +323,9 @@ int64_t fp8_gemm_units(int64_t, int64_t) { return 0; }
 void fp8_gemm_bf16_avx512(const Fp8GemmArgs&, int64_t, int64_t) {}
 bool fp8_gemm_supported() { return false; }
 bool fp8_brgemm_simd_supported() { return false; }
-void fp8_pack_panel_avx512(const uint8_t*, int64_t, int64_t, int64_t, uint16_t*, int64_t) {}
+void fp8_pack_panel_avx512(const uint8_t*, int64_t, int64_t, int64_t, int64_t, uint16_t*, int64_t) {}
+void fp8_decode_rows_avx512(const uint8_t*, int64_t, int64_t, int64_t, uint16_t*, int64_t) {}
+void fp8_transpose_pairs_avx512(const uint16_t*, int64_t, int64_t, uint16_t*) {}
 void fp8_epilogue_avx512(const float*, int64_t, int64_t, int64_t, const float*, const float*, uint16_t*, int64_t) {}
 }  // namespace pyext::cpu
 #endif

@@ -23,7 +23,6 @@
 #include "common/brgemm.h"
 #include "common/half_rounding.h"
 #include "common/scratch.h"
-#include "fp8/fp8_convert_cpu.h"
 #include "fp8/fp8_e4m3.h"
 #include "fp8/fp8_gemm_cpu.h"
 
@@ -50,7 +49,6 @@ void multiply(Microkernel mk, int64_t M, int64_t N, int64_t K, int64_t ld_a, int
               const uint16_t* B, float* C) {
   (mk == Microkernel::kStandIn ? brgemm_bf16_stand_in : brgemm_bf16_onednn)(M, N, K, ld_a, ld_b, ld_b, add, A, B, C);
 }
-
 int64_t floor_div(int64_t n, int64_t d) { return n >= 0 ? n / d : -((-n + d - 1) / d); }
 
 // Blocks of rows: a linear's rows, a convolution's output rows, kFp8BrgemmRows at a time.
@@ -60,43 +58,46 @@ int64_t row_blocks(const Fp8GemmArgs& a) {
   return g.batch * g.OH * ((g.OW + kFp8BrgemmRows - 1) / kFp8BrgemmRows);
 }
 
-// acc = the products of output pixels [ow0, ow0 + rows) of output row (b, oh) with the group's
-// channels: per tap, the output pixels whose input pixel is inside the image.
-void conv_block(Microkernel mk, const Fp8GemmArgs& a, const Group& grp, int64_t b, int64_t oh, int64_t ow0,
-                int64_t rows, float* acc) {
+// Rows of x in block `block`: [m0, m0 + rows) of the GEMM (a convolution's lie in one output row).
+std::pair<int64_t, int64_t> block_rows(const Fp8GemmArgs& a, int64_t block) {
+  if (!a.conv) {
+    const int64_t m0 = block * kFp8BrgemmRows;
+    return {m0, std::min(kFp8BrgemmRows, a.M - m0)};
+  }
   const Conv2dGeometry& g = *a.conv;
-  std::fill(acc, acc + rows * grp.ld, 0.0f);
-  for (int64_t dy = 0; dy < g.kh; ++dy) {
-    const int64_t ih = oh * g.sh - g.ph + dy;
+  const int64_t runs = (g.OW + kFp8BrgemmRows - 1) / kFp8BrgemmRows;  // blocks per output row
+  const int64_t out_row = block / runs, ow0 = (block % runs) * kFp8BrgemmRows;
+  return {out_row * g.OW + ow0, std::min(kFp8BrgemmRows, g.OW - ow0)};
+}
+
+// acc (+)= the products of output pixels [ow0, ow0 + rows) of output row (b, oh) with the group's
+// channels under taps [t0, t1), whose pairs the group holds from its first row: per tap, the output
+// pixels whose input pixel is inside the image.
+void conv_block(Microkernel mk, const Fp8GemmArgs& a, const Group& grp, int64_t t0, int64_t t1, int64_t b,
+                int64_t oh, int64_t ow0, int64_t rows, float* acc) {
+  const Conv2dGeometry& g = *a.conv;
+  if (t0 == 0) std::fill(acc, acc + rows * grp.ld, 0.0f);
+  for (int64_t t = t0; t < t1; ++t) {
+    const int64_t dy = t / g.kw, dx = t % g.kw, ih = oh * g.sh - g.ph + dy;
     if (ih < 0 || ih >= g.H) continue;
-    for (int64_t dx = 0; dx < g.kw; ++dx) {
-      // Output pixels ow with 0 <= ow * sw - pw + dx < W.
-      const int64_t lo = std::max(ow0, -floor_div(dx - g.pw, g.sw));
-      const int64_t hi = std::min(ow0 + rows, floor_div(g.W - 1 + g.pw - dx, g.sw) + 1);
-      if (lo >= hi) continue;
-      const uint16_t* x = a.x + ((b * g.H + ih) * g.W + lo * g.sw - g.pw + dx) * g.C;
-      const uint16_t* tap = grp.packed + (dy * g.kw + dx) * g.C * grp.ld;  // the tap's C / 2 pairs of ld x 2
-      multiply(mk, hi - lo, grp.cols, g.C, g.sw * g.C, grp.ld, true, x, tap, acc + (lo - ow0) * grp.ld);
-    }
+    // Output pixels ow with 0 <= ow * sw - pw + dx < W.
+    const int64_t lo = std::max(ow0, -floor_div(dx - g.pw, g.sw));
+    const int64_t hi = std::min(ow0 + rows, floor_div(g.W - 1 + g.pw - dx, g.sw) + 1);
+    if (lo >= hi) continue;
+    const uint16_t* x = a.x + ((b * g.H + ih) * g.W + lo * g.sw - g.pw + dx) * g.C;
+    const uint16_t* tap = grp.packed + (t - t0) * g.C * grp.ld;  // the tap's C / 2 pairs of ld x 2
+    multiply(mk, hi - lo, grp.cols, g.C, g.sw * g.C, grp.ld, true, x, tap, acc + (lo - ow0) * grp.ld);
   }
 }
 
-// Block `block` of the rows times the group, into y.
-void run_block(Microkernel mk, bool simd, const Fp8GemmArgs& a, const Group& grp, const float* scale,
-               const float* bias, int64_t block, float* acc) {
-  int64_t m0, rows;
-  if (!a.conv) {
-    m0 = block * kFp8BrgemmRows, rows = std::min(kFp8BrgemmRows, a.M - m0);
-    multiply(mk, rows, grp.cols, a.K, a.K, grp.ld, false, a.x + m0 * a.K, grp.packed, acc);
-  } else {
-    const Conv2dGeometry& g = *a.conv;
-    const int64_t runs = (g.OW + kFp8BrgemmRows - 1) / kFp8BrgemmRows;  // blocks per output row
-    const int64_t out_row = block / runs, ow0 = (block % runs) * kFp8BrgemmRows;
-    rows = std::min(kFp8BrgemmRows, g.OW - ow0), m0 = out_row * g.OW + ow0;
-    conv_block(mk, a, grp, out_row / g.OH, out_row % g.OH, ow0, rows, acc);
-  }
-  (simd ? fp8_epilogue_avx512 : fp8_epilogue_scalar)(acc, grp.ld, rows, grp.cols, scale, bias,
-                                                     a.y + m0 * a.N + grp.n0, a.N);
+// acc (+)= block `block` of the rows times the group's columns [k0, k1) of K (a sum from k0 = 0).
+void accumulate(Microkernel mk, const Fp8GemmArgs& a, const Group& grp, int64_t block, int64_t k0, int64_t k1,
+                float* acc) {
+  const auto [m0, rows] = block_rows(a, block);
+  if (!a.conv) return multiply(mk, rows, grp.cols, k1 - k0, a.K, grp.ld, k0 > 0, a.x + m0 * a.K + k0, grp.packed, acc);
+  const Conv2dGeometry& g = *a.conv;
+  const int64_t out_row = m0 / g.OW;
+  conv_block(mk, a, grp, k0 / g.C, k1 / g.C, out_row / g.OH, out_row % g.OH, m0 % g.OW, rows, acc);
 }
 
 // [begin, end) of n things split into `shares` balanced shares.
@@ -106,30 +107,30 @@ bool small_linear(const Fp8GemmArgs& a) { return !a.conv && a.M <= kFp8SmallRows
 
 // The small-M GEMM (fp8_gemm_cpu.h): y^T = w x^T for the task's share of the panels.
 void gemm_small(const Fp8GemmArgs& a, const Fp8BrgemmSplit& split, int64_t task, Microkernel mk, bool simd) {
-  const int64_t M = a.M, K = a.K, panels = (a.N + kFp8Panel - 1) / kFp8Panel;
+  const int64_t M = a.M, K = a.K, panels = (a.N + kFp8Panel - 1) / kFp8Panel, kc = split.k_chunk;
   const auto [p0, p1] = share(panels, split.panel_shares, task);
   thread_local ScratchPtr<uint16_t> xt_buf, w_buf;
   thread_local ScratchPtr<float> acc_buf;
   thread_local size_t xt_cap = 0, w_cap = 0, acc_cap = 0;
   uint16_t* xt = grow(xt_buf, xt_cap, static_cast<size_t>(K) * M * sizeof(uint16_t));
-  uint16_t* wd = grow(w_buf, w_cap, static_cast<size_t>(kFp8Panel) * K * sizeof(uint16_t));
+  // The decoded rows lie ld_wd apart: 64 bytes past the chunk, so that the micro-kernel's loads of 16
+  // rows never fall 4 KiB apart, into the same cache sets.
+  const int64_t ld_wd = kc + 32;
+  uint16_t* wd = grow(w_buf, w_cap, static_cast<size_t>(kFp8Panel) * ld_wd * sizeof(uint16_t));
   // acc: the panel's channels x M (the product), then M x its channels (the epilogue's rows), and the
   // panel's scales and biases.
   float* acc = grow(acc_buf, acc_cap, static_cast<size_t>(2 * kFp8Panel * M + 2 * kFp8Panel) * sizeof(float));
   float* rows = acc + kFp8Panel * M;
   float* scale = rows + kFp8Panel * M;
   float* bias = scale + kFp8Panel;
-  // x^T in VNNI pairs, xt[k / 2][m][2]: the transpose of x as M x K / 2 words of a pair each (read
-  // by memcpy: x may start at any bf16).
-  uint32_t* xt32 = reinterpret_cast<uint32_t*>(xt);
-  for (int64_t m = 0; m < M; ++m)
-    for (int64_t p2 = 0; p2 < K / 2; ++p2) std::memcpy(xt32 + p2 * M + m, a.x + m * K + 2 * p2, sizeof(uint32_t));
-  // w's rows to bf16 (exact: a scale of 1), as fp8_upcast decodes them
-  const Fp8RowFn decode = fp8_row_kernel(PYEXT_BF16, simd ? SimdLevel::kAvx512 : SimdLevel::kScalar);
+  (simd ? fp8_transpose_pairs_avx512 : fp8_transpose_pairs_scalar)(a.x, M, K, xt);
   for (int64_t p = p0; p < p1; ++p) {
     const int64_t n0 = p * kFp8Panel, cols = std::min(kFp8Panel, a.N - n0);
-    decode(a.w + n0 * K, wd, cols * K, 1.0f, false);  // the panel's rows lie one after another
-    multiply(mk, cols, M, K, K, M, false, wd, xt, acc);
+    for (int64_t k0 = 0; k0 < K; k0 += kc) {  // a chunk of each row at a time, kept in L2
+      const int64_t k1 = std::min(K, k0 + kc);
+      (simd ? fp8_decode_rows_avx512 : fp8_decode_rows_scalar)(a.w + n0 * K + k0, K, cols, k1 - k0, wd, ld_wd);
+      multiply(mk, cols, M, k1 - k0, ld_wd, M, k0 > 0, wd, xt + k0 * M, acc);
+    }
     for (int64_t c = 0; c < cols; ++c) {
       scale[c] = a.scale[a.per_tensor ? 0 : n0 + c];
       bias[c] = a.bias ? bf16_to_float(a.bias[n0 + c]) : 0.0f;
@@ -140,24 +141,46 @@ void gemm_small(const Fp8GemmArgs& a, const Fp8BrgemmSplit& split, int64_t task,
   if (mk == Microkernel::kOneDnn) brgemm_release_onednn();
 }
 
-// Decoded groups stay within this, at most kMaxGroup panels (256 channels per micro-kernel call).
+// Decoded groups stay within kGroupBytes, at most kMaxGroup panels (256 channels per micro-kernel
+// call). A K too large for that is decoded kChunkBytes at a time, a chunk which every block of rows
+// multiplies while it is in L2 (a quarter of kGroupBytes was faster than the whole: the
+// micro-kernel reads less of both operands from L2 per block).
 constexpr size_t kGroupBytes = size_t{1} << 20;
+constexpr size_t kChunkBytes = size_t{256} << 10;
 constexpr int64_t kMaxGroup = 4;
+// The small-M GEMM's chunk of each decoded row (8 KiB), which with x^T's chunk stays in L2.
+constexpr int64_t kSmallChunk = 4096;
+// The fp32 sums of the blocks one chunk of K is multiplied with, at most.
+constexpr size_t kChunkSumBytes = size_t{512} << 10;
 // A GEMM below this many multiply-adds runs as one task: waking a thread costs more.
 constexpr int64_t kMinTaskWork = int64_t{1} << 22;
 
 }  // namespace
 
-void fp8_pack_panel_scalar(const uint8_t* w, int64_t N, int64_t K, int64_t n0, uint16_t* packed, int64_t ld) {
+void fp8_pack_panel_scalar(const uint8_t* w, int64_t ld_w, int64_t N, int64_t K, int64_t n0, uint16_t* packed,
+                           int64_t ld) {
   const std::array<uint16_t, 256>& bf16 = bf16_of_code();
   for (int64_t p = 0; p < (K + 1) / 2; ++p)
     for (int64_t c = 0; c < kFp8Panel; ++c) {
       const int64_t n = n0 + c;
       for (int64_t j = 0; j < 2; ++j) {
         const int64_t k = 2 * p + j;
-        packed[(p * ld + c) * 2 + j] = n < N && k < K ? bf16[w[n * K + k]] : 0;
+        packed[(p * ld + c) * 2 + j] = n < N && k < K ? bf16[w[n * ld_w + k]] : 0;
       }
     }
+}
+
+void fp8_decode_rows_scalar(const uint8_t* w, int64_t ld_w, int64_t rows, int64_t K, uint16_t* out, int64_t ld_out) {
+  const std::array<uint16_t, 256>& bf16 = bf16_of_code();
+  for (int64_t r = 0; r < rows; ++r)
+    for (int64_t k = 0; k < K; ++k) out[r * ld_out + k] = bf16[w[r * ld_w + k]];
+}
+
+void fp8_transpose_pairs_scalar(const uint16_t* x, int64_t M, int64_t K, uint16_t* xt) {
+  // the transpose of x as M x K / 2 words of a pair each (read by memcpy: x may start at any bf16)
+  uint32_t* xt32 = reinterpret_cast<uint32_t*>(xt);
+  for (int64_t m = 0; m < M; ++m)
+    for (int64_t p = 0; p < K / 2; ++p) std::memcpy(xt32 + p * M + m, x + m * K + 2 * p, sizeof(uint32_t));
 }
 
 void fp8_epilogue_scalar(const float* acc, int64_t ld_acc, int64_t rows, int64_t cols, const float* scale,
@@ -176,8 +199,25 @@ Fp8BrgemmSplit fp8_brgemm_split(const Fp8GemmArgs& a, int64_t threads) {
   split.panel_shares = by_rows ? 1 : std::max<int64_t>(1, std::min(panels, threads));
   split.row_shares = small_linear(a) ? 1 : std::max<int64_t>(1, std::min(blocks, threads / split.panel_shares));
   const int64_t per_task = (panels + split.panel_shares - 1) / split.panel_shares;
+  if (small_linear(a)) {
+    // The small-M GEMM decodes each panel's rows as they lie, a chunk of each at a time.
+    split.group = 1;
+    split.k_chunk = std::min(kSmallChunk, a.K);
+    return split;
+  }
+  // A group of up to kMaxGroup panels whose whole K fits kGroupBytes; where even one panel's does
+  // not, up to kMaxGroup panels whose one tap of a convolution fits it, decoded kChunkBytes at a time:
+  // a convolution's chunk is a run of whole taps, a linear's a multiple of the packer's 64 codes.
   const int64_t fit = static_cast<int64_t>(kGroupBytes / (static_cast<size_t>(a.K) * kFp8Panel * sizeof(uint16_t)));
   split.group = std::clamp<int64_t>(std::min(fit, kMaxGroup), 1, per_task);
+  split.k_chunk = a.K;
+  if (fit == 0) {
+    const int64_t unit = a.conv ? a.conv->C : 64;
+    const int64_t tap_fit = static_cast<int64_t>(kGroupBytes / (static_cast<size_t>(unit) * kFp8Panel * sizeof(uint16_t)));
+    split.group = std::clamp<int64_t>(std::min(tap_fit, kMaxGroup), 1, per_task);
+    const size_t row_bytes = static_cast<size_t>(split.group) * kFp8Panel * sizeof(uint16_t);
+    split.k_chunk = std::min(a.K, std::max<int64_t>(1, static_cast<int64_t>(kChunkBytes / row_bytes) / unit) * unit);
+  }
   return split;
 }
 
@@ -185,29 +225,45 @@ void fp8_gemm_brgemm(const Fp8GemmArgs& a, const Fp8BrgemmSplit& split, int64_t 
   TORCH_CHECK(a.conv ? a.conv->C % 2 == 0 : a.K % 2 == 0,
               "pyext fp8 brgemm: a linear with an even K or a convolution with an even C only");
   if (small_linear(a)) return gemm_small(a, split, task, mk, simd);
-  const int64_t panels = (a.N + kFp8Panel - 1) / kFp8Panel, ld = split.group * kFp8Panel;
+  const int64_t panels = (a.N + kFp8Panel - 1) / kFp8Panel, ld = split.group * kFp8Panel, kc = split.k_chunk;
   const auto [p0, p1] = share(panels, split.panel_shares, task / split.row_shares);
   const auto [b0, b1] = share(row_blocks(a), split.row_shares, task % split.row_shares);
-  // Per-thread scratch, reused across calls and layers: the decoded group, the fp32 block, the
+  // Blocks whose sums are kept while K is decoded a chunk at a time: their fp32 blocks stay in L2
+  // beside the chunk; one when the whole K is decoded at once.
+  const int64_t run = kc == a.K ? 1 : std::max<int64_t>(1, kChunkSumBytes / (kFp8BrgemmRows * ld * sizeof(float)));
+  // Per-thread scratch, reused across calls and layers: the decoded group, the fp32 blocks, the
   // group's scales and biases.
   thread_local ScratchPtr<uint16_t> group_buf;
   thread_local ScratchPtr<float> acc_buf, epi_buf;
   thread_local size_t group_cap = 0, acc_cap = 0, epi_cap = 0;
-  uint16_t* packed = grow(group_buf, group_cap, static_cast<size_t>(a.K + 1) * ld * sizeof(uint16_t));
-  float* acc = grow(acc_buf, acc_cap, kFp8BrgemmRows * ld * sizeof(float));
+  uint16_t* packed = grow(group_buf, group_cap, static_cast<size_t>(kc + 1) * ld * sizeof(uint16_t));
+  float* acc = grow(acc_buf, acc_cap, run * kFp8BrgemmRows * ld * sizeof(float));
   float* scale = grow(epi_buf, epi_cap, 2 * ld * sizeof(float));
   float* bias = scale + ld;
   for (int64_t g0 = p0; g0 < p1; g0 += split.group) {
     const int64_t g1 = std::min(p1, g0 + split.group), n0 = g0 * kFp8Panel;
     const Group grp{packed, n0, std::min(a.N, g1 * kFp8Panel) - n0, ld};
-    for (int64_t p = g0; p < g1; ++p)
-      (simd ? fp8_pack_panel_avx512 : fp8_pack_panel_scalar)(a.w, a.N, a.K, p * kFp8Panel,
-                                                           packed + (p - g0) * kFp8Panel * 2, ld);
     for (int64_t c = 0; c < grp.cols; ++c) {
       scale[c] = a.scale[a.per_tensor ? 0 : n0 + c];
       bias[c] = a.bias ? bf16_to_float(a.bias[n0 + c]) : 0.0f;
     }
-    for (int64_t block = b0; block < b1; ++block) run_block(mk, simd, a, grp, scale, bias, block, acc);
+    for (int64_t r0 = b0; r0 < b1; r0 += run) {
+      const int64_t r1 = std::min(b1, r0 + run);
+      for (int64_t k0 = 0; k0 < a.K; k0 += kc) {
+        const int64_t k1 = std::min(a.K, k0 + kc);
+        if (kc < a.K || r0 == b0)  // the whole K: decoded once for all the task's blocks
+          for (int64_t p = g0; p < g1; ++p)
+            (simd ? fp8_pack_panel_avx512 : fp8_pack_panel_scalar)(a.w + k0, a.K, a.N, k1 - k0, p * kFp8Panel,
+                                                                 packed + (p - g0) * kFp8Panel * 2, ld);
+        for (int64_t block = r0; block < r1; ++block)
+          accumulate(mk, a, grp, block, k0, k1, acc + (block - r0) * kFp8BrgemmRows * ld);
+      }
+      for (int64_t block = r0; block < r1; ++block) {
+        const auto [m0, rows] = block_rows(a, block);
+        (simd ? fp8_epilogue_avx512 : fp8_epilogue_scalar)(acc + (block - r0) * kFp8BrgemmRows * ld, ld, rows,
+                                                           grp.cols, scale, bias, a.y + m0 * a.N + n0, a.N);
+      }
+    }
   }
   if (mk == Microkernel::kOneDnn) brgemm_release_onednn();  // the thread's AMX tile state
 }
