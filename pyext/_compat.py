@@ -59,6 +59,7 @@ _NAMES = {
     "attention_backend_registry": "diffusers.models.attention_dispatch:_AttentionBackendRegistry",
     "context_parallel_input": "diffusers.models._modeling_parallel:ContextParallelInput",
     "context_parallel_output": "diffusers.models._modeling_parallel:ContextParallelOutput",
+    "suggest_memory_format": "torch._prims_common:suggest_memory_format",
 }
 
 
@@ -78,6 +79,13 @@ def check_names() -> dict[str, str]:
     missing.update({f"torch.ops.mkldnn.{op}": "missing" for op in MKLDNN_OPS if not hasattr(torch.ops.mkldnn, op)})
     missing.update({f"torch.ops.aten.{op}": "missing" for op in SDPA_KERNELS if not hasattr(torch.ops.aten, op)})
     return missing
+
+
+def is_channels_last(t: torch.Tensor) -> bool:
+    """A 4-D tensor whose strides torch's convolutions read as channels-last (Tensor's
+    suggest_memory_format): a (N, C, 1, 1) weight made channels-last counts, where is_contiguous
+    alone cannot tell its two layouts apart."""
+    return t.dim() == 4 and _resolve("suggest_memory_format")(t) == torch.channels_last
 
 
 # ----------------------------------------------------------------------------- hooks

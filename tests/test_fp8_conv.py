@@ -8,7 +8,8 @@ from pyext import PyextError, dispatch
 from pyext._ext import EXT, cpu_capabilities
 from pyext.nn import quantize_fp8
 from pyext.ops import fp8_conv2d, fp8_quantize
-from pyext.reference.fp8 import fp8_conv2d_reference, fp8_upcast_reference
+from pyext.ops.fp8 import example_weight
+from pyext.reference.fp8 import FP8, fp8_conv2d_reference, fp8_upcast_reference
 
 CL = torch.channels_last
 needs_fused = pytest.mark.skipif(EXT is None or "avx512_bf16" not in cpu_capabilities(),
@@ -127,6 +128,26 @@ def test_module_takes_the_fused_path_on_its_kernel_layout_codes():
     assert rel_err(y_cl, y_nchw) < 1e-2
     model.to(memory_format=CL)
     assert model[1].weight.is_contiguous(memory_format=CL) and rel_err(model(x), y_cl) == 0
+
+
+@pytest.mark.parametrize("channels_last_weight", [True, False])
+@pytest.mark.parametrize("kernel", [1, 3])
+def test_the_output_takes_torchs_memory_format_whatever_the_backend(kernel, channels_last_weight):
+    """torch's conv reads the format from strides: a 1x1 weight made channels-last is contiguous
+    both ways, yet gives channels-last outputs, which the next layer then reads without a reorder."""
+    g = torch.Generator().manual_seed(0)
+    x = torch.randn(2, 8, 5, 6, generator=g).bfloat16()
+    codes, scale = example_weight((6, 8, kernel, kernel), True, "cpu", g)
+    if channels_last_weight:  # as Module.to(memory_format=...) makes it (contiguous() keeps a 1x1's strides)
+        codes = codes.to(memory_format=CL)
+    plain = F.conv2d(x, torch.empty(codes.shape, dtype=torch.bfloat16).as_strided(codes.shape, codes.stride()),
+                     padding=kernel // 2)
+    op, args = dispatch.ops()["fp8_conv2d"], (x, codes, scale, None, [1, 1], [kernel // 2] * 2, [1, 1], 1)
+    backends = [b.name for b in op.backends if b.unavailable() is None and not dispatch.input_reasons(op, b, args)]
+    assert "reference" in backends and "upcast" in backends
+    for backend in backends:
+        y = fp8_conv2d(x, codes.view(FP8), scale, padding=kernel // 2, backend=backend)
+        assert y.stride() == plain.stride(), backend
 
 
 # ----------------------------------------------------------------------------- hardening: bad and extreme inputs

@@ -212,8 +212,7 @@ class _FP8Storage:
         finally:
             self._parameters["weight"] = w
         if out is not probe:
-            layout = torch.channels_last if w.dim() == 4 and out.is_contiguous(memory_format=torch.channels_last) \
-                and not out.is_contiguous() else torch.contiguous_format
+            layout = torch.channels_last if _compat.is_channels_last(out) else torch.contiguous_format
             dtype = out.dtype if out.dtype in COMPUTE_DTYPES else w.dtype
             w.data = w.moved(out.device, layout if w.dim() == 4 else None, dtype=dtype)
         return result
@@ -350,16 +349,14 @@ class FP8Conv2d(_FP8Storage, nn.Conv2d):
         return new
 
     def use_kernel_layout(self) -> None:
-        """Store the codes as (out, kh, kw, in) rows (channels-last strides, shape unchanged), the
-        layout the fp8 conv GEMM reads in place, whatever the module's memory format. As with
-        any channels-last conv weight, the output is then channels-last even for an NCHW input
-        (torch's conv rule), so the layers after it run channels-last too: measured on the SD1.5
-        UNet in NCHW, 0.92x the bf16 step with these codes, 1.09x with (out, in, kh, kw) codes,
-        which then took the upcast path (the kernel now reorders them on every call). `module.to(memory_format=torch.contiguous_format)` still
-        gives (out, in, kh, kw) codes."""
+        """Store the codes as (out, kh, kw, in) rows (channels-last strides, shape unchanged, a 1x1's
+        too), the layout the fp8 conv GEMM reads in place, whatever the module's memory format. As
+        with any channels-last conv weight, the output is then channels-last even for an NCHW input
+        (torch's conv rule), so the layers after it run channels-last too, without a reorder per
+        layer. `module.to(memory_format=torch.contiguous_format)` still gives (out, in, kh, kw) codes."""
         w = self.weight
         if isinstance(w, FP8Weight):
-            w.data = FP8Weight(w.codes.contiguous(memory_format=torch.channels_last), w.scale, w.dtype, w.writes)
+            w.data = FP8Weight(w.codes.to(memory_format=torch.channels_last), w.scale, w.dtype, w.writes)
 
     def forward(self, input: torch.Tensor) -> torch.Tensor:  # nn.Conv2d's name: callers pass input=
         w = self._stored(input)

@@ -164,7 +164,7 @@ def probe_like(weight: torch.Tensor) -> torch.Tensor:
     """A small tensor of the weight's dtype, device and layout (channels-last or not): what a
     layer's `_apply` hands to Module._apply's fn to learn what it does to the weight."""
     probe = torch.empty((2,) * weight.dim(), dtype=weight.dtype, device=weight.device)
-    if weight.dim() == 4 and weight.is_contiguous(memory_format=torch.channels_last) and not weight.is_contiguous():
+    if _compat.is_channels_last(weight):
         probe = probe.contiguous(memory_format=torch.channels_last)
     return probe
 

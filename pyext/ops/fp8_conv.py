@@ -17,6 +17,7 @@ import torch
 import torch.nn.functional as F
 
 from pyext import dispatch
+from pyext._compat import is_channels_last
 from pyext._ext import cpu_capabilities, kernel_missing
 from pyext.dispatch import Backend
 from pyext.ops._library import define
@@ -42,13 +43,10 @@ def _check_pair(name: str, v, least: int) -> list[int]:
     return pair
 
 
-def _is_channels_last(t: torch.Tensor) -> bool:
-    return t.is_contiguous(memory_format=torch.channels_last) and not t.is_contiguous()
-
-
 def _out_format(x: torch.Tensor, w: torch.Tensor):
-    """The output's memory format: channels-last when x or the weight is (torch's conv rule)."""
-    return torch.channels_last if _is_channels_last(x) or _is_channels_last(w) else torch.contiguous_format
+    """The output's memory format: channels-last when x or the weight is (torch's conv rule, by
+    strides: a 1x1 weight made channels-last counts)."""
+    return torch.channels_last if is_channels_last(x) or is_channels_last(w) else torch.contiguous_format
 
 
 def _cpp_unavailable() -> Optional[str]:
@@ -109,7 +107,7 @@ def workspace(numel: int, dtype: torch.dtype, device: torch.device) -> torch.Ten
 def upcast_weight(w: torch.Tensor, scale: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
     """The (out, in, kh, kw) codes decoded into workspace(), in their memory order: channels-last
     codes give a channels-last weight (and so, by torch's conv rule, a channels-last output)."""
-    channels_last = _is_channels_last(w)
+    channels_last = w.is_contiguous(memory_format=torch.channels_last) and is_channels_last(w)
     rows = w.permute(0, 2, 3, 1) if channels_last else w.contiguous()
     out = workspace(rows.numel(), dtype, w.device).view(rows.shape)
     torch.ops.pyext.fp8_upcast_out(rows, scale, out, None)
@@ -149,7 +147,7 @@ def _sample(x, w, scale, bias, stride, padding, dilation, groups):
     g = torch.Generator(device=x.device).manual_seed(0)
     out_channels = 2 * groups
     sample_x = torch.randn(1, x.shape[1], 7, 6, generator=g, device=x.device).to(x.dtype)
-    sample_x = sample_x.contiguous(memory_format=torch.channels_last if _is_channels_last(x) else torch.contiguous_format)
+    sample_x = sample_x.contiguous(memory_format=torch.channels_last if is_channels_last(x) else torch.contiguous_format)
     codes = sample_codes((out_channels, *w.shape[1:]), x.device, g)
     sample_bias = None if bias is None else torch.randn(out_channels, generator=g, device=x.device).to(bias.dtype)
     return (sample_x, codes, sample_scale(scale, out_channels, g), sample_bias, stride, padding, dilation, groups)
@@ -194,7 +192,7 @@ def check_conv(x, w, scale, bias, stride, padding, dilation, groups) -> None:
 
 dispatch.define("fp8_conv2d", check=check_conv, sample=lambda args: _sample(*args),
                 close=relative_close(LINEAR_TOLERANCE),
-                variant=lambda args: (str(args[0].dtype), _is_channels_last(args[0]), tuple(args[1].shape[1:]),
+                variant=lambda args: (str(args[0].dtype), is_channels_last(args[0]), tuple(args[1].shape[1:]),
                                       args[2].numel() == 1, args[3] is None, *map(tuple, args[4:7]), args[7]),
                 example=_example)
 
