@@ -37,7 +37,9 @@ def test_fused_blocks_give_the_plain_outputs_and_unfuse():
         report = fuse_norms(pipe.vae)
         fused = pipe.vae.decode(latents).sample
     assert report.fused and not report.skipped
-    assert len(fused_blocks(pipe.vae)) == len(report.fused)
+    # every block: the encoder's "default" ones and the decoder's "group" ones
+    assert len(fused_blocks(pipe.vae)) == len(report.fused) == sum(
+        type(m).__name__ == "ResnetBlock2D" for m in build_pipeline("sd15", "tiny").vae.modules())
     assert all(type(b.norm1) is nn.GroupNorm and type(b.nonlinearity) is nn.SiLU for b in fused_blocks(pipe.vae))
     assert (fused - plain).abs().max() <= 1e-4 * plain.abs().max()
     assert pipe.vae.state_dict().keys() == before.keys()
@@ -162,6 +164,16 @@ def test_blocks_with_their_own_forward_or_other_parts_are_not_fused():
     scale_shift = resnet(16, time_embedding_norm="scale_shift")
     report = fuse_norms(nn.Sequential(own, other_act, scale_shift))
     assert not report.fused and not fused_blocks(nn.Sequential(own, other_act, scale_shift))
+
+
+def test_a_group_norm_block_without_a_time_embedding_fuses_and_gives_the_plain_output():
+    """A VAE decoder's blocks: time_embedding_norm "group" and no time embedding, norm2 right after
+    conv1 as in a "default" block."""
+    plain, block = resnet(time_embedding_norm="group"), resnet(time_embedding_norm="group")
+    x = torch.randn(2, 8, 6, 5)
+    assert fuse_norms(block).fused == [""] and is_fused(block)
+    with torch.no_grad():
+        assert (block(x, None) - plain(x, None)).abs().max() <= 1e-5 * plain(x, None).abs().max()
 
 
 def test_training_falls_back_to_torch_ops_with_gradients():

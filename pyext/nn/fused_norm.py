@@ -114,9 +114,13 @@ def is_fused(block: nn.Module) -> bool:
 
 def fusable(block: nn.Module) -> bool:
     """A diffusers ResnetBlock2D (the class itself) whose norms feed its SiLU directly: GroupNorm
-    modules, a SiLU nonlinearity, the "default" time-embedding norm (an add before norm2)."""
+    modules, a SiLU nonlinearity, and norm2 right after conv1 but for the "default" time-embedding
+    norm's add. Without a time-embedding projection every other norm but "scale_shift" (which needs
+    one) runs norm2 plainly too: a VAE decoder's "group" blocks."""
     return (type(block) is _resnet_block_2d() and type(block.norm1) is nn.GroupNorm and type(block.norm2) is nn.GroupNorm
-            and type(block.nonlinearity) is nn.SiLU and block.time_embedding_norm == "default")
+            and type(block.nonlinearity) is nn.SiLU
+            and (block.time_embedding_norm == "default"
+                 or (block.time_emb_proj is None and block.time_embedding_norm != "scale_shift")))
 
 
 def _probe_args(block: nn.Module):
