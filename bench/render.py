@@ -50,6 +50,7 @@ def _renderers() -> dict[str, Callable[[dict], str]]:
             "fp8_accuracy_cpu": lambda r: render_fp8_accuracy(r["rows"]),
             "latency_peers_cpu": render_latency,
             "latency_peers_cpu_avx2": render_latency,
+            "latency_peers_cpu_amx": render_latency,
             "latency_cpu_avx2": render_latency,
             "latency_rounds_cpu_avx2": render_latency,
             "latency_cpu_avx512bf16": render_latency,

@@ -31,7 +31,7 @@ struct VecAmx : VecAvx512 {
 }  // namespace attn
 
 AttnKernel attention_kernel_amx() {
-  return AttnKernel{attn::brgemm_packed_bytes, attn::brgemm_pack,
+  return AttnKernel{attn::brgemm_packed_bytes, attn::brgemm_pack<attn::VecAmx>,
                     attn::brgemm_forward<attn::VecAmx, brgemm_bf16_onednn, brgemm_release_onednn>, attn::kBrgemmRows};
 }
 

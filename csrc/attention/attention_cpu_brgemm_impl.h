@@ -47,7 +47,9 @@ inline size_t brgemm_packed_bytes(int64_t skv, int64_t d) {
 // A VNNI pair: lo in the low half (the first of the two elements in memory).
 inline uint32_t vnni_pair(uint16_t lo, uint16_t hi) { return static_cast<uint32_t>(lo) | static_cast<uint32_t>(hi) << 16; }
 
-// Reads k and v a key's row at a time, each row's pairs written as one 32-bit word.
+// K's rows a block of keys at a time as columns of pair words, V's rows two at a time interleaved:
+// V::transpose_pairs and V::interleave_rows (the unit's vectors, or plain loops).
+template <class V>
 inline void brgemm_pack(const void* k, const void* v, int64_t skv, int64_t d, PyextDtype, void* packed) {
   const uint16_t* ks = static_cast<const uint16_t*>(k);
   const uint16_t* vs = static_cast<const uint16_t*>(v);
@@ -56,23 +58,17 @@ inline void brgemm_pack(const void* k, const void* v, int64_t skv, int64_t d, Py
   uint32_t* vp = kt + kt_blocks(skv) * (dp / 2) * ld;  // [sp / 2][dv] pairs
   for (int64_t b = 0; b < kt_blocks(skv); ++b) {
     uint32_t* kb = kt + b * (dp / 2) * ld;
-    for (int64_t jj = 0; jj < ld; ++jj) {
-      const int64_t j = b * kBrgemmKeys + jj;
-      if (jj >= kBrgemmKeys || j >= skv) {  // padding keys
-        for (int64_t c2 = 0; c2 < dp / 2; ++c2) kb[c2 * ld + jj] = 0;
-        continue;
-      }
-      const uint16_t* row = ks + j * d;
-      for (int64_t c2 = 0; c2 < half; ++c2) kb[c2 * ld + jj] = vnni_pair(row[2 * c2], row[2 * c2 + 1]);
-      if (d % 2) kb[half * ld + jj] = vnni_pair(row[d - 1], 0);
-    }
+    const int64_t j0 = b * kBrgemmKeys, keys = std::min(kBrgemmKeys, skv - j0);
+    V::transpose_pairs(ks + j0 * d, keys, half, d, kb, ld);
+    if (d % 2)
+      for (int64_t jj = 0; jj < keys; ++jj) kb[half * ld + jj] = vnni_pair(ks[(j0 + jj) * d + d - 1], 0);
+    for (int64_t c2 = 0; c2 < dp / 2; ++c2) std::fill(kb + c2 * ld + keys, kb + (c2 + 1) * ld, 0u);  // padding keys
   }
   for (int64_t j2 = 0; j2 < sp / 2; ++j2) {
     uint32_t* out = vp + j2 * dv;
     const int64_t j = 2 * j2;
     if (j + 1 < skv) {
-      const uint16_t *a = vs + j * d, *b = a + d;
-      for (int64_t c = 0; c < d; ++c) out[c] = vnni_pair(a[c], b[c]);
+      V::interleave_rows(vs + j * d, vs + (j + 1) * d, d, out);
     } else if (j < skv) {
       for (int64_t c = 0; c < d; ++c) out[c] = vnni_pair(vs[j * d + c], 0);
     } else {

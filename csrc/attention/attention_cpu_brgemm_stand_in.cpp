@@ -6,7 +6,7 @@
 namespace pyext::cpu {
 
 AttnKernel attention_kernel_brgemm_stand_in() {
-  return AttnKernel{attn::brgemm_packed_bytes, attn::brgemm_pack,
+  return AttnKernel{attn::brgemm_packed_bytes, attn::brgemm_pack<attn::VecScalar>,
                     attn::brgemm_forward<attn::VecScalar, brgemm_bf16_stand_in, brgemm_release_stand_in>, attn::kBrgemmRows};
 }
 

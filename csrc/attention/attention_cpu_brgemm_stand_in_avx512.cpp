@@ -8,7 +8,7 @@
 namespace pyext::cpu {
 
 AttnKernel attention_kernel_brgemm_stand_in_avx512() {
-  return AttnKernel{attn::brgemm_packed_bytes, attn::brgemm_pack,
+  return AttnKernel{attn::brgemm_packed_bytes, attn::brgemm_pack<attn::VecAvx512>,
                     attn::brgemm_forward<attn::VecAvx512, brgemm_bf16_stand_in, brgemm_release_stand_in>, attn::kBrgemmRows};
 }
 

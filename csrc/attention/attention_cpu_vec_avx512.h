@@ -7,6 +7,7 @@
 
 #include "attention/attention_cpu_impl.h"
 #include "common/bf16_avx512.h"
+#include "common/pairs_avx512.h"
 
 namespace pyext::cpu::attn {
 namespace {
@@ -42,6 +43,14 @@ struct VecAvx512 {
   // 16 bf16, rounded to nearest even as float_to_bf16 (NaN quiet): AVX512F only, bit-identical to
   // the portable units' rounding.
   static void store_bf16(uint16_t* p, reg x) { _mm256_storeu_si256(reinterpret_cast<__m256i*>(p), bf16_round_avx512(x)); }
+  // brgemm_pack's layouts (attention_cpu_brgemm_impl.h)
+  static void transpose_pairs(const uint16_t* src, int64_t rows, int64_t pairs, int64_t ld_src, uint32_t* dst,
+                              int64_t ld_dst) {
+    transpose_pairs_avx512(src, rows, pairs, ld_src, dst, ld_dst);
+  }
+  static void interleave_rows(const uint16_t* a, const uint16_t* b, int64_t n, uint32_t* dst) {
+    interleave_rows_avx512(a, b, n, dst);
+  }
 };
 
 }  // namespace

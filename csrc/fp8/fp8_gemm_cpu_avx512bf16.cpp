@@ -17,6 +17,7 @@
 
 #include "common/bf16_avx512.h"
 #include "common/half_rounding.h"
+#include "common/pairs_avx512.h"
 #include "common/scratch.h"
 #include "fp8/fp8_e4m3.h"
 #include "fp8/fp8_gemm_cpu.h"
@@ -46,31 +47,6 @@ inline __m512i decode32(const uint8_t* src, __mmask32 valid) {
                             _mm512_permutexvar_epi16(mag, subnormals));
   v = _mm512_mask_mov_epi16(v, _mm512_cmpeq_epi16_mask(mag, _mm512_set1_epi16(0x7f)), _mm512_set1_epi16(0x7ff0));
   return _mm512_or_si512(v, sign);
-}
-
-// In-register transpose of a 16 x 16 matrix of 32-bit lanes (r[i] = row i).
-inline void transpose16(__m512i r[16]) {
-  __m512i t[16];
-  for (int i = 0; i < 16; i += 2) {
-    t[i] = _mm512_unpacklo_epi32(r[i], r[i + 1]);
-    t[i + 1] = _mm512_unpackhi_epi32(r[i], r[i + 1]);
-  }
-  for (int i = 0; i < 16; i += 4) {  // r[i + e] = element 4L+e of rows i..i+3 in 128-bit lane L
-    r[i] = _mm512_unpacklo_epi64(t[i], t[i + 2]);
-    r[i + 1] = _mm512_unpackhi_epi64(t[i], t[i + 2]);
-    r[i + 2] = _mm512_unpacklo_epi64(t[i + 1], t[i + 3]);
-    r[i + 3] = _mm512_unpackhi_epi64(t[i + 1], t[i + 3]);
-  }
-  for (int e = 0; e < 4; ++e) {
-    t[e] = _mm512_shuffle_i32x4(r[e], r[e + 4], 0x88);
-    t[e + 4] = _mm512_shuffle_i32x4(r[e], r[e + 4], 0xdd);
-    t[e + 8] = _mm512_shuffle_i32x4(r[e + 8], r[e + 12], 0x88);
-    t[e + 12] = _mm512_shuffle_i32x4(r[e + 8], r[e + 12], 0xdd);
-  }
-  for (int e = 0; e < 8; ++e) {
-    r[e] = _mm512_shuffle_i32x4(t[e], t[e + 8], 0x88);
-    r[e + 8] = _mm512_shuffle_i32x4(t[e], t[e + 8], 0xdd);
-  }
 }
 
 // Decodes channels [n0, n0 + 64) of w into packed[pair][64 channels][2] bf16, zero
@@ -224,22 +200,7 @@ PYEXT_VBMI_TARGET void decode_rows_lut(const uint8_t* w, int64_t ld_w, int64_t r
 }  // namespace
 
 void fp8_transpose_pairs_avx512(const uint16_t* x, int64_t M, int64_t K, uint16_t* xt) {
-  const int64_t pairs = K / 2;
-  const uint32_t* src = reinterpret_cast<const uint32_t*>(x);
-  uint32_t* dst = reinterpret_cast<uint32_t*>(xt);
-  for (int64_t m0 = 0; m0 < M; m0 += 16) {
-    const int64_t ms = std::min<int64_t>(16, M - m0);
-    const __mmask16 mmask = _bzhi_u32(0xffff, static_cast<unsigned>(ms));
-    for (int64_t p0 = 0; p0 < pairs; p0 += 16) {
-      const int64_t ps = std::min<int64_t>(16, pairs - p0);
-      const __mmask16 pmask = _bzhi_u32(0xffff, static_cast<unsigned>(ps));
-      __m512i r[16];
-      for (int i = 0; i < 16; ++i)  // unaligned 32-bit loads: x may start at any bf16
-        r[i] = i < ms ? _mm512_maskz_loadu_epi32(pmask, src + (m0 + i) * pairs + p0) : _mm512_setzero_si512();
-      transpose16(r);  // r[j] = pair p0 + j of the 16 rows
-      for (int64_t j = 0; j < ps; ++j) _mm512_mask_storeu_epi32(dst + (p0 + j) * M + m0, mmask, r[j]);
-    }
-  }
+  transpose_pairs_avx512(x, M, K / 2, K, reinterpret_cast<uint32_t*>(xt), M);
 }
 
 void fp8_decode_rows_avx512(const uint8_t* w, int64_t ld_w, int64_t rows, int64_t K, uint16_t* out, int64_t ld_out) {
