@@ -625,8 +625,16 @@ def measured_choice(what: str, key: str, device: torch.device, runs: dict[str, C
 
 def _measure(op: Op, candidates: list[Backend], args: tuple) -> Backend:
     decision = measured_choice(op.name, str(op.bucket(args)), _device(args),
-                               {b.name: (lambda b=b: b.run(*args)) for b in candidates})
+                               {b.name: _as_called(b, args) for b in candidates})
     return next(b for b in candidates if b.name == decision["backend"])
+
+
+def _as_called(backend: Backend, args: tuple) -> Callable[[], Any]:
+    """A call of backend as every call of the signature will make it once chosen: its guard (asked on
+    every call, on the values) and then its run, so that a guard's pass over the inputs counts."""
+    if not asks_guard(backend, args):
+        return lambda: backend.run(*args)
+    return lambda: (backend.guard(*args), backend.run(*args))[1]
 
 
 # ----------------------------------------------------------------------------- selection

@@ -248,6 +248,20 @@ def test_a_guard_on_values_is_asked_on_every_call_and_never_cached():
     assert len(guarded) >= 4  # once per call at least
 
 
+def test_measured_mode_counts_a_guards_pass_in_the_time_of_its_backend(monkeypatch):
+    """A guard runs on every call of the backend it guards, so the measurement times it too: a
+    backend whose run is fast but whose guard is slow loses to a plain one."""
+    monkeypatch.setenv("PYEXT_DISPATCH", "measured")
+
+    def slow_guard(x):
+        time.sleep(0.02)
+        return []
+
+    make_op(Backend("fast_run_slow_guard", lambda x: x + x, guard=slow_guard), Backend("plain", lambda x: x * 2))
+    assert dispatch.select(OP, (torch.randn(300),)).name == "plain"
+    assert dispatch.decisions()[0]["timings"]["fast_run_slow_guard"] >= 0.02
+
+
 def test_measured_mode_times_every_backend_and_caches_the_fastest(monkeypatch):
     monkeypatch.setenv("PYEXT_DISPATCH", "measured")
 
