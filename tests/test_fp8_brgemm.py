@@ -162,10 +162,12 @@ def test_without_amx_the_real_path_is_an_error_not_a_wrong_answer():
 # (batch, in channels, height, width, out channels, kernel, stride, padding): a 1x1 conv; 3x3 with
 # padding whose rows cross blocks of 32 output pixels; stride 2 with an odd width; a panel's tail
 # (70 channels); padding larger than the kernel reaches (output pixels of bias only); a 1-pixel row;
-# K = 9 x 1024 past 8192, decoded a tap at a time.
+# K = 9 x 1024 past 8192, decoded a tap at a time. Stride 1 with short output rows runs in grid mode
+# (the 1x1, the large padding, the 1-pixel rows, 8x8 and the 5x6 rows: blocks across output rows
+# and images); the last shape is the same K on rows of 33 pixels, blocks within a row.
 CONV_SHAPES = [(1, 8, 6, 6, 64, 1, 1, 0), (2, 6, 5, 40, 16, 3, 1, 1), (1, 4, 9, 11, 70, 3, 2, 1),
                (1, 2, 4, 5, 3, 3, 1, 3), (2, 10, 1, 1, 5, 1, 1, 0), (1, 320, 8, 8, 130, 3, 1, 1),
-               (2, 1024, 5, 6, 260, 3, 1, 1)]
+               (2, 1024, 5, 6, 260, 3, 1, 1), (1, 1024, 3, 33, 70, 3, 1, 1)]
 
 
 def conv_case(b, c, h, w, n, k, seed=0):

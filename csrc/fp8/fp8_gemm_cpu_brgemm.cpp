@@ -51,23 +51,36 @@ void multiply(Microkernel mk, int64_t M, int64_t N, int64_t K, int64_t ld_a, int
 }
 int64_t floor_div(int64_t n, int64_t d) { return n >= 0 ? n / d : -((-n + d - 1) / d); }
 
-// Blocks of rows: a linear's rows, a convolution's output rows, kFp8BrgemmRows at a time.
+// GEMM rows of one image in grid mode: through the last output row's last pixel.
+int64_t grid_rows(const Conv2dGeometry& g) { return (g.OH - 1) * g.W + g.OW; }
+
+// Blocks of rows, kFp8BrgemmRows at a time: a linear's rows; a convolution's output pixels within
+// one output row, or in grid mode an image's GEMM rows across output rows.
 int64_t row_blocks(const Fp8GemmArgs& a) {
   if (!a.conv) return (a.M + kFp8BrgemmRows - 1) / kFp8BrgemmRows;
   const Conv2dGeometry& g = *a.conv;
+  if (g.grid) return g.batch * ((grid_rows(g) + kFp8BrgemmRows - 1) / kFp8BrgemmRows);
   return g.batch * g.OH * ((g.OW + kFp8BrgemmRows - 1) / kFp8BrgemmRows);
 }
 
-// Rows of x in block `block`: [m0, m0 + rows) of the GEMM (a convolution's lie in one output row).
-std::pair<int64_t, int64_t> block_rows(const Fp8GemmArgs& a, int64_t block) {
+// Block `block`'s GEMM rows [m0, m0 + rows) of image b (a linear: b = 0, its rows; a convolution's
+// output pixels numbered oh * OW + ow, in grid mode oh * W + ow).
+struct BlockRows {
+  int64_t b, m0, rows;
+};
+BlockRows block_rows(const Fp8GemmArgs& a, int64_t block) {
   if (!a.conv) {
     const int64_t m0 = block * kFp8BrgemmRows;
-    return {m0, std::min(kFp8BrgemmRows, a.M - m0)};
+    return {0, m0, std::min(kFp8BrgemmRows, a.M - m0)};
   }
   const Conv2dGeometry& g = *a.conv;
+  if (g.grid) {
+    const int64_t per_image = (grid_rows(g) + kFp8BrgemmRows - 1) / kFp8BrgemmRows, m0 = block % per_image * kFp8BrgemmRows;
+    return {block / per_image, m0, std::min(kFp8BrgemmRows, grid_rows(g) - m0)};
+  }
   const int64_t runs = (g.OW + kFp8BrgemmRows - 1) / kFp8BrgemmRows;  // blocks per output row
   const int64_t out_row = block / runs, ow0 = (block % runs) * kFp8BrgemmRows;
-  return {out_row * g.OW + ow0, std::min(kFp8BrgemmRows, g.OW - ow0)};
+  return {out_row / g.OH, out_row % g.OH * g.OW + ow0, std::min(kFp8BrgemmRows, g.OW - ow0)};
 }
 
 // acc (+)= the products of output pixels [ow0, ow0 + rows) of output row (b, oh) with the group's
@@ -90,14 +103,45 @@ void conv_block(Microkernel mk, const Fp8GemmArgs& a, const Group& grp, int64_t 
   }
 }
 
+// Grid mode: acc (+)= GEMM rows [m0, m0 + rows) of image b under taps [t0, t1), one run of x each.
+void grid_block(Microkernel mk, const Fp8GemmArgs& a, const Group& grp, int64_t t0, int64_t t1, int64_t b,
+                int64_t m0, int64_t rows, float* acc) {
+  const Conv2dGeometry& g = *a.conv;
+  for (int64_t t = t0; t < t1; ++t) {
+    const uint16_t* x = a.x + (b * g.H * g.W + m0 + t / g.kw * g.W + t % g.kw) * g.C;
+    multiply(mk, rows, grp.cols, g.C, g.C, grp.ld, t > 0, x, grp.packed + (t - t0) * g.C * grp.ld, acc);
+  }
+}
+
 // acc (+)= block `block` of the rows times the group's columns [k0, k1) of K (a sum from k0 = 0).
 void accumulate(Microkernel mk, const Fp8GemmArgs& a, const Group& grp, int64_t block, int64_t k0, int64_t k1,
                 float* acc) {
-  const auto [m0, rows] = block_rows(a, block);
-  if (!a.conv) return multiply(mk, rows, grp.cols, k1 - k0, a.K, grp.ld, k0 > 0, a.x + m0 * a.K + k0, grp.packed, acc);
+  const BlockRows r = block_rows(a, block);
+  if (!a.conv)
+    return multiply(mk, r.rows, grp.cols, k1 - k0, a.K, grp.ld, k0 > 0, a.x + r.m0 * a.K + k0, grp.packed, acc);
   const Conv2dGeometry& g = *a.conv;
-  const int64_t out_row = m0 / g.OW;
-  conv_block(mk, a, grp, k0 / g.C, k1 / g.C, out_row / g.OH, out_row % g.OH, m0 % g.OW, rows, acc);
+  if (g.grid) return grid_block(mk, a, grp, k0 / g.C, k1 / g.C, r.b, r.m0, r.rows, acc);
+  conv_block(mk, a, grp, k0 / g.C, k1 / g.C, r.b, r.m0 / g.OW, r.m0 % g.OW, r.rows, acc);
+}
+
+// y's rows of block `block` from its fp32 sums: scale, bias, rounding; in grid mode the output
+// pixels only, a run per output row.
+void store_block(bool simd, const Fp8GemmArgs& a, const float* acc, int64_t ld, int64_t cols, const float* scale,
+                 const float* bias, int64_t n0, int64_t block) {
+  const auto epilogue = simd ? fp8_epilogue_avx512 : fp8_epilogue_scalar;
+  const BlockRows r = block_rows(a, block);
+  if (!a.conv || !a.conv->grid) {
+    const int64_t first = a.conv ? r.b * a.conv->OH * a.conv->OW + r.m0 : r.m0;
+    return epilogue(acc, ld, r.rows, cols, scale, bias, a.y + first * a.N + n0, a.N);
+  }
+  const Conv2dGeometry& g = *a.conv;
+  for (int64_t m = r.m0; m < r.m0 + r.rows;) {
+    const int64_t oh = m / g.W, ow = m % g.W, run = std::min(g.W - ow, r.m0 + r.rows - m);
+    const int64_t valid = std::min(run, std::max<int64_t>(0, g.OW - ow));
+    if (valid > 0)
+      epilogue(acc + (m - r.m0) * ld, ld, valid, cols, scale, bias, a.y + ((r.b * g.OH + oh) * g.OW + ow) * a.N + n0, a.N);
+    m += run;
+  }
 }
 
 // [begin, end) of n things split into `shares` balanced shares.
@@ -221,6 +265,11 @@ Fp8BrgemmSplit fp8_brgemm_split(const Fp8GemmArgs& a, int64_t threads) {
   return split;
 }
 
+bool fp8_brgemm_grid_pays(const Conv2dGeometry& g) {
+  const size_t panel_bytes = static_cast<size_t>(g.kh * g.kw * g.C) * kFp8Panel * sizeof(uint16_t);
+  return g.sh == 1 && g.sw == 1 && (g.OW <= 8 || (g.OW < kFp8BrgemmRows && panel_bytes <= kGroupBytes));
+}
+
 void fp8_gemm_brgemm(const Fp8GemmArgs& a, const Fp8BrgemmSplit& split, int64_t task, Microkernel mk, bool simd) {
   TORCH_CHECK(a.conv ? a.conv->C % 2 == 0 : a.K % 2 == 0,
               "pyext fp8 brgemm: a linear with an even K or a convolution with an even C only");
@@ -258,11 +307,8 @@ void fp8_gemm_brgemm(const Fp8GemmArgs& a, const Fp8BrgemmSplit& split, int64_t 
         for (int64_t block = r0; block < r1; ++block)
           accumulate(mk, a, grp, block, k0, k1, acc + (block - r0) * kFp8BrgemmRows * ld);
       }
-      for (int64_t block = r0; block < r1; ++block) {
-        const auto [m0, rows] = block_rows(a, block);
-        (simd ? fp8_epilogue_avx512 : fp8_epilogue_scalar)(acc + (block - r0) * kFp8BrgemmRows * ld, ld, rows,
-                                                           grp.cols, scale, bias, a.y + m0 * a.N + n0, a.N);
-      }
+      for (int64_t block = r0; block < r1; ++block)
+        store_block(simd, a, acc + (block - r0) * kFp8BrgemmRows * ld, ld, grp.cols, scale, bias, n0, block);
     }
   }
   if (mk == Microkernel::kOneDnn) brgemm_release_onednn();  // the thread's AMX tile state

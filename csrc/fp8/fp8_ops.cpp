@@ -5,6 +5,7 @@
 // pyext/ops/fp8.py; the TORCH_CHECKs here only guard the raw-pointer kernels.
 #include <ATen/core/Tensor.h>
 #include <ATen/ops/empty.h>
+#include <ATen/ops/zeros.h>
 #include <ATen/ops/mm.h>
 #include <ATen/ops/addmm.h>
 #include <ATen/MemoryOverlap.h>
@@ -343,8 +344,20 @@ at::Tensor fp8_conv2d_brgemm_cpu(const at::Tensor& x, const at::Tensor& w, const
                                  const std::optional<at::Tensor>& bias, at::IntArrayRef stride,
                                  at::IntArrayRef padding, bool stand_in, bool scalar) {
   require_brgemm("pyext fp8_conv2d brgemm", stand_in);
-  return fp8_conv2d_implicit(x, w, scale, bias, stride, padding,
-                             [&](const Fp8GemmArgs& args) { run_brgemm(args, stand_in, scalar); });
+  return fp8_conv2d_implicit(x, w, scale, bias, stride, padding, [&](const Fp8GemmArgs& args) {
+    const Conv2dGeometry& g = *args.conv;
+    if (!fp8_brgemm_grid_pays(g)) return run_brgemm(args, stand_in, scalar);
+    // Output rows shorter than a block: grid mode (fp8_gemm_cpu.h) on a zero-padded copy of x, whose
+    // blocks span output rows.
+    at::Tensor padded = at::zeros({g.batch, g.H + 2 * g.ph, g.W + 2 * g.pw, g.C}, x.options()).permute({0, 3, 1, 2});
+    padded.narrow(2, g.ph, g.H).narrow(3, g.pw, g.W).copy_(x);
+    Conv2dGeometry grid = g;
+    grid.H += 2 * g.ph, grid.W += 2 * g.pw, grid.ph = grid.pw = 0, grid.grid = true;
+    Fp8GemmArgs on_grid = args;
+    on_grid.x = reinterpret_cast<const uint16_t*>(padded.data_ptr());
+    on_grid.conv = &grid;
+    run_brgemm(on_grid, stand_in, scalar);
+  });
 }
 
 // ---- pyext::fp8_linear without entering Python (fp8_linear_entry.h)
