@@ -55,6 +55,7 @@ def _renderers() -> dict[str, Callable[[dict], str]]:
             "latency_rounds_cpu_avx2": render_latency,
             "latency_cpu_avx512bf16": render_latency,
             "latency_cpu_amx": render_latency,
+            "latency_rounds_cpu_amx": render_latency,
             "latency_flux_cpu_avx2": render_latency,
             "latency_flux_fp8_cpu_avx2": render_latency,
             "latency_sdxl_cpu_avx2": render_latency,
