@@ -203,6 +203,9 @@ class VaeFamily:
     frames: output frames the decoder holds at once; None: every frame (one batch).
     amx_bf16_maps: the maps in place of `maps` where a CPU with AMX computes the decode in bf16,
         for the 3-D VAEs whose peak is lower there (measured on one such CPU); None: `maps`.
+    fused_norm_maps: the maps in place of `maps` on a CPU, where `fuse_norms` (on by default there)
+        runs the decoder's GroupNorm + SiLU as one op, for the VAEs built of ResnetBlock2D; None:
+        `maps`. (With fuse_norms="off" the estimate is low by that ratio.)
     """
 
     name: str
@@ -213,11 +216,12 @@ class VaeFamily:
     conv2d_columns: float = 30.0
     frames: int | None = None
     amx_bf16_maps: float | None = None
+    fused_norm_maps: float | None = None
 
 
 # Unknown VAEs take the default descriptor: as many maps as the most memory-hungry measured.
 VAE_FAMILIES = (
-    VaeFamily("kl", ("AutoencoderKL",), maps=6.0, conv3d_columns=0.0, conv2d_columns=7.0),
+    VaeFamily("kl", ("AutoencoderKL",), maps=6.0, conv3d_columns=0.0, conv2d_columns=7.0, fused_norm_maps=4.9),
     # its linear attention computes in fp32
     VaeFamily("deep-compression", ("AutoencoderDC",), maps=2.4, fp32_maps=2.4, conv3d_columns=0.0,
               conv2d_columns=14.4),

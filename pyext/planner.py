@@ -189,7 +189,7 @@ def vae_decode_bytes(module: nn.Module, geo: Geometry, elem: int, host: torch.dt
     buffers of a CPU's convolutions."""
     family = vae_family_of(module)
     frames = geo.frames if family.frames is None else min(family.frames, geo.frames)
-    maps = family.maps
+    maps = family.fused_norm_maps if host is not None and family.fused_norm_maps is not None else family.maps
     if host == torch.bfloat16 and family.amx_bf16_maps is not None and _compat.cpu_has_amx():
         maps = family.amx_bf16_maps
     if columns and host is not None:

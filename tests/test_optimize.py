@@ -471,6 +471,19 @@ def test_video_vae_estimate_takes_its_amx_maps_only_for_bf16_on_an_amx_cpu(monke
     assert planner.vae_decode_bytes(sd, geo, 2, torch.bfloat16) == planner.vae_decode_bytes(sd, geo, 2, torch.float32)
 
 
+def test_kl_vae_estimate_takes_its_fused_norm_maps_on_a_cpu_only(monkeypatch):
+    """On a CPU fuse_norms runs the decoder's GroupNorm + SiLU as one op, whose peak holds fewer
+    maps: a KL VAE's estimate there takes fused_norm_maps, on a GPU (host None) its maps."""
+    monkeypatch.setattr(_compat, "cpu_conv_im2col", lambda dtype, dims: False)  # no columns: maps alone
+    vae = build_pipeline("sd15", "tiny").vae
+    family = planner.vae_family_of(vae)
+    assert family.fused_norm_maps is not None and family.fused_norm_maps < family.maps
+    geo = planner.Geometry(64, 64, 1, 8, 1)
+    gpu = planner.vae_decode_bytes(vae, geo, 2, None)
+    for host in (torch.float32, torch.bfloat16):
+        assert abs(planner.vae_decode_bytes(vae, geo, 2, host) - gpu * family.fused_norm_maps / family.maps) <= 1
+
+
 @pytest.mark.parametrize("arch,kind", [("sd15", "pyext tiling"), ("sana", "diffusers' tiling")])
 def test_vae_tiling_auto_only_when_the_budget_needs_it(arch, kind):
     from pyext.decision import decide
