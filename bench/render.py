@@ -62,6 +62,7 @@ def _renderers() -> dict[str, Callable[[dict], str]]:
             "vae_memory_settings_cpu": lambda r: render_runs(r["rows"]),
             "planner_peaks_cpu": render_planner_peaks,
             "planner_peaks_cpu_avx2": render_planner_peaks,
+            "planner_peaks_cpu_amx": render_planner_peaks,
             "parallel_cpu_1": render_parallel,
             "parallel_cpu_2": render_parallel,
             "parallel_sd3_cpu_2": render_parallel,
