@@ -104,9 +104,9 @@ Fp8BrgemmSplit fp8_brgemm_split(const Fp8GemmArgs& a, int64_t threads);
 // AVX512_VBMI, which every AMX CPU has), else the scalar ones.
 bool fp8_brgemm_simd_supported();
 // Whether a convolution runs in grid mode (Conv2dGeometry::grid): stride 1 and output rows of at
-// most 8 pixels, or shorter than a block where K is decoded whole. Measured on an AMX CPU at SD1.5's
-// 3x3 convolutions: grid mode took 0.81-0.98x the time at 4 and 8 pixels a row and at 16 with 640
-// channels, 1.11-1.15x at 16 with 1280 and 1920 channels (K decoded a tap at a time).
+// most 8 pixels, or shorter than a block where K is decoded whole: where it was faster than blocks
+// within a row on an AMX CPU at SD1.5's 3x3 convolutions (docs/benchmarks.md); at 16 pixels with K
+// decoded a tap at a time it was slower.
 bool fp8_brgemm_grid_pays(const Conv2dGeometry& g);
 void fp8_gemm_brgemm(const Fp8GemmArgs& a, const Fp8BrgemmSplit& split, int64_t task, Microkernel mk, bool simd);
 
