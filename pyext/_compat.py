@@ -85,7 +85,12 @@ def is_channels_last(t: torch.Tensor) -> bool:
     """A 4-D tensor whose strides torch's convolutions read as channels-last (Tensor's
     suggest_memory_format): a (N, C, 1, 1) weight made channels-last counts, where is_contiguous
     alone cannot tell its two layouts apart."""
-    return t.dim() == 4 and _resolve("suggest_memory_format")(t) == torch.channels_last
+    return t.dim() == 4 and _suggest_memory_format()(t) == torch.channels_last
+
+
+@functools.cache
+def _suggest_memory_format():
+    return _resolve("suggest_memory_format")  # once: is_channels_last runs on every fp8 conv call
 
 
 # ----------------------------------------------------------------------------- hooks

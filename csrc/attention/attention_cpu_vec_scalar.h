@@ -4,6 +4,7 @@
 #include <cmath>
 
 #include "attention/attention_cpu_impl.h"
+#include "common/pairs.h"
 
 namespace pyext::cpu::attn {
 namespace {
@@ -24,15 +25,13 @@ struct VecScalar {
   static float reduce_add(reg x) { return x; }
   static reg exp2(reg x) { return std::exp2(x); }
   static void store_bf16(uint16_t* p, reg x) { *p = float_to_bf16(x); }
-  // brgemm_pack's layouts (attention_cpu_brgemm_impl.h; the AVX-512 twins: common/pairs_avx512.h)
+  // brgemm_pack's layouts (attention_cpu_brgemm_impl.h)
   static void transpose_pairs(const uint16_t* src, int64_t rows, int64_t pairs, int64_t ld_src, uint32_t* dst,
                               int64_t ld_dst) {
-    for (int64_t r = 0; r < rows; ++r)
-      for (int64_t p = 0; p < pairs; ++p)
-        dst[p * ld_dst + r] = src[r * ld_src + 2 * p] | static_cast<uint32_t>(src[r * ld_src + 2 * p + 1]) << 16;
+    pyext::cpu::transpose_pairs(src, rows, pairs, ld_src, dst, ld_dst);
   }
   static void interleave_rows(const uint16_t* a, const uint16_t* b, int64_t n, uint32_t* dst) {
-    for (int64_t c = 0; c < n; ++c) dst[c] = a[c] | static_cast<uint32_t>(b[c]) << 16;
+    pyext::cpu::interleave_rows(a, b, n, dst);
   }
 };
 

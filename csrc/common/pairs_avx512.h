@@ -1,6 +1,6 @@
 // bf16 pairs into the VNNI layout brgemm takes, with AVX-512: transposes of 32-bit words (a pair
 // of bf16 each) and the interleave of two rows. Include only from a unit compiled with
-// `#pragma GCC target("avx512f,avx512bw,...")`; the portable twins are plain loops beside their users.
+// `#pragma GCC target("avx512f,avx512bw,...")`; common/pairs.h has the portable twins.
 #pragma once
 #include <immintrin.h>
 

@@ -17,10 +17,10 @@
 #include <algorithm>
 #include <array>
 #include <cmath>
-#include <cstring>
 #include <utility>
 
 #include "common/brgemm.h"
+#include "common/pairs.h"
 #include "common/half_rounding.h"
 #include "common/scratch.h"
 #include "fp8/fp8_e4m3.h"
@@ -221,10 +221,7 @@ void fp8_decode_rows_scalar(const uint8_t* w, int64_t ld_w, int64_t rows, int64_
 }
 
 void fp8_transpose_pairs_scalar(const uint16_t* x, int64_t M, int64_t K, uint16_t* xt) {
-  // the transpose of x as M x K / 2 words of a pair each (read by memcpy: x may start at any bf16)
-  uint32_t* xt32 = reinterpret_cast<uint32_t*>(xt);
-  for (int64_t m = 0; m < M; ++m)
-    for (int64_t p = 0; p < K / 2; ++p) std::memcpy(xt32 + p * M + m, x + m * K + 2 * p, sizeof(uint32_t));
+  transpose_pairs(x, M, K / 2, K, reinterpret_cast<uint32_t*>(xt), M);
 }
 
 void fp8_epilogue_scalar(const float* acc, int64_t ld_acc, int64_t rows, int64_t cols, const float* scale,
