@@ -221,7 +221,7 @@ class VaeFamily:
 
 # Unknown VAEs take the default descriptor: as many maps as the most memory-hungry measured.
 VAE_FAMILIES = (
-    VaeFamily("kl", ("AutoencoderKL",), maps=6.0, conv3d_columns=0.0, conv2d_columns=7.0, fused_norm_maps=5.0),
+    VaeFamily("kl", ("AutoencoderKL",), maps=6.0, conv3d_columns=0.0, conv2d_columns=7.0, fused_norm_maps=4.0),
     # its linear attention computes in fp32
     VaeFamily("deep-compression", ("AutoencoderDC",), maps=2.4, fp32_maps=2.4, conv3d_columns=0.0,
               conv2d_columns=14.4),
