@@ -8,7 +8,9 @@ casting (fp8 storage, cast back per layer call). The layers compute in --dtype: 
 one pyext.optimize computes in here (bf16 where the CPU has it natively, else fp32); the UNet step
 is bf16. The linears run on the GPU when there is one. Rounds interleave the variants after a
 warm-up; a row gives median times and the median and range of the per-round ratio of pyext's
-time to the plain layer's. Weights are random.
+time to the plain layer's. A linear of a few rows runs from memory, as in a model: each variant
+over copies of the layer whose weights exceed the last-level cache (`copies_for`). Weights are
+random.
 """
 from __future__ import annotations
 
@@ -115,27 +117,58 @@ def _vs_plain(per_round: dict, name: str) -> dict:
     return {"median": round(statistics.median(ratios), 3), "range": [round(min(ratios), 3), round(max(ratios), 3)]}
 
 
+# Up to this many rows a linear's time is reading its weight, which a model reads once per call,
+# from memory; each variant then runs over copies whose plain weights exceed twice the last-level
+# cache (at most MAX_COPIES), so that no round finds a weight left in cache by the one before.
+FEW_ROWS = 64
+MAX_COPIES = 64
+
+
+def last_level_cache_bytes() -> int:
+    """This CPU's largest cache (Linux sysfs), 32 MiB where it cannot be read."""
+    sizes = []
+    for index in range(8):
+        try:
+            with open(f"/sys/devices/system/cpu/cpu0/cache/index{index}/size") as f:
+                text = f.read().strip()
+        except OSError:
+            continue
+        scale = {"K": 1 << 10, "M": 1 << 20, "G": 1 << 30}.get(text[-1:], 1)
+        sizes.append(int(text.rstrip("KMG")) * scale)
+    return max(sizes, default=32 << 20)
+
+
+def copies_for(m: int, k: int, n: int, dtype: torch.dtype, device: str) -> int:
+    """How many copies of a layer each variant runs over per round (see FEW_ROWS)."""
+    if device != "cpu" or m > FEW_ROWS:
+        return 1
+    weight = k * n * torch.tensor([], dtype=dtype).element_size()
+    return max(1, min(MAX_COPIES, -(-2 * last_level_cache_bytes() // weight)))
+
+
 @torch.no_grad()
 def bench_linear(shapes=LINEAR_SHAPES, dtype: torch.dtype = torch.bfloat16, repeats: int = 7) -> list[dict]:
     """Plain F.linear, pyext fp8 weight-only (and dynamic, in bf16), and diffusers' layerwise
-    casting, on the GPU when there is one (the rows' `device` says which)."""
+    casting, on the GPU when there is one (the rows' `device` says which); a few rows' layers
+    from memory (copies_for)."""
     device = "cuda" if torch.cuda.is_available() else "cpu"
     out = []
     for name, m, k, n in shapes:
-        lin = nn.Linear(k, n).to(device, dtype)
+        copies = copies_for(m, k, n, dtype, device)
+        plain = [nn.Linear(k, n).to(device, dtype) for _ in range(copies)]
         x = torch.randn(m, k, dtype=dtype, device=device)
-        fp8 = FP8Linear.from_linear(lin)
-        variants = {"plain": lambda: lin(x), "fp8": lambda: fp8(x)}
+        layers = {"plain": plain, "fp8": [FP8Linear.from_linear(lin) for lin in plain]}
         if dtype == torch.bfloat16:  # the dynamic GEMM quantizes bf16 activations
-            dynamic = FP8Linear.from_linear(lin, gemm="dynamic")
-            variants["dynamic"] = lambda: dynamic(x)
-        diff = _layerwise_cast(copy.deepcopy(lin), dtype)
-        variants["diff"] = lambda: diff(x)
+            layers["dynamic"] = [FP8Linear.from_linear(lin, gemm="dynamic") for lin in plain]
+        layers["diff"] = [_layerwise_cast(copy.deepcopy(lin), dtype) for lin in plain]
+        variants = {key: (lambda group=group: [layer(x) for layer in group]) for key, group in layers.items()}
         per_round = rounds({key: _synced(fn, device) for key, fn in variants.items()}, repeats, 2)
+        per_round = {key: [t / copies for t in ts] for key, ts in per_round.items()}
         t = {key: statistics.median(ts) for key, ts in per_round.items()}
         row = dict(bench="fp8_linear", shape=name, device=device, dtype=str(dtype).removeprefix("torch."), M=m, K=k,
-                   N=n, plain_ms=t["plain"] * 1e3, pyext_fp8_ms=t["fp8"] * 1e3, diffusers_fp8_ms=t["diff"] * 1e3,
-                   pyext_vs_plain=_vs_plain(per_round, "fp8"), diffusers_vs_plain=_vs_plain(per_round, "diff"))
+                   N=n, copies=copies, plain_ms=t["plain"] * 1e3, pyext_fp8_ms=t["fp8"] * 1e3,
+                   diffusers_fp8_ms=t["diff"] * 1e3, pyext_vs_plain=_vs_plain(per_round, "fp8"),
+                   diffusers_vs_plain=_vs_plain(per_round, "diff"))
         if "dynamic" in t:
             row.update(pyext_dynamic_ms=t["dynamic"] * 1e3, dynamic_vs_plain=_vs_plain(per_round, "dynamic"))
         if device == "cpu":  # OpenVINO's linear in its own process, against F.linear there
@@ -148,6 +181,7 @@ def bench_linear(shapes=LINEAR_SHAPES, dtype: torch.dtype = torch.bfloat16, repe
                                               "range": [round(min(inverse), 3), round(max(inverse), 3)]},
                 "note": got["note"]})
         out.append(row)
+        del plain, layers, variants
     return out
 
 
@@ -303,6 +337,12 @@ def render(result: dict) -> str:
                 f"{r['pyext_fp8_ms']:.2f} ms | {ratio(r['pyext_vs_plain'])} | {ratio(r['diffusers_vs_plain'])} |"
                 + (f" {ratio(r['dynamic_vs_plain'])} |" if dynamic else "") + (f" {ov(r)} |" if openvino else "")
                 for r in linears]
+        copied = [r for r in linears if r.get("copies", 1) > 1]
+        if copied:
+            out += [f"\nRows of up to {FEW_ROWS} tokens ({', '.join(sorted({str(r['M']) for r in copied}, key=int))}): "
+                    f"each variant runs over {copied[0]['copies']} copies of the layer per round, whose plain weights "
+                    "exceed twice this CPU's last-level cache, as a model's layers read theirs from memory; the "
+                    "times are per layer. OpenVINO's column is one layer, warm, in its process."]
         notes = {r["openvino"]["note"] for r in linears if "note" in r.get("openvino", {})}
         out += [f"\nOpenVINO's column: {note}, its time over F.linear's from that process's rounds." for note in notes]
     convs = [r for r in result["rows"] if r["bench"] == "fp8_conv3x3_channels_last"]

@@ -321,11 +321,23 @@ def test_fp8_layer_benches_run_on_small_shapes():
             low, high = row["pyext_vs_plain"]["range"]
             assert low <= row["pyext_vs_plain"]["median"] <= high and row["dtype"] == str(dtype)[6:]
         assert ("pyext_dynamic_ms" in lin[0]) == (dtype == torch.bfloat16)  # the dynamic GEMM takes bf16
+        assert lin[0]["copies"] == fp8.copies_for(5, 32, 48, dtype, "cpu") > 1  # a few rows: from memory
         ov = lin[0]["openvino"]  # OpenVINO's linear where it is installed, else the reason
         assert ("vs_plain" in ov and ov["ms"] > 0) or "not installed" in ov["skipped"], ov
         table = fp8.render({"rows": conv + lin, "machine": latency.machine_info("cpu")})
         assert "| small | 5, 32, 48 |" in table and "| small | " + str(dtype)[6:] in table
         assert ("OpenVINO / F.linear" in table) == ("vs_plain" in ov)
+
+
+def test_few_rows_linears_run_over_copies_beyond_the_cache(monkeypatch):
+    from bench import fp8
+
+    monkeypatch.setattr(fp8, "last_level_cache_bytes", lambda: 32 << 20)
+    assert fp8.copies_for(fp8.FEW_ROWS + 1, 3072, 3072, torch.bfloat16, "cpu") == 1  # compute, not reading
+    assert fp8.copies_for(4, 3072, 3072, torch.bfloat16, "cuda") == 1
+    copies = fp8.copies_for(4, 3072, 3072, torch.bfloat16, "cpu")
+    assert copies * 3072 * 3072 * 2 >= 2 * (32 << 20) > (copies - 1) * 3072 * 3072 * 2
+    assert fp8.copies_for(1, 64, 64, torch.float32, "cpu") == fp8.MAX_COPIES
 
 
 def test_winograd_bench_pairs_rounds_and_reports_the_rule():
