@@ -339,10 +339,12 @@ def render(result: dict) -> str:
                 for r in linears]
         copied = [r for r in linears if r.get("copies", 1) > 1]
         if copied:
+            counts = sorted({r["copies"] for r in copied})
             out += [f"\nRows of up to {FEW_ROWS} tokens ({', '.join(sorted({str(r['M']) for r in copied}, key=int))}): "
-                    f"each variant runs over {copied[0]['copies']} copies of the layer per round, whose plain weights "
-                    "exceed twice this CPU's last-level cache, as a model's layers read theirs from memory; the "
-                    "times are per layer. OpenVINO's column is one layer, warm, in its process."]
+                    f"each variant runs over {'-'.join(map(str, (counts[0], counts[-1]) if len(counts) > 1 else counts))} "
+                    "copies of the layer per round, enough for their plain weights to exceed twice this CPU's "
+                    "last-level cache, as a model's layers read theirs from memory; the times are per layer. "
+                    "OpenVINO's column is one layer, warm, in its process."]
         notes = {r["openvino"]["note"] for r in linears if "note" in r.get("openvino", {})}
         out += [f"\nOpenVINO's column: {note}, its time over F.linear's from that process's rounds." for note in notes]
     convs = [r for r in result["rows"] if r["bench"] == "fp8_conv3x3_channels_last"]
