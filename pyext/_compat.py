@@ -341,6 +341,12 @@ def mkldnn_conv(x, packed, bias, padding, stride, dilation, groups):
                                                    groups, "none", [], None)
 
 
+def mkldnn_conv_add(x, other, packed, bias, padding, stride, dilation, groups):
+    """The convolution plus `other` (its output's shape and layout), the add as oneDNN's post-op."""
+    return torch.ops.mkldnn._convolution_pointwise.binary(x, other, packed, bias, list(padding), list(stride),
+                                                          list(dilation), groups, "add", None, None, [], None)
+
+
 def mkldnn_linear(x, packed, bias):
     return torch.ops.mkldnn._linear_pointwise(x, packed, bias, "none", [], "")
 

@@ -78,6 +78,32 @@ def test_a_fused_norm_called_or_hooked_gives_what_groupnorm_gives():
     assert torch.allclose(seen[0], fused.norm2(h))
 
 
+def test_the_residual_add_goes_into_a_packed_conv2_unless_it_is_hooked(monkeypatch):
+    """With conv2's weight packed for oneDNN the fused block adds the residual in conv2's call; a
+    hook on conv2 sees conv2's own output (the block calls it as itself) and changes the block's
+    output as in the plain block."""
+    from pyext import _compat
+    from pyext.nn.packed import pack
+
+    x, temb = torch.randn(2, 8, 6, 5).contiguous(memory_format=torch.channels_last), torch.randn(2, 16)
+    plain, fused = resnet(16), resnet(16)
+    pack(fused)
+    fuse_norms(fused)
+    calls = []
+    binary = _compat.mkldnn_conv_add
+    monkeypatch.setattr(_compat, "mkldnn_conv_add", lambda *a: (calls.append(1), binary(*a))[1])
+    with torch.no_grad():
+        want = plain(x, temb)
+        assert (fused(x, temb) - want).abs().max() <= 1e-4 * want.abs().max() and len(calls) == 1
+        seen = []
+        for b in (plain, fused):
+            b.conv2.register_forward_hook(lambda m, i, o: (seen.append(o.clone()), o * 2.0)[1])
+        want = plain(x, temb)
+        got = fused(x, temb)
+    assert len(calls) == 1 and (got - want).abs().max() <= 1e-4 * want.abs().max()
+    assert (seen[1] - seen[0]).abs().max() <= 1e-4 * seen[0].abs().max()  # conv2's output, without the residual
+
+
 def test_a_torch_function_mode_sees_the_plain_blocks_calls():
     from torch.overrides import TorchFunctionMode
 

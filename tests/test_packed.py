@@ -87,6 +87,41 @@ def test_conv_matches_plain_and_unpacks_exactly(spec, dtype, channels_last, monk
 
 
 @pytest.mark.parametrize("dtype", DTYPES, ids=str)
+@pytest.mark.parametrize("spec", CONVS, ids=str)
+@pytest.mark.parametrize("channels_last", [False, True])
+def test_conv_add_fuses_the_add_where_oneDNN_can_take_it(spec, dtype, channels_last, monkeypatch):
+    """conv_add(conv, x, other) is conv(x) + other: one oneDNN call with the add as its post-op, the
+    sum rounded once (as close to float64's as the two calls' at least), for a dense `other` of the
+    output's shape in either layout; the two calls otherwise (a broadcast, a plain weight)."""
+    cin, cout, k, s, p, d, g, bias, hw = spec
+    torch.manual_seed(0)
+    conv = nn.Conv2d(cin, cout, k, s, p, d, g, bias).to(dtype).eval().requires_grad_(False)
+    fmt = torch.channels_last if channels_last else torch.contiguous_format
+    x = torch.randn(2, cin, *hw, dtype=dtype).contiguous(memory_format=fmt)
+    other = torch.randn_like(conv(x))  # the output's shape and layout
+    plain = packed.conv_add(conv, x, other)  # a plain weight: the two calls
+    assert torch.equal(plain, conv(x) + other)
+    exact = nn.functional.conv2d(x.double(), conv.weight.double(), None if conv.bias is None else conv.bias.double(),
+                                 s, p, d, g) + other.double()
+    fused = []
+    binary = _compat.mkldnn_conv_add
+    monkeypatch.setattr(_compat, "mkldnn_conv_add", lambda *a: (fused.append(1), binary(*a))[1])
+    pack(conv)
+    out = packed.conv_add(conv, x, other)
+    assert len(fused) == 1 and out.dtype == dtype and out.shape == plain.shape
+    assert out.stride() == conv(x).stride()  # the layer's own output layout
+    scale = exact.abs().max().item()
+    assert (out.double() - exact).abs().max().item() <= (plain.double() - exact).abs().max().item() + TOL[dtype] / 8 * scale
+    other_layout = other.contiguous(memory_format=torch.contiguous_format if channels_last else torch.channels_last)
+    assert rel_err(packed.conv_add(conv, x, other_layout), plain) <= TOL[dtype] and len(fused) == 2
+    assert rel_err(packed.conv_add(conv, x, other[:1]), conv(x) + other[:1]) <= TOL[dtype]  # a broadcast
+    with torch.enable_grad():
+        trained = other.clone().requires_grad_(True)
+        assert packed.conv_add(conv, x, trained).requires_grad
+    assert len(fused) == 2
+
+
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
 @pytest.mark.parametrize("spec", LINEARS, ids=str)
 def test_linear_matches_plain(spec, dtype, monkeypatch):
     fin, fout, bias, lead = spec

@@ -15,6 +15,9 @@
 
 #include "common/half_rounding.h"
 #include "group_norm/group_norm_cpu.h"
+#ifdef PYEXT_GN_AVX512
+#include "group_norm/group_norm_rows_avx512.h"
+#endif
 
 namespace pyext::cpu {
 namespace {
@@ -354,6 +357,14 @@ void apply(const GroupNormArgs& a, const ChannelParams& p, int64_t begin, int64_
   Elem<D>* y = static_cast<Elem<D>*>(a.y);
   const bool in_place = D == PYEXT_F32;
   if (a.channels_last) {  // items are the stats' blocks of rows
+#ifdef PYEXT_GN_AVX512
+    for (int64_t item = begin; item < end; ++item) {
+      const int64_t n = item / a.chunks, r0 = item % a.chunks * a.chunk, rows = std::min(a.chunk, a.S - r0);
+      const int64_t at = (n * a.S + r0) * a.C, j = n * a.C;
+      normalize_rows_avx512<D, SILU>(x + at, y + at, rows, a.C, p.shift + j, p.mean_hi + j, p.scale + j, p.offset + j);
+    }
+    return;
+#endif
     Scratch buf(in_place ? 0 : 2 * a.chunk * a.C);
     for (int64_t item = begin; item < end; ++item) {
       const int64_t n = item / a.chunks, r0 = item % a.chunks * a.chunk, rows = std::min(a.chunk, a.S - r0);

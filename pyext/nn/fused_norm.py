@@ -4,9 +4,11 @@ A ResnetBlock2D runs norm1 -> nonlinearity and (time-embedding add ->) norm2 -> 
 passes over the activation each (read, write, read, write) where one read and one write suffice.
 `fuse_norms` gives such a block the forward of `FusedResnetBlock2D` (by __class__ swap: the same
 module, parameters, state_dict and hooks): ResnetBlock2D's own, with each pair one call of the
-fused op and the time embedding's add folded into norm2's. The fusion lives in the block that owns
-both ops: its norm and SiLU modules stay plain, so whoever calls or hooks them gets what GroupNorm
-and SiLU give. A call runs ResnetBlock2D's forward instead wherever fusing could be seen: a hook,
+fused op and the time embedding's add folded into norm2's; and the residual add in conv2's call
+where its weight is packed for oneDNN (`pyext.nn.packed.conv_add`: the output written once, the
+sum rounded once). The fusion lives in the block that owns the ops: its norm, SiLU and conv2
+modules stay plain, so whoever calls or hooks them gets what GroupNorm, SiLU and Conv2d give (a
+hooked conv2 is called as itself, and the add follows). A call runs ResnetBlock2D's forward instead wherever fusing could be seen: a hook,
 or a forward replaced per instance, on one of those modules (or a global module hook), a
 TorchFunctionMode watching torch's calls, modules swapped for others, inputs that need autograd
 (the op has no backward), arguments it does not know.
@@ -29,6 +31,7 @@ import torch.nn as nn
 import torch.nn.functional as F
 
 from pyext import _compat
+from pyext.nn.packed import PackedConv2d, conv_add
 from pyext.ops.group_norm import DTYPES, group_norm
 
 # Below this many elements the op's per-call cost (custom op and dispatch) outweighs the pass it
@@ -77,7 +80,8 @@ def fused_resnet_block_2d() -> type:
     base = _resnet_block_2d()
 
     class FusedResnetBlock2D(base):
-        """ResnetBlock2D's forward with norm1 + SiLU and (time embedding +) norm2 + SiLU fused."""
+        """ResnetBlock2D's forward with norm1 + SiLU and (time embedding +) norm2 + SiLU fused, and
+        the residual add in conv2's call."""
 
         def forward(self, input_tensor: torch.Tensor, temb: torch.Tensor, *args, **kwargs) -> torch.Tensor:
             if args or kwargs or (temb is not None and self.time_emb_proj is None) or not unseen(self, input_tensor):
@@ -96,13 +100,15 @@ def fused_resnet_block_2d() -> type:
             shift = None
             if self.time_emb_proj is not None and temb is not None:
                 shift = self.time_emb_proj(temb if self.skip_time_act else self.nonlinearity(temb))
-            hidden_states = norm_silu(self.norm2, hidden_states, shift)
-            hidden_states = self.conv2(self.dropout(hidden_states))
+            hidden_states = self.dropout(norm_silu(self.norm2, hidden_states, shift))
             if self.conv_shortcut is not None:
                 if self.training:
                     input_tensor = input_tensor.contiguous()
                 input_tensor = self.conv_shortcut(input_tensor)
-            out = input_tensor + hidden_states
+            if _plain_module(self.conv2, PackedConv2d):  # nothing sees conv2's own output: the add in its call
+                out = conv_add(self.conv2, hidden_states, input_tensor)
+            else:
+                out = input_tensor + self.conv2(hidden_states)
             return out if self.output_scale_factor == 1 else out / self.output_scale_factor  # (x / 1 is x)
 
     return FusedResnetBlock2D

@@ -221,8 +221,10 @@ class PackedWeight(StoredWeight):
         return (self.packed.tensor,)
 
 
-def _fast_path(func, args, kwargs):
-    """oneDNN on the packed weight for F.conv2d / F.linear on a CPU input of the weight's dtype; else None."""
+def _fast_path(func, args, kwargs, add: torch.Tensor | None = None):
+    """oneDNN on the packed weight for F.conv2d / F.linear on a CPU input of the weight's dtype; else None.
+    add (F.conv2d only): plus this tensor, fused where the weight is in oneDNN's layout and `add` is
+    laid out as its output; None where it cannot be fused."""
     if func not in (F.conv2d, F.linear):
         return None
     names = ("input", "weight", "bias", "stride", "padding", "dilation", "groups")
@@ -241,11 +243,42 @@ def _fast_path(func, args, kwargs):
             weight.packed.conv or x.dim() != 4:
         return None  # called with other arguments than the layer's (F.pad + padding 0, say): plain path
     tensor = weight.packed.for_input(tuple(x.shape))
+    if add is not None:
+        if not (tensor.is_mkldnn and _fusable_add(add, x, weight)):
+            return None
+        return _compat.mkldnn_conv_add(x, add, tensor, bias, padding, stride, dilation, groups)
     if not tensor.is_mkldnn:  # plain: the shape suits Winograd
         with winograd.using_workspace(weight.packed.workspace):
             y = torch.ops.pyext.winograd_conv3x3(x, tensor, bias, None)  # channels-last, as oneDNN gives it here
         return y if x.is_contiguous(memory_format=torch.channels_last) else y.contiguous()
     return _compat.mkldnn_conv(x, tensor, bias, padding, stride, dilation, groups)
+
+
+def conv_add(conv: nn.Conv2d, x: torch.Tensor, other: torch.Tensor) -> torch.Tensor:
+    """conv(x) + other, as one oneDNN call with the add as its post-op where the layer's weight is
+    packed in oneDNN's layout for x and `other` is a dense tensor of the output's shape: it is written
+    once, not written, read and written again, and the sum is rounded once, from fp32. Otherwise
+    the layer's call, then the add. The caller makes sure nothing watches the layer's own output
+    (a hook on it, or a forward of its own, would be bypassed)."""
+    weight = conv.weight
+    if isinstance(weight, PackedWeight) and weight.packed.conv is not None and isinstance(other, torch.Tensor) \
+            and not torch.compiler.is_compiling():
+        y = _fast_path(F.conv2d, (x, weight, conv.bias, conv.stride, conv.padding, conv.dilation, conv.groups), {},
+                       add=other)
+        if y is not None:
+            return y
+    return conv(x) + other
+
+
+def _fusable_add(add: torch.Tensor, x: torch.Tensor, weight: "PackedWeight") -> bool:
+    """Whether oneDNN's add post-op can take `add`: the convolution's output shape and x's dtype,
+    dense (either layout: oneDNN reads its strides), on the CPU, no gradient asked for through it."""
+    (sh, sw), (ph, pw), (dh, dw), _ = weight.packed.conv
+    (n, _, h, w), (out, _, kh, kw) = x.shape, weight.shape
+    shape = (n, out, (h + 2 * ph - dh * (kh - 1) - 1) // sh + 1, (w + 2 * pw - dw * (kw - 1) - 1) // sw + 1)
+    return (tuple(add.shape) == shape and add.device.type == "cpu" and add.dtype == x.dtype
+            and (add.is_contiguous() or add.is_contiguous(memory_format=torch.channels_last))
+            and not (torch.is_grad_enabled() and add.requires_grad))
 
 
 def _linear(x, weight, bias):

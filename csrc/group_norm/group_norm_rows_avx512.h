@@ -1,0 +1,92 @@
+// The channels-last apply pass in AVX-512 intrinsics, for the AVX-512 unit (group_norm_cpu_avx512.cpp
+// defines PYEXT_GN_AVX512 before it includes the kernel body). The pass is compute-bound: auto-
+// vectorised, it converted each block into an fp32 buffer, normalised it into a second one and
+// converted that back, built e^x's 2^n from two powers of two with selects and divided for SiLU.
+// Here a row's 16 channels at a time go from x to y in registers: the same arithmetic as
+// normalize<SILU> (v + shift - mean_hi, times scale, plus offset) and as exp_f32 (Cephes'
+// polynomial on the same reduction; 2^n by vscalefps, which rounds subnormal results once), the
+// conversions bit-exact with half_rounding.h's.
+#pragma once
+// GCC 12 reads the _mm512_undefined_ps() inside its own intrinsics as maybe-uninitialized.
+#pragma GCC diagnostic ignored "-Wmaybe-uninitialized"
+#include <immintrin.h>
+
+#include <cmath>
+
+#include "common/bf16_avx512.h"
+#include "common/half_rounding.h"
+
+namespace pyext::cpu {
+namespace {
+
+template <PyextDtype D> using RowElem = typename DtypeIo<D>::T;
+
+// e^x as exp_f32: inf above ln(FLT_MAX) (x is clamped to 89, where 2^n already overflows), 0 below
+// ln of half the least subnormal (clamped to -110, where it underflows), NaN kept (max/min return
+// their second operand, x, when it is NaN).
+inline __m512 exp_avx512(__m512 x) {
+  const __m512 xc = _mm512_min_ps(_mm512_set1_ps(89.0f), _mm512_max_ps(_mm512_set1_ps(-110.0f), x));
+  const __m512 n = _mm512_roundscale_ps(_mm512_mul_ps(xc, _mm512_set1_ps(1.44269504088896341f)),
+                                        _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+  __m512 r = _mm512_fnmadd_ps(n, _mm512_set1_ps(0.693359375f), xc);
+  r = _mm512_fnmadd_ps(n, _mm512_set1_ps(-2.12194440e-4f), r);
+  __m512 p = _mm512_set1_ps(1.9875691500e-4f);
+  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.3981999507e-3f));
+  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(8.3334519073e-3f));
+  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(4.1665795894e-2f));
+  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.6666665459e-1f));
+  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(5.0000001201e-1f));
+  p = _mm512_add_ps(_mm512_fmadd_ps(p, _mm512_mul_ps(r, r), r), _mm512_set1_ps(1.0f));
+  return _mm512_scalef_ps(p, n);
+}
+
+// x / (1 + e^-x), as silu(), with the quotient as x times a reciprocal: vdivps, 16 lanes at a time,
+// had been most of this pass's time. The reciprocal is rcp14's estimate and one Newton step
+// (within about an ulp); where e^-x overflows, 0 (the step would make inf * 0 a NaN), so that
+// the result is -0 there and NaN at -inf, as silu()'s.
+inline __m512 silu_avx512(__m512 v) {
+  const __m512 one = _mm512_set1_ps(1.0f);
+  const __m512 d = _mm512_add_ps(one, exp_avx512(_mm512_sub_ps(_mm512_setzero_ps(), v)));
+  const __m512 y0 = _mm512_rcp14_ps(d);
+  __m512 y = _mm512_fmadd_ps(y0, _mm512_fnmadd_ps(d, y0, one), y0);
+  y = _mm512_mask_mov_ps(y, _mm512_cmp_ps_mask(d, _mm512_set1_ps(INFINITY), _CMP_EQ_OQ), _mm512_setzero_ps());
+  return _mm512_mul_ps(v, y);
+}
+
+// `lanes` (mask) elements of a row in dtype D, as fp32, and back.
+template <PyextDtype D>
+inline __m512 load16(const RowElem<D>* p, __mmask16 lanes) {
+  if constexpr (D == PYEXT_F32) return _mm512_maskz_loadu_ps(lanes, p);
+  const __m256i h = _mm256_maskz_loadu_epi16(lanes, p);
+  if constexpr (D == PYEXT_F16) return _mm512_cvtph_ps(h);  // exact
+  return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(h), 16));
+}
+
+template <PyextDtype D>
+inline void store16(RowElem<D>* p, __m512 v, __mmask16 lanes) {
+  if constexpr (D == PYEXT_F32) {
+    _mm512_mask_storeu_ps(p, lanes, v);
+  } else if constexpr (D == PYEXT_F16) {  // rounds to nearest even and quiets NaN, as float_to_fp16
+    _mm256_mask_storeu_epi16(p, lanes, _mm512_cvtps_ph(v, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC));
+  } else {
+    _mm256_mask_storeu_epi16(p, lanes, bf16_round_avx512(v));
+  }
+}
+
+// `rows` channels-last rows of C channels: y = normalize<SILU>(x) with channel c's constants.
+template <PyextDtype D, bool SILU>
+void normalize_rows_avx512(const RowElem<D>* x, RowElem<D>* y, int64_t rows, int64_t C, const float* sh, const float* m,
+                           const float* s, const float* o) {
+  for (int64_t r = 0; r < rows; ++r, x += C, y += C)
+    for (int64_t c = 0; c < C; c += 16) {
+      const __mmask16 lanes = C - c >= 16 ? __mmask16(0xffff) : __mmask16((1u << (C - c)) - 1);
+      const __m512 t = _mm512_sub_ps(_mm512_add_ps(load16<D>(x + c, lanes), _mm512_maskz_loadu_ps(lanes, sh + c)),
+                                     _mm512_maskz_loadu_ps(lanes, m + c));
+      __m512 v = _mm512_fmadd_ps(t, _mm512_maskz_loadu_ps(lanes, s + c), _mm512_maskz_loadu_ps(lanes, o + c));
+      if constexpr (SILU) v = silu_avx512(v);
+      store16<D>(y + c, v, lanes);
+    }
+}
+
+}  // namespace
+}  // namespace pyext::cpu
