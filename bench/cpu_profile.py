@@ -32,6 +32,7 @@ def profile_pyext(component: str, calls: int, size: str = "full") -> dict:
     import time
 
     import pyext
+    from pyext import _compat
 
     pipe, make, args = _inputs(component, size)
     pyext.optimize(pipe, height=256, width=256)
@@ -46,7 +47,7 @@ def profile_pyext(component: str, calls: int, size: str = "full") -> dict:
                 module(*args)
             wall = time.perf_counter() - start
     per = {e.key: e.self_cpu_time_total / 1e3 / calls for e in prof.key_averages()}
-    spans = sorted((e.start_ns(), e.end_ns()) for e in prof.profiler.kineto_results.events()
+    spans = sorted((e.start_ns(), e.end_ns()) for e in _compat.profiler_events(prof)
                    if e.name().startswith(("aten::", "mkldnn::", "pyext")))
     busy, begin, end = 0, *spans[0]
     for s, e in spans[1:]:

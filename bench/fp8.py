@@ -9,7 +9,7 @@ one pyext.optimize computes in here (bf16 where the CPU has it natively, else fp
 is bf16. The linears run on the GPU when there is one. Rounds interleave the variants after a
 warm-up; a row gives median times and the median and range of the per-round ratio of pyext's
 time to the plain layer's. A linear of a few rows runs from memory, as in a model: each variant
-over copies of the layer whose weights exceed the last-level cache (`copies_for`). Weights are
+over copies of the layer whose weights exceed the last-level caches (`copies_for`). Weights are
 random.
 """
 from __future__ import annotations
@@ -118,32 +118,44 @@ def _vs_plain(per_round: dict, name: str) -> dict:
 
 
 # Up to this many rows a linear's time is reading its weight, which a model reads once per call,
-# from memory; each variant then runs over copies whose plain weights exceed twice the last-level
-# cache (at most MAX_COPIES), so that no round finds a weight left in cache by the one before.
+# from memory; each variant then runs over copies whose weights, in the smallest variant's storage
+# (fp8: a byte each), exceed twice the last-level caches (at most MAX_COPIES), so that no round
+# finds a weight left in cache by the one before.
 FEW_ROWS = 64
-MAX_COPIES = 64
+MAX_COPIES = 160
 
 
 def last_level_cache_bytes() -> int:
-    """This CPU's largest cache (Linux sysfs), 32 MiB where it cannot be read."""
-    sizes = []
-    for index in range(8):
-        try:
-            with open(f"/sys/devices/system/cpu/cpu0/cache/index{index}/size") as f:
-                text = f.read().strip()
-        except OSError:
-            continue
-        scale = {"K": 1 << 10, "M": 1 << 20, "G": 1 << 30}.get(text[-1:], 1)
-        sizes.append(int(text.rstrip("KMG")) * scale)
-    return max(sizes, default=32 << 20)
+    """The machine's last-level caches (Linux sysfs: each CPU's highest cache level, each cache
+    counted once however many CPUs share it); 32 MiB where they cannot be read."""
+    import glob
+
+    caches = {}
+    for cpu in glob.glob("/sys/devices/system/cpu/cpu[0-9]*/cache"):
+        levels = []
+        for index in glob.glob(f"{cpu}/index[0-9]*"):
+            try:
+                with open(f"{index}/level") as f:
+                    level = int(f.read())
+                with open(f"{index}/size") as f:
+                    text = f.read().strip()
+                with open(f"{index}/shared_cpu_list") as f:
+                    shared = f.read().strip()
+            except (OSError, ValueError):
+                continue
+            scale = {"K": 1 << 10, "M": 1 << 20, "G": 1 << 30}.get(text[-1:], 1)
+            levels.append((level, shared, int(text.rstrip("KMG")) * scale))
+        if levels:
+            level, shared, size = max(levels)
+            caches[(level, shared)] = size
+    return sum(caches.values()) or 32 << 20
 
 
-def copies_for(m: int, k: int, n: int, dtype: torch.dtype, device: str) -> int:
+def copies_for(m: int, k: int, n: int, device: str) -> int:
     """How many copies of a layer each variant runs over per round (see FEW_ROWS)."""
     if device != "cpu" or m > FEW_ROWS:
         return 1
-    weight = k * n * torch.tensor([], dtype=dtype).element_size()
-    return max(1, min(MAX_COPIES, -(-2 * last_level_cache_bytes() // weight)))
+    return max(1, min(MAX_COPIES, -(-2 * last_level_cache_bytes() // (k * n))))
 
 
 @torch.no_grad()
@@ -154,7 +166,7 @@ def bench_linear(shapes=LINEAR_SHAPES, dtype: torch.dtype = torch.bfloat16, repe
     device = "cuda" if torch.cuda.is_available() else "cpu"
     out = []
     for name, m, k, n in shapes:
-        copies = copies_for(m, k, n, dtype, device)
+        copies = copies_for(m, k, n, device)
         plain = [nn.Linear(k, n).to(device, dtype) for _ in range(copies)]
         x = torch.randn(m, k, dtype=dtype, device=device)
         layers = {"plain": plain, "fp8": [FP8Linear.from_linear(lin) for lin in plain]}
@@ -340,11 +352,14 @@ def render(result: dict) -> str:
         copied = [r for r in linears if r.get("copies", 1) > 1]
         if copied:
             counts = sorted({r["copies"] for r in copied})
+            beyond = all(r["copies"] < MAX_COPIES for r in copied)
             out += [f"\nRows of up to {FEW_ROWS} tokens ({', '.join(sorted({str(r['M']) for r in copied}, key=int))}): "
                     f"each variant runs over {'-'.join(map(str, (counts[0], counts[-1]) if len(counts) > 1 else counts))} "
-                    "copies of the layer per round, enough for their plain weights to exceed twice this CPU's "
-                    "last-level cache, as a model's layers read theirs from memory; the times are per layer. "
-                    "OpenVINO's column is one layer, warm, in its process."]
+                    "copies of the layer per round, "
+                    + ("enough for their fp8 weights to exceed twice this machine's last-level caches"
+                       if beyond else f"at most {MAX_COPIES}, which at the smallest layers stay within its caches")
+                    + ", as a model's layers read theirs from memory; the times are per layer. OpenVINO's "
+                    "column is one layer, warm, in its process."]
         notes = {r["openvino"]["note"] for r in linears if "note" in r.get("openvino", {})}
         out += [f"\nOpenVINO's column: {note}, its time over F.linear's from that process's rounds." for note in notes]
     convs = [r for r in result["rows"] if r["bench"] == "fp8_conv3x3_channels_last"]

@@ -46,6 +46,8 @@ def _forward_ranges(modules: dict) -> list:
 
 def profile_peaks(fn, modules: dict) -> tuple[int, dict[str, int]]:
     """(peak bytes allocated by fn above what was live before it, {module: peak of its forward})."""
+    from pyext import _compat
+
     handles = _forward_ranges(modules)
     try:
         with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU], profile_memory=True) as prof:
@@ -53,7 +55,7 @@ def profile_peaks(fn, modules: dict) -> tuple[int, dict[str, int]]:
     finally:
         for h in handles:
             h.remove()
-    events = list(prof.profiler.kineto_results.events())
+    events = _compat.profiler_events(prof)
     live, total = [], 0
     for start, nbytes in sorted((e.start_ns(), e.nbytes()) for e in events if e.name() == "[memory]"):
         total += nbytes
@@ -87,6 +89,7 @@ def measure(arch: str, scale: int = 4, dtype="auto") -> dict:
     modules = {name: (getattr(m, "decoder", None) or m) if decision.components.roles[name] == "vae" else m
                for name, m in decision.components.modules.items()}
     weights = sum(c.weight_bytes for c in sizes)
+
     def generate():
         offline.run_example(pipe, arch, steps=2, **size, **CALL.get(arch, {}))
 

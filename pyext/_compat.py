@@ -275,6 +275,14 @@ def compiled_original(module):
     return getattr(module, COMPILED_ORIGINAL, module)
 
 
+# ----------------------------------------------------------------------------- profiler
+
+def profiler_events(prof) -> list:
+    """The events a finished torch.profiler.profile recorded, each with name(), start_ns(), end_ns()
+    and, for a "[memory]" event, nbytes(): the kineto results, which torch exposes privately."""
+    return list(prof.profiler.kineto_results.events())
+
+
 # ----------------------------------------------------------------------------- model metadata
 
 def keep_in_fp32_modules(model, dtype: torch.dtype) -> list[str]:

@@ -49,11 +49,12 @@ def test_fused_blocks_give_the_plain_outputs_and_unfuse():
         assert torch.equal(pipe.vae.decode(latents).sample, plain)
 
 
-def resnet(temb_channels=None, **kwargs):
+def resnet(temb_channels=None, out_channels=8, **kwargs):
     from diffusers.models.resnet import ResnetBlock2D
 
     torch.manual_seed(0)
-    return ResnetBlock2D(in_channels=8, out_channels=8, temb_channels=temb_channels, groups=2, **kwargs).eval()
+    return ResnetBlock2D(in_channels=8, out_channels=out_channels, temb_channels=temb_channels, groups=2,
+                         **kwargs).eval()
 
 
 def test_a_fused_norm_called_or_hooked_gives_what_groupnorm_gives():
@@ -78,17 +79,19 @@ def test_a_fused_norm_called_or_hooked_gives_what_groupnorm_gives():
     assert torch.allclose(seen[0], fused.norm2(h))
 
 
-def test_the_residual_add_goes_into_a_packed_conv2_unless_it_is_hooked(monkeypatch):
-    """With conv2's weight packed for oneDNN the fused block adds the residual in conv2's call; a
-    hook on conv2 sees conv2's own output (the block calls it as itself) and changes the block's
-    output as in the plain block."""
+@pytest.mark.parametrize("shape", [{}, {"out_channels": 16, "output_scale_factor": 2.0}], ids=["same", "shortcut"])
+def test_the_residual_add_goes_into_a_packed_conv2_unless_it_is_hooked(shape, monkeypatch):
+    """With conv2's weight packed for oneDNN (optimize fuses, then packs) the fused block adds the
+    residual, or its 1x1 shortcut's output, in conv2's call; a hook on conv2 sees conv2's own output
+    (the block calls it as itself) and changes the block's output as in the plain block."""
     from pyext import _compat
     from pyext.nn.packed import pack
 
     x, temb = torch.randn(2, 8, 6, 5).contiguous(memory_format=torch.channels_last), torch.randn(2, 16)
-    plain, fused = resnet(16), resnet(16)
-    pack(fused)
+    plain, fused = resnet(16, **shape), resnet(16, **shape)
     fuse_norms(fused)
+    pack(fused)
+    assert is_fused(fused) and (fused.conv_shortcut is not None) == bool(shape)
     calls = []
     binary = _compat.mkldnn_conv_add
     monkeypatch.setattr(_compat, "mkldnn_conv_add", lambda *a: (calls.append(1), binary(*a))[1])

@@ -90,17 +90,18 @@ def test_conv_matches_plain_and_unpacks_exactly(spec, dtype, channels_last, monk
 @pytest.mark.parametrize("spec", CONVS, ids=str)
 @pytest.mark.parametrize("channels_last", [False, True])
 def test_conv_add_fuses_the_add_where_oneDNN_can_take_it(spec, dtype, channels_last, monkeypatch):
-    """conv_add(conv, x, other) is conv(x) + other: one oneDNN call with the add as its post-op, the
-    sum rounded once (as close to float64's as the two calls' at least), for a dense `other` of the
-    output's shape in either layout; the two calls otherwise (a broadcast, a plain weight)."""
+    """conv_add(conv, x, other) is other + conv(x): one oneDNN call with the add as its post-op, the
+    sum rounded once (as close to float64's as the two calls' at least), for channels-last x and
+    `other` of the output's shape and groups 1; the two calls otherwise (another layout, a
+    broadcast, groups, a plain weight, a Winograd one)."""
     cin, cout, k, s, p, d, g, bias, hw = spec
     torch.manual_seed(0)
     conv = nn.Conv2d(cin, cout, k, s, p, d, g, bias).to(dtype).eval().requires_grad_(False)
     fmt = torch.channels_last if channels_last else torch.contiguous_format
     x = torch.randn(2, cin, *hw, dtype=dtype).contiguous(memory_format=fmt)
-    other = torch.randn_like(conv(x))  # the output's shape and layout
+    other = torch.randn_like(conv(x)).contiguous(memory_format=fmt)
     plain = packed.conv_add(conv, x, other)  # a plain weight: the two calls
-    assert torch.equal(plain, conv(x) + other)
+    assert torch.equal(plain, other + conv(x))
     exact = nn.functional.conv2d(x.double(), conv.weight.double(), None if conv.bias is None else conv.bias.double(),
                                  s, p, d, g) + other.double()
     fused = []
@@ -108,17 +109,35 @@ def test_conv_add_fuses_the_add_where_oneDNN_can_take_it(spec, dtype, channels_l
     monkeypatch.setattr(_compat, "mkldnn_conv_add", lambda *a: (fused.append(1), binary(*a))[1])
     pack(conv)
     out = packed.conv_add(conv, x, other)
-    assert len(fused) == 1 and out.dtype == dtype and out.shape == plain.shape
-    assert out.stride() == conv(x).stride()  # the layer's own output layout
+    fusable = channels_last and g == 1
+    assert len(fused) == fusable and out.dtype == dtype and out.shape == plain.shape
     scale = exact.abs().max().item()
-    assert (out.double() - exact).abs().max().item() <= (plain.double() - exact).abs().max().item() + TOL[dtype] / 8 * scale
+    if fusable:  # one rounding: as close as the two calls'
+        assert out.stride() == conv(x).stride()  # the layer's own output layout
+        assert (out.double() - exact).abs().max().item() <= (plain.double() - exact).abs().max().item() + TOL[dtype] / 8 * scale
+    assert rel_err(out, plain) <= TOL[dtype]
     other_layout = other.contiguous(memory_format=torch.contiguous_format if channels_last else torch.channels_last)
-    assert rel_err(packed.conv_add(conv, x, other_layout), plain) <= TOL[dtype] and len(fused) == 2
-    assert rel_err(packed.conv_add(conv, x, other[:1]), conv(x) + other[:1]) <= TOL[dtype]  # a broadcast
+    if not other_layout.is_contiguous(memory_format=torch.channels_last):  # (a 1x1 output is both)
+        assert rel_err(packed.conv_add(conv, x, other_layout), plain) <= TOL[dtype] and len(fused) == fusable
+    assert rel_err(packed.conv_add(conv, x, other[:1]), other[:1] + conv(x)) <= TOL[dtype]  # a broadcast
+    assert len(fused) == fusable
     with torch.enable_grad():
-        trained = other.clone().requires_grad_(True)
-        assert packed.conv_add(conv, x, trained).requires_grad
-    assert len(fused) == 2
+        assert packed.conv_add(conv, x, other.clone().requires_grad_(True)).requires_grad
+    assert len(fused) == fusable
+
+
+def test_conv_add_on_a_winograd_weight_is_the_two_calls(monkeypatch):
+    monkeypatch.setattr(packed, "_winograd_suits", lambda *a: True)
+    torch.manual_seed(0)
+    conv = nn.Conv2d(8, 8, 3, 1, 1).eval().requires_grad_(False)
+    x = torch.randn(1, 8, 12, 12).contiguous(memory_format=torch.channels_last)
+    other = torch.randn(1, 8, 12, 12).contiguous(memory_format=torch.channels_last)
+    want = other + conv(x)
+    pack(conv)
+    fused = []
+    monkeypatch.setattr(_compat, "mkldnn_conv_add", lambda *a: fused.append(1))
+    out = packed.conv_add(conv, x, other)
+    assert conv.weight.packed.winograd and not fused and rel_err(out, want) <= TOL[torch.float32]
 
 
 @pytest.mark.parametrize("dtype", DTYPES, ids=str)

@@ -1,7 +1,9 @@
 // Body of the CPU GroupNorm kernels, included by group_norm_cpu_{scalar,avx2,avx512}.cpp, which
 // compile it for their own targets. Each pass converts x to fp32 once, into a buffer (fp32 x is
 // read in place), and GCC auto-vectorises the fp32 loops: sums go to kLanes independent partial
-// sums (a reduction that vectorises without -ffast-math), SiLU uses the branch-free exp_f32.
+// sums (a reduction that vectorises without -ffast-math), SiLU uses the branch-free exp_f32. The
+// AVX-512 unit's channels-last apply pass is written in intrinsics instead
+// (group_norm_rows_avx512.h).
 // Units that target F16C define PYEXT_GN_F16C and convert fp16 with it. Internal linkage, so
 // that no unit's copy replaces another's at link time.
 #pragma once
@@ -363,8 +365,7 @@ void apply(const GroupNormArgs& a, const ChannelParams& p, int64_t begin, int64_
       const int64_t at = (n * a.S + r0) * a.C, j = n * a.C;
       normalize_rows_avx512<D, SILU>(x + at, y + at, rows, a.C, p.shift + j, p.mean_hi + j, p.scale + j, p.offset + j);
     }
-    return;
-#endif
+#else
     Scratch buf(in_place ? 0 : 2 * a.chunk * a.C);
     for (int64_t item = begin; item < end; ++item) {
       const int64_t n = item / a.chunks, r0 = item % a.chunks * a.chunk, rows = std::min(a.chunk, a.S - r0);
@@ -374,6 +375,7 @@ void apply(const GroupNormArgs& a, const ChannelParams& p, int64_t begin, int64_
           normalize_row<SILU>(v + r * a.C, out + r * a.C, a.C, p.shift + j, p.mean_hi + j, p.scale + j, p.offset + j);
       });
     }
+#endif
     return;
   }
   const int64_t blocks = (a.S + a.apply_block - 1) / a.apply_block;

@@ -1,12 +1,12 @@
 // The channels-last apply pass in AVX-512 intrinsics, for the AVX-512 unit (group_norm_cpu_avx512.cpp
-// defines PYEXT_GN_AVX512 before it includes the kernel body). The pass is compute-bound: auto-
-// vectorised, it converted each block into an fp32 buffer, normalised it into a second one and
-// converted that back, built e^x's 2^n from two powers of two with selects and divided for SiLU.
-// Here a row's 16 channels at a time go from x to y in registers: the same arithmetic as
-// normalize<SILU> (v + shift - mean_hi, times scale, plus offset) and as exp_f32 (Cephes'
-// polynomial on the same reduction; 2^n by vscalefps, which rounds subnormal results once), the
-// conversions bit-exact with half_rounding.h's.
+// defines PYEXT_GN_AVX512 before it includes the kernel body). The pass is compute-bound, so each
+// of a row's 16-channel vectors goes from x to y in registers, with no fp32 buffers between the
+// conversions and the arithmetic: the same arithmetic as normalize<SILU> (v + shift - mean_hi,
+// times scale, plus offset) and as exp_f32 (Cephes' polynomial on the same reduction; 2^n by
+// vscalefps, which rounds subnormal results once, where exp_f32 multiplies two powers of two),
+// the conversions bit-exact with half_rounding.h's.
 #pragma once
+#pragma GCC diagnostic push
 // GCC 12 reads the _mm512_undefined_ps() inside its own intrinsics as maybe-uninitialized.
 #pragma GCC diagnostic ignored "-Wmaybe-uninitialized"
 #include <immintrin.h>
@@ -40,10 +40,11 @@ inline __m512 exp_avx512(__m512 x) {
   return _mm512_scalef_ps(p, n);
 }
 
-// x / (1 + e^-x), as silu(), with the quotient as x times a reciprocal: vdivps, 16 lanes at a time,
-// had been most of this pass's time. The reciprocal is rcp14's estimate and one Newton step
-// (within about an ulp); where e^-x overflows, 0 (the step would make inf * 0 a NaN), so that
-// the result is -0 there and NaN at -inf, as silu()'s.
+// x / (1 + e^-x), as silu(), the quotient as x times a reciprocal: vdivps is slow enough, 16 lanes
+// at a time, to bound this pass. The reciprocal is rcp14's estimate and one Newton step: within an
+// ulp or two, where 1 + e^-x is small enough that its reciprocal is normal (up to about 2^-22
+// relative just below, x in [-88.7, -87.3]); where e^-x overflows, 0 (the step would make inf * 0
+// a NaN), so that the result is -0 there and NaN at -inf, as silu()'s.
 inline __m512 silu_avx512(__m512 v) {
   const __m512 one = _mm512_set1_ps(1.0f);
   const __m512 d = _mm512_add_ps(one, exp_avx512(_mm512_sub_ps(_mm512_setzero_ps(), v)));
@@ -90,3 +91,5 @@ void normalize_rows_avx512(const RowElem<D>* x, RowElem<D>* y, int64_t rows, int
 
 }  // namespace
 }  // namespace pyext::cpu
+
+#pragma GCC diagnostic pop

@@ -8,17 +8,20 @@ fused op and the time embedding's add folded into norm2's; and the residual add 
 where its weight is packed for oneDNN (`pyext.nn.packed.conv_add`: the output written once, the
 sum rounded once). The fusion lives in the block that owns the ops: its norm, SiLU and conv2
 modules stay plain, so whoever calls or hooks them gets what GroupNorm, SiLU and Conv2d give (a
-hooked conv2 is called as itself, and the add follows). A call runs ResnetBlock2D's forward instead wherever fusing could be seen: a hook,
-or a forward replaced per instance, on one of those modules (or a global module hook), a
-TorchFunctionMode watching torch's calls, modules swapped for others, inputs that need autograd
-(the op has no backward), arguments it does not know.
+hooked conv2 is called as itself, and the add follows). A call runs ResnetBlock2D's forward
+instead wherever fusing could be seen: a hook, or a forward replaced per instance, on one of
+those modules (or a global module hook), a TorchFunctionMode watching torch's calls, modules
+swapped for others, inputs that need autograd (the op has no backward), arguments it does not
+know.
 
 Each block is probed when fused: on a small random input, the fused block must give the plain
 block's output, else it stays plain and the report says by how much it differed. A block with
 hooks already on it stays plain: they would see the probe's calls. The probe's convolutions run
 torch's im2col kernel: both forwards call the same convolutions on the same inputs, so the
 kernel does not change the comparison, and torch's default CPU path would reorder every weight
-into oneDNN's layout on every call, most of a probe's time at a UNet's widths.
+into oneDNN's layout on every call, most of a probe's time at a UNet's widths. So the probe
+checks the norms' fusion, not conv2's add (prepack packs conv2 after fuse_norms anyway): that is
+oneDNN's post-op, which the tests check against the two calls.
 """
 from __future__ import annotations
 
@@ -101,15 +104,17 @@ def fused_resnet_block_2d() -> type:
             if self.time_emb_proj is not None and temb is not None:
                 shift = self.time_emb_proj(temb if self.skip_time_act else self.nonlinearity(temb))
             hidden_states = self.dropout(norm_silu(self.norm2, hidden_states, shift))
-            if self.conv_shortcut is not None:
-                if self.training:
-                    input_tensor = input_tensor.contiguous()
-                input_tensor = self.conv_shortcut(input_tensor)
             if _plain_module(self.conv2, PackedConv2d):  # nothing sees conv2's own output: the add in its call
-                out = conv_add(self.conv2, hidden_states, input_tensor)
-            else:
-                out = input_tensor + self.conv2(hidden_states)
+                out = conv_add(self.conv2, hidden_states, self._shortcut(input_tensor))
+            else:  # conv2 before the shortcut, as the block calls them (hooks on both fire in its order)
+                hidden_states = self.conv2(hidden_states)
+                out = self._shortcut(input_tensor) + hidden_states
             return out if self.output_scale_factor == 1 else out / self.output_scale_factor  # (x / 1 is x)
+
+        def _shortcut(self, input_tensor: torch.Tensor) -> torch.Tensor:
+            if self.conv_shortcut is None:
+                return input_tensor
+            return self.conv_shortcut(input_tensor.contiguous() if self.training else input_tensor)
 
     return FusedResnetBlock2D
 

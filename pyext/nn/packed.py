@@ -223,8 +223,7 @@ class PackedWeight(StoredWeight):
 
 def _fast_path(func, args, kwargs, add: torch.Tensor | None = None):
     """oneDNN on the packed weight for F.conv2d / F.linear on a CPU input of the weight's dtype; else None.
-    add (F.conv2d only): plus this tensor, fused where the weight is in oneDNN's layout and `add` is
-    laid out as its output; None where it cannot be fused."""
+    add (F.conv2d only): plus this tensor as oneDNN's post-op (_fusable_add); None where it cannot be."""
     if func not in (F.conv2d, F.linear):
         return None
     names = ("input", "weight", "bias", "stride", "padding", "dilation", "groups")
@@ -237,7 +236,7 @@ def _fast_path(func, args, kwargs, add: torch.Tensor | None = None):
             and not (torch.is_grad_enabled() and any(t is not None and t.requires_grad for t in (x, weight, bias)))):
         return None
     if func is F.linear:
-        return _linear(x, weight, bias)
+        return _linear(x, weight, bias) if add is None else None
     stride, padding, dilation, groups = weight.packed.conv
     if (call.get("stride", 1), call.get("padding", 0), call.get("dilation", 1), call.get("groups", 1)) != \
             weight.packed.conv or x.dim() != 4:
@@ -255,11 +254,12 @@ def _fast_path(func, args, kwargs, add: torch.Tensor | None = None):
 
 
 def conv_add(conv: nn.Conv2d, x: torch.Tensor, other: torch.Tensor) -> torch.Tensor:
-    """conv(x) + other, as one oneDNN call with the add as its post-op where the layer's weight is
-    packed in oneDNN's layout for x and `other` is a dense tensor of the output's shape: it is written
-    once, not written, read and written again, and the sum is rounded once, from fp32. Otherwise
-    the layer's call, then the add. The caller makes sure nothing watches the layer's own output
-    (a hook on it, or a forward of its own, would be bypassed)."""
+    """other + conv(x). Where the layer's weight is packed in oneDNN's layout for a channels-last x
+    and `other` is a channels-last tensor of the output's shape (groups 1), one oneDNN call with
+    the add as its post-op: the output is written once, not written, read and written again, and
+    the sum is rounded once, from fp32. Otherwise the layer's call, then the add. The caller makes
+    sure nothing watches the layer's own output (a hook on it, or a forward of its own, would be
+    bypassed)."""
     weight = conv.weight
     if isinstance(weight, PackedWeight) and weight.packed.conv is not None and isinstance(other, torch.Tensor) \
             and not torch.compiler.is_compiling():
@@ -267,17 +267,19 @@ def conv_add(conv: nn.Conv2d, x: torch.Tensor, other: torch.Tensor) -> torch.Ten
                        add=other)
         if y is not None:
             return y
-    return conv(x) + other
+    return other + conv(x)
 
 
 def _fusable_add(add: torch.Tensor, x: torch.Tensor, weight: "PackedWeight") -> bool:
-    """Whether oneDNN's add post-op can take `add`: the convolution's output shape and x's dtype,
-    dense (either layout: oneDNN reads its strides), on the CPU, no gradient asked for through it."""
-    (sh, sw), (ph, pw), (dh, dw), _ = weight.packed.conv
+    """Whether oneDNN's add post-op takes `add` as it is: the convolution's output shape and x's
+    dtype, x and `add` channels-last (torch copies another layout of `add` into it first), groups 1
+    (torch runs other groups' convolution, then the add), on the CPU, no gradient asked for."""
+    (sh, sw), (ph, pw), (dh, dw), groups = weight.packed.conv
     (n, _, h, w), (out, _, kh, kw) = x.shape, weight.shape
     shape = (n, out, (h + 2 * ph - dh * (kh - 1) - 1) // sh + 1, (w + 2 * pw - dw * (kw - 1) - 1) // sw + 1)
-    return (tuple(add.shape) == shape and add.device.type == "cpu" and add.dtype == x.dtype
-            and (add.is_contiguous() or add.is_contiguous(memory_format=torch.channels_last))
+    channels_last = torch.channels_last
+    return (groups == 1 and tuple(add.shape) == shape and add.device.type == "cpu" and add.dtype == x.dtype
+            and x.is_contiguous(memory_format=channels_last) and add.is_contiguous(memory_format=channels_last)
             and not (torch.is_grad_enabled() and add.requires_grad))
 
 
