@@ -58,6 +58,7 @@ def _renderers() -> dict[str, Callable[[dict], str]]:
             "latency_rounds_cpu_amx": render_latency,
             "latency_flux_cpu_avx2": render_latency,
             "latency_flux_fp8_cpu_avx2": render_latency,
+            "latency_flux_cpu_amx": render_latency,
             "latency_sdxl_cpu_avx2": render_latency,
             "latency_sdxl_cpu_amx": render_latency,
             "vae_memory_settings_cpu": lambda r: render_runs(r["rows"]),
