@@ -277,9 +277,8 @@ def _fusable_add(add: torch.Tensor, x: torch.Tensor, weight: "PackedWeight") -> 
     (sh, sw), (ph, pw), (dh, dw), groups = weight.packed.conv
     (n, _, h, w), (out, _, kh, kw) = x.shape, weight.shape
     shape = (n, out, (h + 2 * ph - dh * (kh - 1) - 1) // sh + 1, (w + 2 * pw - dw * (kw - 1) - 1) // sw + 1)
-    channels_last = torch.channels_last
     return (groups == 1 and tuple(add.shape) == shape and add.device.type == "cpu" and add.dtype == x.dtype
-            and x.is_contiguous(memory_format=channels_last) and add.is_contiguous(memory_format=channels_last)
+            and all(t.is_contiguous(memory_format=torch.channels_last) for t in (x, add))
             and not (torch.is_grad_enabled() and add.requires_grad))
 
 
