@@ -1,13 +1,15 @@
 """The SD1.5 UNet step and VAE decode on a CPU, under each runtime a user could pick.
 
     python -m bench.cpu_runtimes [--size full] [--height 256 --width 256] [--rounds 5]
-                                 [--runtimes eager,pyext,pyext_fp8,openvino,inductor_freezing]
+                                 [--runtimes eager,pyext,pyext_fp8,pyext_compile,openvino,inductor_freezing]
                                  [--components unet,vae] [--out bench_out/cpu_runtimes] [--json PATH]
 
 Runtimes, all on the same random weights (pyext.offline, seed 0) and inputs:
 - eager: the diffusers modules as loaded;
 - pyext: after `pyext.optimize(pipe)` (dtype auto: bf16 where the CPU computes it natively, else fp32);
 - pyext_fp8: after `pyext.optimize(pipe, fp8="denoiser")`: the same, with the UNet's weights in fp8;
+- pyext_compile: after `pyext.optimize(pipe, compile="compile")`: the same, the UNet then compiled
+  by inductor with freezing (the VAE stays eager);
 - openvino: `openvino.convert_model` of the same modules, compiled for the CPU in that dtype
   ("n/a" with the reason when openvino is not installed);
 - inductor_freezing: `torch.compile` with `torch._inductor.config.freezing = True`.
@@ -30,7 +32,8 @@ import traceback
 
 import torch
 
-RUNTIMES = ("eager", "pyext", "pyext_fp8", "openvino", "inductor_freezing")
+RUNTIMES = ("eager", "pyext", "pyext_fp8", "pyext_compile", "openvino", "inductor_freezing")
+PYEXT_OPTIONS = {"pyext": {}, "pyext_fp8": {"fp8": "denoiser"}, "pyext_compile": {"compile": "compile"}}
 COMPONENTS = ("unet", "vae")
 SETTLE_S = 0.5  # pause between runtimes: OpenVINO's pool spins a little after each call
 
@@ -114,11 +117,11 @@ def _setup(runtime: str, pipe, x, dtype, threads: int):
         unet, decode = openvino_calls(pipe, *x, threads=threads)
         del pipe.unet, pipe.vae  # OpenVINO holds its own copy of the weights
         return {"unet": lambda: unet(*x[0])[0], "vae": lambda: decode(*x[1])}
-    if runtime in ("pyext", "pyext_fp8"):
+    if runtime in PYEXT_OPTIONS:
         import pyext
 
         h, w = (n * pipe.vae_scale_factor for n in x[0][0].shape[-2:])
-        pyext.optimize(pipe, height=h, width=w, **({"fp8": "denoiser"} if runtime == "pyext_fp8" else {}))
+        pyext.optimize(pipe, height=h, width=w, **PYEXT_OPTIONS[runtime])
         dtype = pipe.unet.dtype
     else:
         pipe.to(dtype)

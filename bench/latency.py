@@ -72,6 +72,7 @@ class Preset:
 _SD15_UNET_ONLY = (("traced_unet", "the guide's traced UNet takes SD1.5's UNet call (sample, timestep, text); "
                                    "this denoiser takes more (added conditioning, or a transformer's inputs)"),
                    ("openvino", "the OpenVINO row converts SD1.5's UNet call (sample, timestep, text) only"))
+_NO_DENOISER_CONVS = (("pyext_fp8_linear_compile", "this denoiser has no convolutions: the row would be pyext_fp8_compile's"),)
 _INT8_ON_CUDA = tuple((row, "an int8 row is the CPU presets' peer of fp8 weights; on CUDA the fp8 rows are")
                       for row in ("torchao_int8_weight_only", "torchao_int8_dynamic"))
 PRESETS = {
@@ -86,7 +87,7 @@ PRESETS = {
     "cpu": Preset("full", "cpu", 256, 256, 2, 1, 3, 600, opt_in=(
         *((row, "inductor compiles it: 2-7 minutes on 2 cores with a cold cache")
           for row in ("torchao_fp8_weight_only", "torchao_int8_weight_only", "torchao_int8_dynamic",
-                      "torch_compile", "torch_compile_freezing")),
+                      "torch_compile", "torch_compile_freezing", "pyext_fp8_compile", "pyext_fp8_linear_compile")),
         ("pyext_eager", "on a CPU pyext.optimize does not compile, so this row is pyext_optimize's"))),
     # CI: the tiny sd15 of pyext.offline, seconds for all rows.
     # One thread: tiny ops gain nothing from two, and on a shared machine a stalled
@@ -94,6 +95,8 @@ PRESETS = {
     "tiny": Preset("tiny", "cpu", 64, 64, 2, 1, 1, 120, threads=1, emulated_bf16=True, skip=(
         ("torch_compile", "not run in preset tiny: inductor needs minutes on CPU; see presets cpu/gpu"),
         ("torch_compile_freezing", "not run in preset tiny: inductor needs minutes on CPU; see preset cpu"),
+        *((row, "not run in preset tiny: inductor needs minutes on CPU; see preset cpu")
+          for row in ("pyext_fp8_compile", "pyext_fp8_linear_compile")),
         # torchao_fp8_dynamic runs: torchao refuses the CPU before anything is compiled.
         *((row, "not run in preset tiny: its torch.compile needs minutes on CPU; see presets cpu/gpu")
           for row in ("torchao_fp8_weight_only", "torchao_int8_weight_only", "torchao_int8_dynamic")))),
@@ -114,10 +117,10 @@ ARCH_PRESETS = {
     # by prompt embeddings.
     "flux": {
         "gpu": Preset("full", "cuda", 1024, 1024, 28, 3, 3, 900, check_steps=2, arch="flux", guidance_scale=3.5,
-                      half="bfloat16", load_half=True, on_device=True, skip=_INT8_ON_CUDA + _SD15_UNET_ONLY + (
+                      half="bfloat16", load_half=True, on_device=True, skip=_INT8_ON_CUDA + _SD15_UNET_ONLY + _NO_DENOISER_CONVS + (
                           ("fp16", "every row loads Flux.1-dev's bf16 here: the original row is this row"),)),
         "cpu": Preset("bench", "cpu", 256, 256, 2, 1, 2, 900, arch="flux", guidance_scale=3.5,
-                      call=(("max_sequence_length", 128),), skip=_SD15_UNET_ONLY),
+                      call=(("max_sequence_length", 128),), skip=_SD15_UNET_ONLY + _NO_DENOISER_CONVS),
     },
 }
 
@@ -168,6 +171,8 @@ ROWS = {
     "diffusers_layerwise_fp8": (True, ("channels_last", "sdpa_attention", "diffusers_layerwise_fp8")),
     "pyext_optimize": (False, ("pyext_optimize",)),
     "pyext_fp8_dynamic": (False, ("pyext_fp8_dynamic",)),
+    "pyext_fp8_compile": (False, ("pyext_fp8_compile",)),
+    "pyext_fp8_linear_compile": (False, ("pyext_fp8_linear_compile",)),
     "pyext_eager": (False, ("pyext_eager",)),
     "pyext_cudagraphs": (False, ("pyext_cudagraphs",)),
     "torch_compile": (True, ("channels_last", "sdpa_attention", "torch_compile")),
@@ -181,9 +186,13 @@ ROWS = {
 # The pyext rows: optimize's options beyond the plan size. pyext_optimize takes the defaults (on CUDA
 # the denoiser replays captured CUDA graphs), pyext_eager the same without them, pyext_cudagraphs
 # inductor's CUDA graphs instead, pyext_fp8_dynamic the denoiser's linears in fp8 with activations
-# quantized per row (fp8 x fp8 GEMMs: the setting of torchao_fp8_dynamic).
+# quantized per row (fp8 x fp8 GEMMs: the setting of torchao_fp8_dynamic), pyext_fp8_compile the
+# denoiser in fp8 and compiled by inductor (with freezing on a CPU), as the torchao rows compile theirs;
+# pyext_fp8_linear_compile the same with the linears only in fp8, the layers torchao's rows quantize.
 PYEXT_OPTIONS = {"pyext_optimize": {}, "pyext_eager": {"compile": "off"}, "pyext_cudagraphs": {"compile": "cudagraphs"},
-                 "pyext_fp8_dynamic": {"fp8": "denoiser", "fp8_gemm": "dynamic"}}
+                 "pyext_fp8_dynamic": {"fp8": "denoiser", "fp8_gemm": "dynamic"},
+                 "pyext_fp8_compile": {"fp8": "denoiser", "compile": "compile"},
+                 "pyext_fp8_linear_compile": {"fp8": "denoiser", "fp8_layers": "linear", "compile": "compile"}}
 
 # The torchao rows' configs: classes of torchao.quantization.
 TORCHAO_CONFIGS = {

@@ -145,7 +145,7 @@ def decide(pipe, opts: OptimizeOptions, default_device: torch.device | None = No
     can_offload = device.type != "cpu" and not multi_device
     graphs = device.type == "cuda" and opts.compile in ("auto", "capture")  # (pyext.graphs; resident plans only)
     plan = planner.plan(comps, geo, budget, elem, allow_offload=can_offload, fp8_skip=opts.fp8_skip,
-                        host=host, split_ways=sequence.ways, graphs=graphs)
+                        host=host, split_ways=sequence.ways, graphs=graphs, fp8_layers=opts.fp8_layers)
 
     if opts.offload != "auto":
         offload_mode, offload_reason = opts.offload, f"offload={opts.offload!r}"
@@ -171,7 +171,8 @@ def decide(pipe, opts: OptimizeOptions, default_device: torch.device | None = No
     fp8 = plan.fp8 if opts.fp8 == "auto" else opts.fp8
     if (fp8, offload_mode, tiling) != (plan.fp8, plan.offload, plan.vae_tiling):  # the plan in force is the options'
         plan = planner.as_asked(comps, geo, budget, fp8, offload_mode, tiling, elem, opts.fp8_skip, host,
-                                sequence.ways, graphs=graphs and (opts.compile == "capture" or plan.graphs))
+                                sequence.ways, graphs=graphs and (opts.compile == "capture" or plan.graphs),
+                                fp8_layers=opts.fp8_layers)
     fp8_gemm, fp8_gemm_reason = _fp8_gemm(opts, device)
     return Decision(opts, comps, families, device, dtype, geo, sequence, plan, fp8, fp8_gemm, fp8_gemm_reason,
                     offload_mode, offload_reason, tiling, tiling_reason, multi_device)

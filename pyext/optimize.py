@@ -150,6 +150,8 @@ def _check_again(state: State, decision: Decision) -> Decision:
         conflicts.append(f"fp8: {', '.join(lost)} store fp8 weights, fp8={decision.options.fp8!r} leaves them out")
     if fp8_components and decision.options.fp8_skip != before.options.fp8_skip:
         conflicts.append("fp8_skip: the fp8 layers were chosen with other patterns")
+    if fp8_components and decision.options.fp8_layers != before.options.fp8_layers:
+        conflicts.append(f"fp8_layers: the fp8 layers were chosen as {before.options.fp8_layers!r}")
     if conflicts:
         raise PyextError(
             "pyext.optimize: this pipeline was optimized before, and a second optimize cannot undo exactly what "

@@ -19,6 +19,7 @@ from pyext.nn.fp8 import DEFAULT_SKIP
 Switch = Literal["auto", "on", "off"]
 FP8Mode = Literal["auto", "off", "denoiser", "all"]
 FP8Gemm = Literal["auto", "weight_only", "dynamic"]
+FP8Layers = Literal["linear+conv", "linear"]  # pyext.nn.fp8.LAYER_KINDS
 CompileMode = Literal["auto", "off", "capture", "trace", "compile", "cudagraphs"]
 OffloadMode = Literal["auto", "off", "model", "group", "sequential"]
 DTypeChoice = Union[Literal["auto", "keep"], torch.dtype]
@@ -64,6 +65,9 @@ class OptimizeOptions:
         elsewhere).
     fp8_skip: regexes of layer names kept in full precision, on top of each model's own
         `_skip_layerwise_casting_patterns` and `_keep_in_fp32_modules`.
+    fp8_layers: the layer kinds stored in fp8: "linear+conv" (Linear and Conv2d) or "linear"
+        (Linear only, as torchao's and diffusers' guides quantize: convolutions keep the compute
+        dtype, closer images for more weight bytes in conv-heavy UNets).
     keep_original_weights: keep a CPU copy of converted weights so `restore` is exact.
     channels_last: "auto" (conv-heavy denoisers and 2-D VAEs) | "on" | "off".
     prepack: "auto" (on a CPU: Conv2d/Linear weights of denoisers, VAEs and controlnets packed once
@@ -93,6 +97,7 @@ class OptimizeOptions:
     fp8: FP8Mode = "auto"
     fp8_gemm: FP8Gemm = "auto"
     fp8_skip: tuple[str, ...] = DEFAULT_SKIP
+    fp8_layers: FP8Layers = "linear+conv"
     keep_original_weights: bool = False
     channels_last: Switch = "auto"
     prepack: Switch = "auto"
@@ -111,7 +116,7 @@ class OptimizeOptions:
     batch: int = 2
 
     def __post_init__(self):
-        for name, kind in (("fp8", FP8Mode), ("fp8_gemm", FP8Gemm), ("channels_last", Switch), ("prepack", Switch), ("fuse_norms", Switch),
+        for name, kind in (("fp8", FP8Mode), ("fp8_gemm", FP8Gemm), ("fp8_layers", FP8Layers), ("channels_last", Switch), ("prepack", Switch), ("fuse_norms", Switch),
                            ("compile", CompileMode),
                            ("vae_tiling", Switch), ("vae_slicing", Switch), ("offload", OffloadMode)):
             value = getattr(self, name)

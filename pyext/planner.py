@@ -87,13 +87,13 @@ CANDIDATES = [
 ]
 
 
-def _weight_bytes(module: nn.Module, elem: int, patterns: tuple[str, ...]) -> tuple[int, int, int]:
+def _weight_bytes(module: nn.Module, elem: int, patterns: tuple[str, ...], layers: str) -> tuple[int, int, int]:
     """(bytes at the compute dtype, bytes with eligible layers in fp8, largest single layer).
 
     Floating tensors count at `elem` bytes (the compute dtype); the fp8 weights of layers already
     converted, and integer tensors, at what they hold."""
     total = fp8_total = largest_leaf = 0
-    eligible_layers = {name for name, _, why in layer_rules(module, patterns) if why is None}
+    eligible_layers = {name for name, _, why in layer_rules(module, patterns, layers) if why is None}
     for name, sub in module.named_modules():
         own = list(sub.parameters(recurse=False)) + list(sub.buffers(recurse=False))
         size = sum(stored_bytes(t) if isinstance(t, FP8Weight) else t.numel() * (elem if t.is_floating_point()
@@ -214,14 +214,14 @@ def tiled_activation_bytes(module: nn.Module, role: str, geo: Geometry, act: int
 
 def component_sizes(components: Components, geo: Geometry, elem: int = 2,
                     fp8_skip: tuple[str, ...] = DEFAULT_SKIP, host: torch.dtype | None = None,
-                    split_ways: int = 1) -> list[ComponentSize]:
+                    split_ways: int = 1, fp8_layers: str = "linear+conv") -> list[ComponentSize]:
     """Each component's sizes on one device; `host`: the dtype the pipeline computes in on the CPU, in the
     memory it is planned for; `split_ways`: the denoisers' sequence is split over that many
     devices (each holds every weight and its share of the tokens)."""
     out = []
     for name, module in components.modules.items():
         role = components.roles[name]
-        total, fp8_total, leaf = _weight_bytes(module, elem, skip_patterns(module, fp8_skip))
+        total, fp8_total, leaf = _weight_bytes(module, elem, skip_patterns(module, fp8_skip), fp8_layers)
         act = activation_bytes(module, role, geo, elem, host) // (split_ways if role == "denoiser" else 1)
         out.append(ComponentSize(name, role, total, fp8_total, act, tiled_activation_bytes(module, role, geo, act, host, elem),
                                  _largest_block(module, elem) or total, leaf))
@@ -258,21 +258,21 @@ def peak_bytes(sizes: list[ComponentSize], geo: Geometry, fp8: str, offload: str
 def as_asked(components: Components, geo: Geometry, budget_bytes: int | None, fp8: str, offload: str,
              vae_tiling: bool, elem: int = 2, fp8_skip: tuple[str, ...] = DEFAULT_SKIP,
              host: torch.dtype | None = None,
-             split_ways: int = 1, graphs: bool = False) -> Plan:
+             split_ways: int = 1, graphs: bool = False, fp8_layers: str = "linear+conv") -> Plan:
     """The plan that options fixing fp8, offload and tiling make, with its estimated peak."""
     graphs = graphs and offload == "off"
-    peak = peak_bytes(component_sizes(components, geo, elem, fp8_skip, host, split_ways), geo, fp8, offload,
-                      vae_tiling, graphs)
+    peak = peak_bytes(component_sizes(components, geo, elem, fp8_skip, host, split_ways, fp8_layers), geo, fp8,
+                      offload, vae_tiling, graphs)
     return Plan("as asked", fp8, offload, vae_tiling, peak, budget_bytes is None or peak <= budget_bytes,
                 budget_bytes, graphs=graphs)
 
 
 def plan(components: Components, geo: Geometry, budget_bytes: int | None, elem: int = 2,
          allow_offload: bool = True, fp8_skip: tuple[str, ...] = DEFAULT_SKIP, host: torch.dtype | None = None,
-         split_ways: int = 1, graphs: bool = False) -> Plan:
+         split_ways: int = 1, graphs: bool = False, fp8_layers: str = "linear+conv") -> Plan:
     """The fastest candidate that fits. graphs: the denoisers would replay captured CUDA graphs; a
     resident plan whose graphs' memory does not fit is taken without them before anything slower."""
-    sizes = component_sizes(components, geo, elem, fp8_skip, host, split_ways)
+    sizes = component_sizes(components, geo, elem, fp8_skip, host, split_ways, fp8_layers)
     considered = []
     for name, fp8, offload in CANDIDATES:
         for tiling in (False, True):

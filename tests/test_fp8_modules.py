@@ -126,6 +126,40 @@ def test_adaptive_norms_modulation_linears_are_converted_and_embedders_kept(arch
 
 
 @torch.no_grad()
+def test_linear_layers_only_keep_every_convolution_and_the_planner_counts_the_same_bytes():
+    """layers="linear" converts the linears and keeps every Conv2d, saying why; the planner's fp8
+    weight bytes follow the same rule, and an unknown kind is refused before anything changes."""
+    from typing import get_args
+
+    from pyext import planner
+    from pyext.nn.fp8 import LAYER_KINDS, skip_patterns
+    from pyext.options import FP8Layers
+
+    assert set(LAYER_KINDS) == set(get_args(FP8Layers))
+    estimates = {}
+    for layers in LAYER_KINDS:
+        unet = tiny_unet()
+        before = sum(stored_bytes(t) for t in unet.state_dict().values())
+        estimates[layers] = planner._weight_bytes(unet, 4, skip_patterns(unet), layers)[1]
+        report = quantize_fp8(unet, layers=layers)
+        after = sum(stored_bytes(t) for t in unet.parameters()) + sum(stored_bytes(t) for t in unet.buffers())
+        assert before > after and abs(estimates[layers] - after) <= 0.01 * after, (layers, estimates[layers], after)
+        convs = [n for n, m in unet.named_modules() if isinstance(m, nn.Conv2d)]
+        converted_convs = [n for n in convs if isinstance(dict(unet.named_modules())[n], FP8Conv2d)]
+        if layers == "linear":
+            assert not converted_convs and all(n in report.skipped for n in convs)
+            assert sum("a Conv2d (layers 'linear')" in report.skipped[n] for n in convs) >= len(convs) - 2  # (conv_in, conv_out)
+            assert report.converted and all(isinstance(dict(unet.named_modules())[n], FP8Linear) for n in report.converted)
+        else:
+            assert converted_convs
+    assert estimates["linear"] > estimates["linear+conv"]
+    unet = tiny_unet()
+    with pytest.raises(pyext.PyextError, match=r"layers='conv'.*'linear\+conv', 'linear'"):
+        quantize_fp8(unet, layers="conv")
+    assert not any(isinstance(m, (FP8Linear, FP8Conv2d)) for m in unet.modules())
+
+
+@torch.no_grad()
 def test_quantize_skip_patterns_and_restore():
     unet = tiny_unet()
     ref = unet(*unet_inputs(torch.float32)).sample

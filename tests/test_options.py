@@ -18,7 +18,8 @@ BAD = [
     ("batch", 0), ("batch", None), ("devices", 0), ("devices", "2"), ("devices", True), ("memory_budget", -3),
     ("memory_budget", "lots"), ("memory_budget", 0),
     ("attention", "nope"), ("attention", None), ("fp8", "maybe"), ("fp8", True), ("dtype", "fp16"),
-    ("dtype", torch.int8), ("fp8_skip", "norm"), ("fp8_skip", ("(",)), ("keep_original_weights", "yes"),
+    ("dtype", torch.int8), ("fp8_skip", "norm"), ("fp8_skip", ("(",)), ("fp8_layers", "conv"), ("fp8_layers", ("linear",)),
+    ("keep_original_weights", "yes"),
     ("device", "gpu"), ("compile_backend", ""),
 ]
 

@@ -317,6 +317,8 @@ def test_optimize_twice_equals_one_call_with_the_later_options(arch):
     image = run(twice, arch)
     with pytest.raises(PyextError, match="fp8: .* store fp8 weights, fp8='off' leaves them out"):
         pyext.optimize(twice, fp8="off", dtype="keep")
+    with pytest.raises(PyextError, match="fp8_layers: the fp8 layers were chosen as 'linear\\+conv'"):
+        pyext.optimize(twice, **TECHNIQUES["fp8"], fp8_layers="linear")
     assert torch.equal(run(twice, arch), image)  # refused before anything changed
     assert pyext.report(twice).plan == second.plan
 

@@ -40,6 +40,10 @@ DEFAULT_SKIP = (
     r"^conv_in$", r"^conv_out$", r"^proj_in$", r"^proj_out$",
     r"encoder_hid_proj", r"to_[kv]_ip", r"t_embedder",
 )
+# The layer kinds fp8 may store (optimize's fp8_layers): convolutions too, or linears only, as
+# torchao's and diffusers' quantization guides do. A UNet's convolutions hold a third to a half
+# of its weights, and their rounding shows more in images than its linears' (docs/benchmarks.md).
+LAYER_KINDS = {"linear+conv": (nn.Linear, nn.Conv2d), "linear": (nn.Linear,)}
 MIN_NUMEL = 4096  # smaller weights save nothing worth the upcast
 STATE = "fp8"  # pyext._state key on a converted model: the rule it was converted by (quantize_fp8's arguments)
 
@@ -418,21 +422,29 @@ def skip_patterns(model: nn.Module, skip: tuple[str, ...] = DEFAULT_SKIP) -> tup
     return tuple(dict.fromkeys((*skip, *own, *kept)))
 
 
-def layer_rules(model: nn.Module, patterns: tuple[str, ...]):
-    """(name, layer, why it stays in full precision or None) for every Linear/Conv2d of the model.
-    The one rule shared by the converter and the memory planner (which sees meta models)."""
+def check_layers(layers: str) -> None:
+    if layers not in LAYER_KINDS:
+        raise PyextError(f"fp8: layers={layers!r} is not a layer choice; choices: {', '.join(map(repr, LAYER_KINDS))}")
+
+
+def layer_rules(model: nn.Module, patterns: tuple[str, ...], layers: str = "linear+conv"):
+    """(name, layer, why it stays in full precision or None) for every Linear/Conv2d of the model;
+    `layers` names the kinds converted (LAYER_KINDS). The one rule shared by the converter and the
+    memory planner (which sees meta models)."""
     # Pipelines read a model's dtype from its first parameter (next(prior.parameters()).dtype
     # in Stable Cascade): the layer holding it keeps a floating weight.
     first = next((n for n, _ in model.named_parameters()), "").rpartition(".")[0]
     for name, module in model.named_modules():
         if isinstance(module, (nn.Linear, nn.Conv2d)):
             why = "holds the model's first parameter (its dtype is the model's)" if name == first else None
-            yield name, module, why or _skip_reason(name, module, patterns)
+            yield name, module, why or _skip_reason(name, module, patterns, layers)
 
 
-def _skip_reason(name: str, module: nn.Module, patterns: tuple[str, ...]) -> str | None:
+def _skip_reason(name: str, module: nn.Module, patterns: tuple[str, ...], layers: str) -> str | None:
     if type(module) not in (nn.Linear, nn.Conv2d):
         return "already fp8" if isinstance(module, (FP8Linear, FP8Conv2d)) else "not a Linear/Conv2d"
+    if type(module) not in LAYER_KINDS[layers]:
+        return f"a {type(module).__name__} (layers {layers!r})"
     if _compat.is_peft_adapter_layer(name):
         return "a LoRA adapter layer (PEFT loads, scales and swaps it in place)"
     for pattern in patterns:
@@ -448,20 +460,22 @@ def _skip_reason(name: str, module: nn.Module, patterns: tuple[str, ...]) -> str
 
 
 def quantize_fp8(model: nn.Module, skip: tuple[str, ...] = DEFAULT_SKIP, per_channel: bool = True,
-                 keep_original: bool = False, gemm: str = "weight_only") -> FP8Report:
+                 keep_original: bool = False, gemm: str = "weight_only", layers: str = "linear+conv") -> FP8Report:
     """Replace the model's nn.Linear / nn.Conv2d layers by fp8-stored ones, in place.
 
     `skip` holds regexes searched in each layer's qualified name; the model's own skip
-    patterns (skip_patterns) are added. `gemm` is the linears' mode (FP8Linear); the model's
+    patterns (skip_patterns) are added. `layers`: the kinds converted, "linear+conv" or
+    "linear" (LAYER_KINDS). `gemm` is the linears' mode (FP8Linear); the model's
     fp8 linears converted before take it too. Returns what was converted, what was kept and
     why, and the weight bytes before and after.
     """
     from pyext.nn import fp8_methods
 
     check_gemm(gemm)
+    check_layers(layers)
     report = FP8Report()
     patterns = skip_patterns(model, skip)
-    for name, module, reason in list(layer_rules(model, patterns)):
+    for name, module, reason in list(layer_rules(model, patterns, layers)):
         if reason is None and module.weight.device.type == "meta":
             reason = "weight is on the meta device (not loaded)"
         if reason:
@@ -479,7 +493,7 @@ def quantize_fp8(model: nn.Module, skip: tuple[str, ...] = DEFAULT_SKIP, per_cha
             module.gemm = gemm
     if report.converted or any(isinstance(m, (FP8Linear, FP8Conv2d)) for m in model.modules()):
         _state.put(model, STATE, dict(skip=tuple(skip), per_channel=per_channel, keep_original=keep_original,
-                                      gemm=gemm))
+                                      gemm=gemm, layers=layers))
         fp8_methods.install(model)
     return report
 

@@ -33,7 +33,7 @@ def _quantize_new_layers(method, model, *args, **kwargs):
     out = method(*args, **kwargs)
     rule = _state.get(model, CONVERTED)
     quantize_fp8(model, skip=rule["skip"], per_channel=rule["per_channel"], keep_original=False,
-                 gemm=rule.get("gemm", "weight_only"))
+                 gemm=rule.get("gemm", "weight_only"), layers=rule.get("layers", "linear+conv"))
     return out
 
 

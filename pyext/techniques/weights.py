@@ -152,7 +152,7 @@ class FP8(Technique):
     def change(self, pipe, name: str, d) -> Entry:
         module = d.components.modules[name]
         report = quantize_fp8(module, skip=d.options.fp8_skip, keep_original=d.options.keep_original_weights,
-                              gemm=d.fp8_gemm)
+                              gemm=d.fp8_gemm, layers=d.options.fp8_layers)
         if report.converted:
             cost = cpu_cost(module) if d.device.type == "cpu" else ""
             return self.applied(name, f"{report}; GEMM {d.fp8_gemm}: {d.fp8_gemm_reason}{cost}", functools.partial(
