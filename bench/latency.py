@@ -454,7 +454,10 @@ class StageClock:
             out = inner(*args, **kwargs)
             self.marks.append((stage, start, self._now()))
             return out
-        setattr(owner, attr, timed)
+        # A module compiled in place (pyext's compile="compile") traces its forward, this wrapper
+        # included: the clock's own frame stays eager (no guards on its marks, no recompiles), the
+        # forward it calls is compiled.
+        setattr(owner, attr, torch.compiler.disable(timed, recursive=False, reason="bench.latency's stage clock"))
 
     def _now(self):
         if not self.cuda:

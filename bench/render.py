@@ -27,6 +27,7 @@ END = "<!-- end of rendered table -->"
 
 def _renderers() -> dict[str, Callable[[dict], str]]:
     from bench.attention import render as render_attention
+    from bench.compiled_precision import render as render_compiled_precision
     from bench.cpu_runtimes import render as render_cpu_runtimes
     from bench.dispatch import render_results as render_dispatch
     from bench.fp8 import render as render_fp8
@@ -61,6 +62,7 @@ def _renderers() -> dict[str, Callable[[dict], str]]:
             "latency_flux_cpu_amx": render_latency,
             "latency_sdxl_cpu_avx2": render_latency,
             "latency_sdxl_cpu_amx": render_latency,
+            "compiled_precision_cpu_amx": render_compiled_precision,
             "vae_memory_settings_cpu": lambda r: render_runs(r["rows"]),
             "planner_peaks_cpu": render_planner_peaks,
             "planner_peaks_cpu_avx2": render_planner_peaks,

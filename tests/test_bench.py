@@ -568,8 +568,10 @@ def test_arch_presets_plan_their_rows(arch):
         assert preset.arch == arch and preset.device == ("cuda" if name == "gpu" else "cpu")
         for row in ("traced_unet", "openvino"):
             assert "SD1.5's UNet call" in latency.unavailable(row, preset)
-        for row in ("original", "pyext_fp8", "pyext_optimize"):
+        for row in ("original", "pyext_fp8", "pyext_optimize", "pyext_fp8_compile"):
             assert latency.unavailable(row, preset) is None
+        linear_only = latency.unavailable("pyext_fp8_linear_compile", preset)
+        assert (linear_only is None) if arch == "sdxl" else ("no convolutions" in linear_only)
     gpu = latency.preset_of("gpu", arch)
     assert (gpu.height, gpu.steps) == ((1024, 30) if arch == "sdxl" else (1024, 28))
     assert "CPU" in latency.unavailable("torchao_int8_dynamic", gpu)
@@ -673,3 +675,16 @@ def test_the_fp16_row_runs_only_where_it_differs_from_the_original_row(monkeypat
     assert latency.unavailable("original", cpu) is None and latency.unavailable("channels_last", cpu) is None
     assert latency.unavailable("fp16", latency.preset_of("tiny", "sd15")) is None  # emulated bf16: a row of its own
     assert latency.unavailable("fp16", latency.preset_of("gpu", "sd15")) is None  # fp16 on a GPU
+
+
+def test_compiled_precision_compares_each_variant_with_float64():
+    """bench.compiled_precision on the tiny Flux, its eager variants (the compiled ones take
+    minutes on a CPU): each gives finite errors per timestep, and the exact timestep removes
+    the bf16 rounding of the timestep that the eager transformer does, so it is closer."""
+    from bench import compiled_precision
+
+    rows = compiled_precision.measure("tiny", ("eager", "eager_exact_timestep"))
+    errors = {r["variant"]: r["relative_errors"] for r in rows}
+    assert all(len(e) == len(compiled_precision.TIMESTEPS) and all(0 < x < 1 for x in e) for e in errors.values())
+    assert max(errors["eager_exact_timestep"]) < max(errors["eager"])
+    assert "| eager_exact_timestep |" in compiled_precision.render({"rows": rows})
