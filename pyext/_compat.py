@@ -270,6 +270,15 @@ def uncompile_in_place(module) -> None:
     setattr(module, COMPILED_CALL, None)
 
 
+def inductor_freezing():
+    """A context in which inductor compiles with weight freezing: the weights become constants of
+    the graph, packed for oneDNN once (torch._inductor.config; torch.compile's `options` do not
+    reach the freezing passes)."""
+    import torch._inductor.config as inductor_config
+
+    return inductor_config.patch(freezing=True)
+
+
 def compiled_original(module):
     """The eager module behind a torch.compile wrapper, or the module itself."""
     return getattr(module, COMPILED_ORIGINAL, module)

@@ -76,8 +76,9 @@ class OptimizeOptions:
         denoisers, VAEs and controlnets) | "on" (every component, any device) | "off".
     compile: "auto" (capture on CUDA without offload; eager otherwise) | "off" | "capture" (pyext
         captures the denoiser's eager forward in CUDA graphs, one per input signature, and replays
-        them; no compiler; CUDA only) | "trace" | "compile" | "cudagraphs" (torch.compile with CUDA
-        graphs, one per input shape; CUDA only).
+        them; no compiler; CUDA only) | "trace" | "compile" (torch.compile; on a CPU with inductor,
+        the denoiser's weights frozen and packed for oneDNN) | "cudagraphs" (torch.compile with
+        CUDA graphs, one per input shape; CUDA only).
     compile_backend: the torch.compile backend for compile="compile".
     vae_tiling: "auto" (only when the full decode would not fit the budget) | "on" | "off".
     vae_slicing: "auto" (with tiling or offload) | "on" | "off".

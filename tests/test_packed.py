@@ -374,13 +374,41 @@ def test_lora_on_packed_layers(tmp_path):
     assert any(isinstance(p, PackedWeight) for p in pipe.unet.parameters())
 
 
-def test_compile_on_cpu_turns_on_inductor_freezing(monkeypatch):
-    seen = {}
-    monkeypatch.setattr(torch.nn.Module, "compile", lambda self, **kw: seen.update(kw))
+def test_compile_on_cpu_freezes_the_denoisers_forward_and_restore_gives_the_eager_one(monkeypatch):
+    """compile="compile" with inductor on a CPU compiles the denoiser's forward, frozen (see
+    frozen_forward); another backend compiles the module in place."""
+    from pyext.techniques import compile as technique
+
+    calls = []
+    monkeypatch.setattr(technique.torch, "compile", lambda fn, **kw: (calls.append(kw), fn)[1])
+    monkeypatch.setattr(torch.nn.Module, "compile", lambda self, **kw: calls.append(("in place", kw)))
     pipe = pyext.optimize(build_pipeline("sd15", "tiny"), dtype="keep", compile="compile")
-    assert seen == {"backend": "inductor", "options": {"freezing": True}}
+    assert calls == [{"backend": "inductor"}] and "forward" in vars(pipe.unet)
     entry = next(e for e in pyext.report(pipe).entries if e.technique == "compile")
-    assert "freezing" in entry.detail
-    seen.clear()
+    assert entry.status == "applied" and "freezing" in entry.detail
+    assert "unet: compile: eager again" in pyext.restore(pipe) and "forward" not in vars(pipe.unet)
+    calls.clear()
     pyext.optimize(build_pipeline("sd15", "tiny"), dtype="keep", compile="compile", compile_backend="aot_eager")
-    assert seen == {"backend": "aot_eager", "options": None}
+    assert calls == [("in place", {"backend": "aot_eager"})]
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_frozen_forward_packs_the_weights_for_onednn_and_computes_as_eager(dtype):
+    """Inductor freezes the weights of a compiled forward (not of a module compiled in place, nor
+    through torch.compile's options): its convolutions run on weights packed for oneDNN."""
+    from pyext import _state
+    from pyext.techniques.compile import FROZEN, frozen_forward
+
+    net = nn.Sequential(nn.Conv2d(8, 16, 3, padding=1), nn.SiLU(), nn.Conv2d(16, 8, 3, padding=1)).to(dtype).eval()
+    x = torch.randn(2, 8, 12, 12, generator=torch.Generator().manual_seed(0)).to(dtype)
+    with torch.no_grad():
+        expected = net(x)
+        frozen_forward(net)
+        net(x)
+        with torch.profiler.profile() as prof:
+            out = net(x)
+    assert any("_convolution_pointwise" in e.key for e in prof.key_averages())
+    tol = 1e-4 if dtype == torch.float32 else 2e-2
+    torch.testing.assert_close(out, expected, rtol=tol, atol=tol)
+    _state.restore_attributes(net, FROZEN)
+    assert "forward" not in vars(net)

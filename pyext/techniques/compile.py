@@ -1,7 +1,9 @@
 """CUDA-graph capture, tracing or torch.compile of the denoisers."""
 from __future__ import annotations
 
-from pyext import _compat, graphs
+import torch
+
+from pyext import _compat, _state, graphs
 from pyext.planner import FP8_ROLES
 from pyext.techniques.base import Entry, Step, Technique, undo_by
 from pyext.traced import TracedUNet, trace_reason
@@ -11,7 +13,8 @@ class Compile(Technique):
     """compile="capture": pyext captures the eager forward in CUDA graphs, one per input signature
     (pyext.graphs), so a step replays its kernels without Python or launch overhead and without a
     compiler; "trace": torch.jit.trace per input shape (families that allow it, as the memory
-    guide traces the SD UNet); "compile": torch.compile in place; "cudagraphs": torch.compile
+    guide traces the SD UNet); "compile": torch.compile (with inductor on a CPU, the forward with
+    weight freezing: frozen_forward); "cudagraphs": torch.compile
     with CUDA graphs (inductor's "reduce-overhead"), one graph per input shape; "auto": capture
     on CUDA without offload, otherwise stay eager (compiling costs minutes up front)."""
 
@@ -63,18 +66,17 @@ class Compile(Technique):
         return self._trace(pipe, name, module)
 
     def _compile(self, name, module, backend, device) -> Entry:
-        if _compat.is_compiled_in_place(module):
+        if _compat.is_compiled_in_place(module) or _state.get(module, FROZEN):
             return self.already(name, "torch.compile")
-        detail = f"torch.compile(backend={backend!r})"
-        options = None
         if backend == "inductor" and device.type == "cpu":
-            # Freezing folds the weights into the graph as constants and packs them for oneDNN
-            # once, which is what makes inductor fast on CPUs.
-            options = {"freezing": True}
-            detail += " with freezing: the weights are constants of the graph; after changing them " \
-                      "(fuse_lora, load_state_dict) run pyext.restore and optimize again"
-        module.compile(backend=backend, options=options)  # in place: hooks and attribute access keep working
-        return self.applied(name, detail, undo_by(_compat.uncompile_in_place, module, says="eager again"))
+            frozen_forward(module)
+            return self.applied(name, "torch.compile with inductor's freezing: the weights are constants of the "
+                                "graph, packed for oneDNN once; after changing them (fuse_lora, load_state_dict) "
+                                "run pyext.restore and optimize again",
+                                undo_by(_state.restore_attributes, module, FROZEN, says="eager again"))
+        module.compile(backend=backend)  # in place: hooks and attribute access keep working
+        return self.applied(name, f"torch.compile(backend={backend!r})",
+                            undo_by(_compat.uncompile_in_place, module, says="eager again"))
 
     def _cudagraphs(self, name, module) -> Entry:
         if _compat.is_compiled_in_place(module):
@@ -98,3 +100,20 @@ class Compile(Technique):
         traced = TracedUNet(module)
         setattr(pipe, name, traced)
         return self.applied(name, traced.describe(), undo_by(setattr, pipe, name, module, says="eager again"))
+
+
+FROZEN = "frozen_forward"  # pyext._state key: the forward frozen_forward replaced
+
+
+def frozen_forward(module) -> None:
+    """The module's forward (its hooks' wrapper included) compiled by inductor with weight freezing,
+    on the instance. Freezing folds the weights into the graph and packs them for oneDNN once,
+    which is what makes inductor fast on CPUs; it applies when inductor compiles a forward, not a
+    module's call (torch.compile in place), and under no_grad (with grad it compiles unfrozen)."""
+    compiled = torch.compile(module.forward, backend="inductor")
+
+    def forward(*args, **kwargs):
+        with _compat.inductor_freezing():  # (read when a call compiles or recompiles)
+            return compiled(*args, **kwargs)
+
+    _state.replace_attributes(module, FROZEN, {"forward": forward})
