@@ -1,11 +1,14 @@
 """Where the SD1.5 UNet step's or VAE decode's time goes on a CPU: pyext against OpenVINO.
 
-    python -m bench.cpu_profile [--component unet|vae] [--runtime pyext|eager|openvino] [--calls 3] [--size full]
+    python -m bench.cpu_profile [--component unet|vae] [--runtime pyext|pyext_compile|eager|openvino] [--calls 3]
+                                [--size full]
 
 The same modules and inputs as bench.cpu_runtimes. pyext: `pyext.optimize(pipe)`, then torch's
 profiler over `--calls` calls, its ops grouped by name, and the time between ops (the span of the
-calls less the union of the ops' intervals: Python); eager: the same for the diffusers modules as
-loaded, in the dtype pyext would choose. OpenVINO: its per-node counters
+calls less the union of the ops' intervals: Python); pyext_compile: the same after
+`pyext.optimize(pipe, compile="compile")`, where the kernels inductor generates are the
+"## Call CompiledFxGraph" entries' own time, not counted between ops; eager: the same for the
+diffusers modules as loaded, in the dtype pyext would choose. OpenVINO: its per-node counters
 (PERF_COUNT), grouped by node type and kernel. Times are per call. One runtime per process (run
 it twice), so the two are not interleaved: compare the shares, not small differences.
 """
@@ -28,9 +31,10 @@ def _inputs(component: str, size: str):
     return pipe, make, unet_args if component == "unet" else vae_args
 
 
-def profile_torch(component: str, calls: int, size: str = "full", optimize: bool = True) -> dict:
+def profile_torch(component: str, calls: int, size: str = "full", optimize: dict | None = None) -> dict:
     """{op name: ms per call} of torch's profiler, with "(between ops)" and "(wall)": after
-    `pyext.optimize`, or (optimize=False) the modules as loaded, in the dtype it would choose."""
+    `pyext.optimize(pipe, **optimize)`, or (optimize None) the modules as loaded, in the dtype it
+    would choose."""
     import time
 
     import pyext
@@ -38,8 +42,8 @@ def profile_torch(component: str, calls: int, size: str = "full", optimize: bool
     from pyext.decision import auto_dtype
 
     pipe, make, args = _inputs(component, size)
-    if optimize:
-        pyext.optimize(pipe, height=256, width=256)
+    if optimize is not None:
+        pyext.optimize(pipe, height=256, width=256, **optimize)
     else:
         pipe.to(auto_dtype(torch.device("cpu")))
     module, dtype = make(), pipe.unet.dtype
@@ -61,7 +65,8 @@ def profile_torch(component: str, calls: int, size: str = "full", optimize: bool
             busy, begin = busy + end - begin, s
         end = max(end, e)
     busy += end - begin
-    per["(between ops)"] = ((spans[-1][1] - spans[0][0]) - busy) / 1e6 / calls
+    generated = sum(ms for name, ms in per.items() if name.startswith("## Call CompiledFxGraph"))
+    per["(between ops)"] = ((spans[-1][1] - spans[0][0]) - busy) / 1e6 / calls - generated
     per["(wall)"] = wall * 1e3 / calls
     return per
 
@@ -94,7 +99,7 @@ def profile_openvino(component: str, calls: int, size: str = "full") -> dict:
 def main(argv=None) -> None:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--component", choices=["unet", "vae"], default="unet")
-    p.add_argument("--runtime", choices=["pyext", "eager", "openvino"], default="pyext")
+    p.add_argument("--runtime", choices=["pyext", "pyext_compile", "eager", "openvino"], default="pyext")
     p.add_argument("--calls", type=int, default=3)
     p.add_argument("--top", type=int, default=20)
     p.add_argument("--size", default="full", help="pyext.offline size of sd15 (tiny for a smoke run)")
@@ -103,7 +108,8 @@ def main(argv=None) -> None:
     if args.runtime == "openvino":
         per = profile_openvino(args.component, args.calls, args.size)
     else:
-        per = profile_torch(args.component, args.calls, args.size, optimize=args.runtime == "pyext")
+        options = {"pyext": {}, "pyext_compile": {"compile": "compile"}}.get(args.runtime)
+        per = profile_torch(args.component, args.calls, args.size, optimize=options)
     print(f"{args.runtime}, sd15 {args.component}, 256x256, ms per call:")
     for name, ms in sorted(per.items(), key=lambda kv: -kv[1])[:args.top]:
         print(f"  {ms:9.2f}  {name}")

@@ -333,12 +333,12 @@ def test_fp8_layer_benches_run_on_small_shapes():
 def test_cpu_profile_splits_a_call_into_ops_and_the_time_between(component):
     from bench import cpu_profile
 
-    for optimize in (True, False):
+    for optimize in ({}, None):
         per = cpu_profile.profile_torch(component, calls=1, size="tiny", optimize=optimize)
         ops = {name: ms for name, ms in per.items() if not name.startswith("(")}
         assert ops and all(ms >= 0 for ms in per.values()) and any("convolution" in name for name in ops)
         assert 0 <= per["(between ops)"] <= per["(wall)"]
-        assert any(name.startswith("pyext") for name in ops) == optimize  # eager runs no pyext op
+        assert any(name.startswith("pyext") for name in ops) == (optimize is not None)  # eager runs no pyext op
 
 
 def test_few_rows_linears_run_over_copies_beyond_the_cache(monkeypatch):
