@@ -1,12 +1,12 @@
 """Where the SD1.5 UNet step's or VAE decode's time goes on a CPU: pyext against OpenVINO.
 
-    python -m bench.cpu_profile [--component unet|vae] [--runtime pyext|pyext_compile|eager|openvino] [--calls 3]
-                                [--size full]
+    python -m bench.cpu_profile [--component unet|vae] [--runtime pyext|pyext_fp8|pyext_compile|eager|openvino]
+                                [--calls 3] [--size full]
 
 The same modules and inputs as bench.cpu_runtimes. pyext: `pyext.optimize(pipe)`, then torch's
 profiler over `--calls` calls, its ops grouped by name, and the time between ops (the span of the
-calls less the union of the ops' intervals: Python); pyext_compile: the same after
-`pyext.optimize(pipe, compile="compile")`, where the kernels inductor generates are the
+calls less the union of the ops' intervals: Python); pyext_fp8, pyext_compile: the same with
+bench.cpu_runtimes' options for them, where the kernels inductor generates are the
 "## Call CompiledFxGraph" entries' own time, not counted between ops; eager: the same for the
 diffusers modules as loaded, in the dtype pyext would choose. OpenVINO: its per-node counters
 (PERF_COUNT), grouped by node type and kernel. Times are per call. One runtime per process (run
@@ -99,7 +99,9 @@ def profile_openvino(component: str, calls: int, size: str = "full") -> dict:
 def main(argv=None) -> None:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--component", choices=["unet", "vae"], default="unet")
-    p.add_argument("--runtime", choices=["pyext", "pyext_compile", "eager", "openvino"], default="pyext")
+    from bench.cpu_runtimes import PYEXT_OPTIONS
+
+    p.add_argument("--runtime", choices=[*PYEXT_OPTIONS, "eager", "openvino"], default="pyext")
     p.add_argument("--calls", type=int, default=3)
     p.add_argument("--top", type=int, default=20)
     p.add_argument("--size", default="full", help="pyext.offline size of sd15 (tiny for a smoke run)")
@@ -108,8 +110,7 @@ def main(argv=None) -> None:
     if args.runtime == "openvino":
         per = profile_openvino(args.component, args.calls, args.size)
     else:
-        options = {"pyext": {}, "pyext_compile": {"compile": "compile"}}.get(args.runtime)
-        per = profile_torch(args.component, args.calls, args.size, optimize=options)
+        per = profile_torch(args.component, args.calls, args.size, optimize=PYEXT_OPTIONS.get(args.runtime))
     print(f"{args.runtime}, sd15 {args.component}, 256x256, ms per call:")
     for name, ms in sorted(per.items(), key=lambda kv: -kv[1])[:args.top]:
         print(f"  {ms:9.2f}  {name}")
