@@ -82,6 +82,28 @@ def test_cpp_every_path(sq, skv, d, dtype):
 
 @needs_kernel
 @pytest.mark.parametrize("dtype", DTYPES, ids=str)
+@pytest.mark.parametrize("d", [40, 33, 1])
+def test_cpp_every_path_reads_and_writes_strided_rows(d, dtype):
+    """Every path reads q, k, v where their strides put each row (diffusers' (B, S, H, D) memory,
+    k and v broadcast over the batch, a strided head dim) and writes the output in q's layout
+    where q is dense, so the op returns it without a copy; in chunks of keys too."""
+    bshd = [torch.randn(2, s, 3, d).to(dtype).transpose(1, 2) for s in (9, 77, 8500)]
+    layouts = {"bshd": bshd[:2], "expanded_kv": [bshd[0], *[t[:1].expand(2, -1, -1, -1) for t in bshd[1:2]]],
+               "keys_in_chunks": [bshd[0], bshd[2]],
+               "strided_head_dim": [t.transpose(2, 3).contiguous().transpose(2, 3) for t in bshd[:2]]}
+    for path in cpu_paths():
+        if path in BF16_PATHS and dtype != torch.bfloat16:
+            continue
+        for name, (q, k) in layouts.items():
+            v = torch.randn_like(k)
+            out = torch.ops.pyext_C.attention(q, k, v, d ** -0.5, path)[0]
+            assert_close_to_oracle(out, q, k, v)
+            if d > 1 and name != "strided_head_dim":
+                assert out.stride() == q.stride(), (path, name)
+
+
+@needs_kernel
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
 @pytest.mark.parametrize("d", [40, 72, 160])
 def test_cpp_long_sequences(d, dtype):
     """1025 keys: several 256-key softmax blocks plus a ragged tail; 1025 queries: a ragged query block."""

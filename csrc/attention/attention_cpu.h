@@ -1,7 +1,8 @@
 // CPU flash-attention forward: softmax(q k^T * scale + bias) v for one (batch, head)
 // at a time, on raw pointers so the SIMD units include no torch headers.
 //
-// The glue (attention_ops.cpp) makes q/k/v contiguous (B, H, S, D), packs each
+// The glue (attention_ops.cpp) reads q/k/v in their own layout (unit-stride head dims, any
+// row stride: diffusers' (B, S, H, D)-transposed heads are read in place), packs each
 // (batch, kv head)'s k and v into a SIMD-friendly layout (long k/v a chunk at a time,
 // AttnCarry, so the packed copy stays small), then runs `forward` over blocks of
 // query rows in parallel. Scores exist only for 4-8 query rows x 256 keys at a
@@ -31,18 +32,20 @@ struct AttnCarry {
 struct AttnKernel {
   // Bytes of packed k+v for one (batch, head).
   size_t (*packed_bytes)(int64_t skv, int64_t d);
-  // Packs k and v (each skv x d, contiguous, type t) into `packed`.
-  void (*pack)(const void* k, const void* v, int64_t skv, int64_t d, PyextDtype t, void* packed);
-  // out[rows x d] = attention of q[rows x d] (contiguous, type t) over one packed k/v; with a
-  // carry (else null), over one chunk of the keys: out is written by the last chunk only.
+  // Packs k and v (each skv rows of d, type t; a row ldk / ldv elements after the last) into `packed`.
+  void (*pack)(const void* k, int64_t ldk, const void* v, int64_t ldv, int64_t skv, int64_t d, PyextDtype t,
+               void* packed);
+  // out[rows x d] = attention of q[rows x d] (type t; rows ldq and ldo elements apart) over one
+  // packed k/v; with a carry (else null), over one chunk of the keys: out is written by the last
+  // chunk only.
   // bias (else null): fp32, added to the scaled score of row r and key j (counted from this
   // chunk's first key) as bias[r * bias_stride + j]; stride 0 gives every row the same bias.
   // lse (else null): each row's natural-log log-sum-exp of its scores, written with out.
   // A row whose scores are all -inf gets lse -inf and output 0 with a bias (a fully masked
   // row, as torch's SDPA gives), NaN without (fp32 overflow: softmax's NaN).
-  void (*forward)(const void* q, int64_t rows, const void* packed, int64_t skv, int64_t d, float scale,
-                  const float* bias, int64_t bias_stride, PyextDtype t, void* out, float* lse,
-                  const AttnCarry* carry);
+  void (*forward)(const void* q, int64_t ldq, int64_t rows, const void* packed, int64_t skv, int64_t d,
+                  float scale, const float* bias, int64_t bias_stride, PyextDtype t, void* out, int64_t ldo,
+                  float* lse, const AttnCarry* carry);
   // Query rows the glue hands each parallel task (forward takes any count; this is its pass).
   int64_t query_block;
 };

@@ -53,7 +53,7 @@ size_t packed_bytes(int64_t skv, int64_t d) {
   return static_cast<size_t>(round_up(skv, 16) * round_up(d, 2) + round_up(skv, 2) * round_up(d, 16)) * 2;
 }
 
-void pack(const void* k, const void* v, int64_t skv, int64_t d, PyextDtype, void* packed) {
+void pack(const void* k, int64_t ldk, const void* v, int64_t ldv, int64_t skv, int64_t d, PyextDtype, void* packed) {
   const uint16_t* ks = static_cast<const uint16_t*>(k);
   const uint16_t* vs = static_cast<const uint16_t*>(v);
   uint16_t* kp = static_cast<uint16_t*>(packed);
@@ -63,11 +63,11 @@ void pack(const void* k, const void* v, int64_t skv, int64_t d, PyextDtype, void
     for (int64_t c = 0; c < d2; c += 2)
       for (int64_t l = 0; l < 16; ++l)
         for (int64_t e = 0; e < 2; ++e)
-          kp[j0 * d2 + c * 16 + l * 2 + e] = (j0 + l < skv && c + e < d) ? ks[(j0 + l) * d + c + e] : 0;
+          kp[j0 * d2 + c * 16 + l * 2 + e] = (j0 + l < skv && c + e < d) ? ks[(j0 + l) * ldk + c + e] : 0;
   for (int64_t j = 0; j < round_up(skv, 2); j += 2)
     for (int64_t c = 0; c < dv; ++c)
       for (int64_t e = 0; e < 2; ++e)
-        vp[j * dv + c * 2 + e] = (j + e < skv && c < d) ? vs[(j + e) * d + c] : 0;
+        vp[j * dv + c * 2 + e] = (j + e < skv && c < d) ? vs[(j + e) * ldv + c] : 0;
 }
 
 // acc[r][n] = o * alpha + sum over key pairs of p[r][pair] . v[pair][c + 16n]
@@ -93,8 +93,8 @@ inline void pv_tile(const uint32_t* pb, int64_t npairs, const uint16_t* vp, int6
 
 // Scores in base 2 without a bias, natural with one: as in Fp32Attention::forward_impl.
 template <bool kBias>
-void forward_impl(const void* q, int64_t rows, const void* packed, int64_t skv, int64_t d, float scale,
-                  const float* bias, int64_t bias_stride, PyextDtype t, void* out, float* lse,
+void forward_impl(const void* q, int64_t ldq, int64_t rows, const void* packed, int64_t skv, int64_t d, float scale,
+                  const float* bias, int64_t bias_stride, PyextDtype t, void* out, int64_t ldo, float* lse,
                   const AttnCarry* carry) {
   const int64_t d2 = round_up(d, 2), dv = round_up(d, 16);
   const uint16_t* kp = static_cast<const uint16_t*>(packed);
@@ -116,7 +116,7 @@ void forward_impl(const void* q, int64_t rows, const void* packed, int64_t skv, 
     const int64_t nr = std::min<int64_t>(kPass, rows - r0), ng = (nr + R - 1) / R;
     uint16_t* qh = reinterpret_cast<uint16_t*>(qall);
     for (int64_t r = 0; r < ng * R; ++r)
-      for (int64_t c = 0; c < d2; ++c) qh[r * d2 + c] = (r < nr && c < d) ? qs[(r0 + r) * d + c] : 0;
+      for (int64_t c = 0; c < d2; ++c) qh[r * d2 + c] = (r < nr && c < d) ? qs[(r0 + r) * ldq + c] : 0;
     carry_in(carry, r0, nr, ng * R, d, dv, o, m_all, l_all);
 
     for (int64_t j0 = 0; j0 < skv; j0 += kBlockKv) {
@@ -190,14 +190,15 @@ void forward_impl(const void* q, int64_t rows, const void* packed, int64_t skv, 
       for (; c < dv; c += 16) pv_tile<1>(pb, npairs, vblk, dv, c, og, alpha);
       }
     }
-    carry_out(carry, r0, nr, d, dv, o, m_all, l_all, t, out, lse, kBias);
+    carry_out(carry, r0, nr, d, dv, o, m_all, l_all, t, out, ldo, lse, kBias);
   }
 }
 
-void forward(const void* q, int64_t rows, const void* packed, int64_t skv, int64_t d, float scale, const float* bias,
-             int64_t bias_stride, PyextDtype t, void* out, float* lse, const AttnCarry* carry) {
-  (bias != nullptr ? forward_impl<true> : forward_impl<false>)(q, rows, packed, skv, d, scale, bias, bias_stride, t,
-                                                               out, lse, carry);
+void forward(const void* q, int64_t ldq, int64_t rows, const void* packed, int64_t skv, int64_t d, float scale,
+             const float* bias, int64_t bias_stride, PyextDtype t, void* out, int64_t ldo, float* lse,
+             const AttnCarry* carry) {
+  (bias != nullptr ? forward_impl<true> : forward_impl<false>)(q, ldq, rows, packed, skv, d, scale, bias, bias_stride,
+                                                               t, out, ldo, lse, carry);
 }
 
 }  // namespace

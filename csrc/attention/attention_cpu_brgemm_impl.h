@@ -50,7 +50,8 @@ inline uint32_t vnni_pair(uint16_t lo, uint16_t hi) { return static_cast<uint32_
 // K's rows a block of keys at a time as columns of pair words, V's rows two at a time interleaved:
 // V::transpose_pairs and V::interleave_rows (the unit's vectors, or plain loops).
 template <class V>
-inline void brgemm_pack(const void* k, const void* v, int64_t skv, int64_t d, PyextDtype, void* packed) {
+inline void brgemm_pack(const void* k, int64_t ldk, const void* v, int64_t ldv, int64_t skv, int64_t d, PyextDtype,
+                        void* packed) {
   const uint16_t* ks = static_cast<const uint16_t*>(k);
   const uint16_t* vs = static_cast<const uint16_t*>(v);
   const int64_t sp = key_stride(skv), dp = round_up(d, 2), dv = round_up(d, 16), ld = kt_ld(skv), half = d / 2;
@@ -59,18 +60,18 @@ inline void brgemm_pack(const void* k, const void* v, int64_t skv, int64_t d, Py
   for (int64_t b = 0; b < kt_blocks(skv); ++b) {
     uint32_t* kb = kt + b * (dp / 2) * ld;
     const int64_t j0 = b * kBrgemmKeys, keys = std::min(kBrgemmKeys, skv - j0);
-    V::transpose_pairs(ks + j0 * d, keys, half, d, kb, ld);
+    V::transpose_pairs(ks + j0 * ldk, keys, half, ldk, kb, ld);
     if (d % 2)
-      for (int64_t jj = 0; jj < keys; ++jj) kb[half * ld + jj] = vnni_pair(ks[(j0 + jj) * d + d - 1], 0);
+      for (int64_t jj = 0; jj < keys; ++jj) kb[half * ld + jj] = vnni_pair(ks[(j0 + jj) * ldk + d - 1], 0);
     for (int64_t c2 = 0; c2 < dp / 2; ++c2) std::fill(kb + c2 * ld + keys, kb + (c2 + 1) * ld, 0u);  // padding keys
   }
   for (int64_t j2 = 0; j2 < sp / 2; ++j2) {
     uint32_t* out = vp + j2 * dv;
     const int64_t j = 2 * j2;
     if (j + 1 < skv) {
-      V::interleave_rows(vs + j * d, vs + (j + 1) * d, d, out);
+      V::interleave_rows(vs + j * ldv, vs + (j + 1) * ldv, d, out);
     } else if (j < skv) {
-      for (int64_t c = 0; c < d; ++c) out[c] = vnni_pair(vs[j * d + c], 0);
+      for (int64_t c = 0; c < d; ++c) out[c] = vnni_pair(vs[j * ldv + c], 0);
     } else {
       std::fill(out, out + d, 0u);
     }
@@ -117,23 +118,24 @@ inline float exponentiate(const float* s, uint16_t* p, int64_t nc, float shift) 
 // V: the vector traits the softmax runs on (attention_cpu_impl.h); MK: the micro-kernel
 // (common/brgemm.h); RELEASE ends this thread's use of it.
 template <class V, BrgemmBf16 MK, void (*RELEASE)()>
-void brgemm_forward(const void* q, int64_t rows, const void* packed, int64_t skv, int64_t d, float scale,
-                    const float* bias, int64_t bias_stride, PyextDtype, void* out, float* lse, const AttnCarry* carry) {
+void brgemm_forward(const void* q, int64_t ldq, int64_t rows, const void* packed, int64_t skv, int64_t d,
+                    float scale, const float* bias, int64_t bias_stride, PyextDtype, void* out, int64_t ldo, float* lse,
+                    const AttnCarry* carry) {
   const uint16_t* qs = static_cast<const uint16_t*>(q);
   const int64_t dp = round_up(d, 2), dv = round_up(d, 16), ld = kt_ld(skv);
   const uint16_t* kt = static_cast<const uint16_t*>(packed);
   const uint16_t* vp = kt + kt_blocks(skv) * dp * ld;
   // q rows and the scratch on 64-byte lines: a micro-kernel tile row across two lines costs two.
-  const int64_t ldq = round_up(dp, 32);
+  const int64_t ldqb = round_up(dp, 32);
   thread_local ScratchPtr<float> buf;
   thread_local size_t cap = 0;
   // Score and probability rows as long as a block's keys, and 16 more: rows a power of two apart
   // put a row's loads and the last row's stores on the same 4 KiB offsets.
   const int64_t lds = round_up(std::min(skv, kBrgemmKeys), 16) + 16;
-  float* o = grow(buf, cap, static_cast<size_t>(kBrgemmRows * dv + kBrgemmRows * lds + (kBrgemmRows * ldq + kBrgemmRows * lds) / 2) * 4);
+  float* o = grow(buf, cap, static_cast<size_t>(kBrgemmRows * dv + kBrgemmRows * lds + (kBrgemmRows * ldqb + kBrgemmRows * lds) / 2) * 4);
   float* s = o + kBrgemmRows * dv;                                    // kBrgemmRows x lds scores
-  uint16_t* qb = reinterpret_cast<uint16_t*>(s + kBrgemmRows * lds);  // kBrgemmRows x ldq
-  uint16_t* pb = qb + kBrgemmRows * ldq;                              // kBrgemmRows x lds probabilities
+  uint16_t* qb = reinterpret_cast<uint16_t*>(s + kBrgemmRows * lds);  // kBrgemmRows x ldqb
+  uint16_t* pb = qb + kBrgemmRows * ldqb;                              // kBrgemmRows x lds probabilities
   float m_all[kBrgemmRows], l_all[kBrgemmRows], m_block[kBrgemmRows];
   // As in the fp32 kernels: without a bias the scores are kept in base 2 (scaled by scale * log2e),
   // with one in natural units, the exponent scaled instead. Either way each score is scaled once and
@@ -145,13 +147,13 @@ void brgemm_forward(const void* q, int64_t rows, const void* packed, int64_t skv
   for (int64_t r0 = 0; r0 < rows; r0 += kBrgemmRows) {
     const int64_t nr = std::min(kBrgemmRows, rows - r0);
     for (int64_t r = 0; r < nr; ++r) {
-      std::memcpy(qb + r * ldq, qs + (r0 + r) * d, d * sizeof(uint16_t));
-      if (dp > d) qb[r * ldq + d] = 0;  // an odd d's pair partner
+      std::memcpy(qb + r * ldqb, qs + (r0 + r) * ldq, d * sizeof(uint16_t));
+      if (dp > d) qb[r * ldqb + d] = 0;  // an odd d's pair partner
     }
     carry_in(carry, r0, nr, nr, d, dv, o, m_all, l_all);
     for (int64_t j0 = 0; j0 < skv; j0 += kBrgemmKeys) {
       const int64_t nc = std::min(kBrgemmKeys, skv - j0), ncp = round_up(nc, 2);
-      MK(nr, nc, dp, ldq, ld, lds, false, qb, kt + (j0 / kBrgemmKeys) * dp * ld, s);
+      MK(nr, nc, dp, ldqb, ld, lds, false, qb, kt + (j0 / kBrgemmKeys) * dp * ld, s);
       // Every row's max first, then every row's exponentials: each row's exponentials wait on its
       // max's horizontal reduction, and rows apart in the loop overlap where one loop did both.
       for (int64_t r = 0; r < nr; ++r) {
@@ -176,7 +178,7 @@ void brgemm_forward(const void* q, int64_t rows, const void* packed, int64_t skv
       }
       MK(nr, d, ncp, lds, dv, dv, true, pb, vp + (j0 / 2) * dv * 2, o);
     }
-    carry_out(carry, r0, nr, d, dv, o, m_all, l_all, PYEXT_BF16, out, lse, biased);
+    carry_out(carry, r0, nr, d, dv, o, m_all, l_all, PYEXT_BF16, out, ldo, lse, biased);
   }
   RELEASE();
 }

@@ -49,7 +49,8 @@ inline void carry_in(const AttnCarry* carry, int64_t r0, int64_t nr, int64_t til
 // write each row's log-sum-exp to lse (if not null). biased: the scores had a bias added and
 // are in natural units (else base 2).
 inline void carry_out(const AttnCarry* carry, int64_t r0, int64_t nr, int64_t d, int64_t dv, const float* o,
-                      const float* m, const float* l, PyextDtype t, void* out, float* lse, bool biased) {
+                      const float* m, const float* l, PyextDtype t, void* out, int64_t ldo, float* lse,
+                      bool biased) {
   if (carry != nullptr && !carry->last) {
     for (int64_t r = 0; r < nr; ++r) {
       std::copy(o + r * dv, o + r * dv + d, carry->o + (r0 + r) * d);
@@ -63,9 +64,9 @@ inline void carry_out(const AttnCarry* carry, int64_t r0, int64_t nr, int64_t d,
     // does, even where a masked key's v is NaN (o holds 0 * NaN then). Without a bias it is fp32
     // overflow, and 0 * (1 / 0) keeps softmax's NaN.
     if (biased && l[r] == 0.0f)
-      for (int64_t c = 0; c < d; ++c) store_elem(out, (r0 + r) * d + c, 0.0f, t);
+      for (int64_t c = 0; c < d; ++c) store_elem(out, (r0 + r) * ldo + c, 0.0f, t);
     else
-      store_scaled_row(out, (r0 + r) * d, o + r * dv, 1.0f / l[r], d, t);
+      store_scaled_row(out, (r0 + r) * ldo, o + r * dv, 1.0f / l[r], d, t);
     if (lse != nullptr) lse[r0 + r] = (biased ? m[r] : m[r] * kLn2) + std::log(l[r]);  // -inf where l = 0
   }
 }
@@ -103,7 +104,7 @@ struct Fp32Attention {
   // outside the loops. At short sequences (SD's 256 tokens at head dim 160) packing is a
   // sizeable part of a call.
   template <PyextDtype D>
-  static void pack_as(const void* k, const void* v, int64_t skv, int64_t d, void* packed) {
+  static void pack_as(const void* k, int64_t ldk, const void* v, int64_t ldv, int64_t skv, int64_t d, void* packed) {
     using T = typename DtypeIo<D>::T;
     const T* kt = static_cast<const T*>(k);
     const T* vt = static_cast<const T*>(v);
@@ -114,22 +115,23 @@ struct Fp32Attention {
       float* stripe = kp + j0 * d;  // [d][W]: lane l holds key j0 + l
       for (int64_t l = 0; l < W; ++l) {
         if (j0 + l < skv)
-          for (int64_t c = 0; c < d; ++c) stripe[c * W + l] = DtypeIo<D>::load(kt[(j0 + l) * d + c]);
+          for (int64_t c = 0; c < d; ++c) stripe[c * W + l] = DtypeIo<D>::load(kt[(j0 + l) * ldk + c]);
         else
           for (int64_t c = 0; c < d; ++c) stripe[c * W + l] = 0.0f;
       }
     }
     for (int64_t j = 0; j < skv; ++j) {
-      for (int64_t c = 0; c < d; ++c) vp[j * dv + c] = DtypeIo<D>::load(vt[j * d + c]);
+      for (int64_t c = 0; c < d; ++c) vp[j * dv + c] = DtypeIo<D>::load(vt[j * ldv + c]);
       std::fill(vp + j * dv + d, vp + (j + 1) * dv, 0.0f);
     }
   }
 
-  static void pack(const void* k, const void* v, int64_t skv, int64_t d, PyextDtype t, void* packed) {
+  static void pack(const void* k, int64_t ldk, const void* v, int64_t ldv, int64_t skv, int64_t d, PyextDtype t,
+                   void* packed) {
     switch (t) {
-      case PYEXT_BF16: return pack_as<PYEXT_BF16>(k, v, skv, d, packed);
-      case PYEXT_F16: return pack_as<PYEXT_F16>(k, v, skv, d, packed);
-      default: return pack_as<PYEXT_F32>(k, v, skv, d, packed);
+      case PYEXT_BF16: return pack_as<PYEXT_BF16>(k, ldk, v, ldv, skv, d, packed);
+      case PYEXT_F16: return pack_as<PYEXT_F16>(k, ldk, v, ldv, skv, d, packed);
+      default: return pack_as<PYEXT_F32>(k, ldk, v, ldv, skv, d, packed);
     }
   }
 
@@ -185,9 +187,9 @@ struct Fp32Attention {
   // attend to nothing instead of (as softmax does) to every key alike. kBias is a template
   // argument so that the unbiased loops carry no bias code.
   template <bool kBias>
-  static void forward_impl(const void* q, int64_t rows, const void* packed, int64_t skv, int64_t d, float scale,
-                           const float* bias, int64_t bias_stride, PyextDtype t, void* out, float* lse,
-                           const AttnCarry* carry) {
+  static void forward_impl(const void* q, int64_t ldq, int64_t rows, const void* packed, int64_t skv, int64_t d,
+                           float scale, const float* bias, int64_t bias_stride, PyextDtype t, void* out,
+                           int64_t ldo, float* lse, const AttnCarry* carry) {
     const float* kp = static_cast<const float*>(packed);
     const float* vp = kp + round_up(skv, W) * d;
     const int64_t dv = round_up(d, W);
@@ -205,7 +207,7 @@ struct Fp32Attention {
       const int64_t nr = std::min(kPass, rows - r0), ng = (nr + R - 1) / R;
       // Rows past the end compute on zeros (and the last row's bias) and are never stored.
       for (int64_t r = 0; r < ng * R; ++r)
-        for (int64_t c = 0; c < d; ++c) qall[r * d + c] = r < nr ? load_elem(q, (r0 + r) * d + c, t) : 0.0f;
+        for (int64_t c = 0; c < d; ++c) qall[r * d + c] = r < nr ? load_elem(q, (r0 + r) * ldq + c, t) : 0.0f;
       carry_in(carry, r0, nr, ng * R, d, dv, o, m_all, l_all);
 
       for (int64_t j0 = 0; j0 < skv; j0 += kBlockKv) {
@@ -251,15 +253,15 @@ struct Fp32Attention {
           for (; c < dv; c += W) pv_tile<1>(s, nc, vp + j0 * dv, dv, c, og, alpha);
         }
       }
-      carry_out(carry, r0, nr, d, dv, o, m_all, l_all, t, out, lse, kBias);
+      carry_out(carry, r0, nr, d, dv, o, m_all, l_all, t, out, ldo, lse, kBias);
     }
   }
 
-  static void forward(const void* q, int64_t rows, const void* packed, int64_t skv, int64_t d, float scale,
-                      const float* bias, int64_t bias_stride, PyextDtype t, void* out, float* lse,
-                      const AttnCarry* carry) {
-    (bias != nullptr ? forward_impl<true> : forward_impl<false>)(q, rows, packed, skv, d, scale, bias, bias_stride,
-                                                                 t, out, lse, carry);
+  static void forward(const void* q, int64_t ldq, int64_t rows, const void* packed, int64_t skv, int64_t d,
+                      float scale, const float* bias, int64_t bias_stride, PyextDtype t, void* out, int64_t ldo,
+                      float* lse, const AttnCarry* carry) {
+    (bias != nullptr ? forward_impl<true> : forward_impl<false>)(q, ldq, rows, packed, skv, d, scale, bias,
+                                                                 bias_stride, t, out, ldo, lse, carry);
   }
 
   static AttnKernel kernel() { return AttnKernel{packed_bytes, pack, forward, kPass}; }

@@ -4,6 +4,7 @@
 // the raw-pointer kernels against any caller.
 #include <ATen/core/Tensor.h>
 #include <ATen/ops/empty.h>
+#include <ATen/ops/empty_like.h>
 #include <ATen/ops/aminmax.h>
 #include <ATen/Parallel.h>
 #include <torch/library.h>
@@ -119,6 +120,15 @@ BiasView bias_view(const std::optional<at::Tensor>& bias, at::IntArrayRef full) 
   return view;
 }
 
+// q, k or v as the kernels read it: rows of unit-stride head dims, each (batch, head) and row
+// where its strides put it; a tensor whose head dim is strided is copied.
+at::Tensor rows_in_place(const at::Tensor& t) { return t.stride(3) == 1 || t.size(3) == 1 ? t : t.contiguous(); }
+
+// Elements from t's start to row `row` of head h of sample s.
+int64_t row_offset(const at::Tensor& t, int64_t s, int64_t h, int64_t row) {
+  return s * t.stride(0) + h * t.stride(1) + row * t.stride(2);
+}
+
 std::tuple<at::Tensor, at::Tensor> attention_cpu(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v,
                                                  double scale, c10::string_view path,
                                                  const std::optional<at::Tensor>& bias, bool return_lse) {
@@ -133,14 +143,17 @@ std::tuple<at::Tensor, at::Tensor> attention_cpu(const at::Tensor& q, const at::
   TORCH_CHECK(Hkv > 0 ? H % Hkv == 0 : H == 0, "pyext attention: q's heads (", H,
               ") must be a multiple of k and v's heads (", Hkv, ")");
   const BiasView bv = bias_view(bias, {B, H, Sq, Skv});
-  at::Tensor out = at::empty({B, H, Sq, D}, q.options());
+  // The output in q's layout where q is dense (empty_like's strides, which the op's fake kernel
+  // promises), so diffusers' (B, S, H, D)-transposed heads come back without a copy.
+  at::Tensor out = at::empty_like(q);
+  if (out.stride(3) != 1) out = at::empty({B, H, Sq, D}, q.options());
   at::Tensor lse = return_lse ? at::empty({B, H, Sq}, q.options().dtype(at::kFloat))
                               : at::empty({0}, q.options().dtype(at::kFloat));
   if (B * H * Sq == 0) return {out, lse};
   TORCH_CHECK(D > 0, "pyext attention: head_dim is 0");
   TORCH_CHECK(Skv > 0, "pyext attention: k/v have zero length");
   const AttnKernel kernel = pick_kernel(std::string(path), q.scalar_type());
-  const at::Tensor qc = q.contiguous(), kc = k.contiguous(), vc = v.contiguous();
+  const at::Tensor qc = rows_in_place(q), kc = rows_in_place(k), vc = rows_in_place(v);
   const int64_t esize = q.element_size(), BH = B * H, BHkv = B * Hkv, group = H / Hkv;
   // keys per chunk: as many whole blocks as fit kChunkBytes packed (at least one block)
   const int64_t chunk = std::min(Skv, kChunkAlign * std::max<int64_t>(
@@ -164,14 +177,15 @@ std::tuple<at::Tensor, at::Tensor> attention_cpu(const at::Tensor& q, const at::
     const int64_t n = std::min(chunk, Skv - j0);
     at::parallel_for(0, BHkv, grain(n * D * kPackWork), [&](int64_t b, int64_t e) {
       for (int64_t i = b; i < e; ++i) {
-        const int64_t off = (i * Skv + j0) * D * esize;
-        kernel.pack(kp + off, vp + off, n, D, type, pp + i * per_head);
+        const int64_t s = i / Hkv, h = i % Hkv;
+        kernel.pack(kp + row_offset(kc, s, h, j0) * esize, kc.stride(2), vp + row_offset(vc, s, h, j0) * esize,
+                    vc.stride(2), n, D, type, pp + i * per_head);
       }
     });
     at::parallel_for(0, BH * nqb, grain(std::min(qblock, Sq) * n * D), [&](int64_t b, int64_t e) {
       for (int64_t t = b; t < e; ++t) {
         const int64_t i = t / nqb, q0 = (t % nqb) * qblock, rows = std::min(qblock, Sq - q0);
-        const int64_t row = i * Sq + q0, off = row * D * esize;
+        const int64_t row = i * Sq + q0;
         // query head h of sample s reads kv head h / group of that sample
         const int64_t s = i / H, h = i % H, ikv = s * Hkv + h / group;
         const float* bp = bv.p == nullptr ? nullptr
@@ -182,7 +196,8 @@ std::tuple<at::Tensor, at::Tensor> attention_cpu(const at::Tensor& q, const at::
           carry.m = carry_ml.data_ptr<float>() + row;
           carry.l = carry_ml.data_ptr<float>() + BH * Sq + row;
         }
-        kernel.forward(qp + off, rows, pp + ikv * per_head, n, D, fscale, bp, bv.stride[2], type, op + off,
+        kernel.forward(qp + row_offset(qc, s, h, q0) * esize, qc.stride(2), rows, pp + ikv * per_head, n, D, fscale,
+                       bp, bv.stride[2], type, op + row_offset(out, s, h, q0) * esize, out.stride(2),
                        lp == nullptr ? nullptr : lp + row, carry_o.defined() ? &carry : nullptr);
       }
     });
