@@ -87,7 +87,8 @@ PRESETS = {
     "cpu": Preset("full", "cpu", 256, 256, 2, 1, 3, 600, opt_in=(
         *((row, "inductor compiles it: 2-7 minutes on 2 cores with a cold cache")
           for row in ("torchao_fp8_weight_only", "torchao_int8_weight_only", "torchao_int8_dynamic",
-                      "torch_compile", "torch_compile_freezing", "pyext_fp8_compile", "pyext_fp8_linear_compile")),
+                      "torch_compile", "torch_compile_freezing", "pyext_fp8_compile", "pyext_fp8_linear_compile",
+                      "pyext_fp8_all_compile")),
         ("pyext_eager", "on a CPU pyext.optimize does not compile, so this row is pyext_optimize's"))),
     # CI: the tiny sd15 of pyext.offline, seconds for all rows.
     # One thread: tiny ops gain nothing from two, and on a shared machine a stalled
@@ -96,7 +97,7 @@ PRESETS = {
         ("torch_compile", "not run in preset tiny: inductor needs minutes on CPU; see presets cpu/gpu"),
         ("torch_compile_freezing", "not run in preset tiny: inductor needs minutes on CPU; see preset cpu"),
         *((row, "not run in preset tiny: inductor needs minutes on CPU; see preset cpu")
-          for row in ("pyext_fp8_compile", "pyext_fp8_linear_compile")),
+          for row in ("pyext_fp8_compile", "pyext_fp8_linear_compile", "pyext_fp8_all_compile")),
         # torchao_fp8_dynamic runs: torchao refuses the CPU before anything is compiled.
         *((row, "not run in preset tiny: its torch.compile needs minutes on CPU; see presets cpu/gpu")
           for row in ("torchao_fp8_weight_only", "torchao_int8_weight_only", "torchao_int8_dynamic")))),
@@ -173,6 +174,7 @@ ROWS = {
     "pyext_fp8_dynamic": (False, ("pyext_fp8_dynamic",)),
     "pyext_fp8_compile": (False, ("pyext_fp8_compile",)),
     "pyext_fp8_linear_compile": (False, ("pyext_fp8_linear_compile",)),
+    "pyext_fp8_all_compile": (False, ("pyext_fp8_all_compile",)),
     "pyext_eager": (False, ("pyext_eager",)),
     "pyext_cudagraphs": (False, ("pyext_cudagraphs",)),
     "torch_compile": (True, ("channels_last", "sdpa_attention", "torch_compile")),
@@ -188,11 +190,14 @@ ROWS = {
 # inductor's CUDA graphs instead, pyext_fp8_dynamic the denoiser's linears in fp8 with activations
 # quantized per row (fp8 x fp8 GEMMs: the setting of torchao_fp8_dynamic), pyext_fp8_compile the
 # denoiser in fp8 and compiled by inductor (with freezing on a CPU), as the torchao rows compile theirs;
-# pyext_fp8_linear_compile the same with the linears only in fp8, the layers torchao's rows quantize.
+# pyext_fp8_linear_compile the same with the linears only in fp8, the layers torchao's rows quantize;
+# pyext_fp8_all_compile with no layer kept by name (fp8_skip=()): the embedders, first and last layers
+# that pyext keeps in full precision by default go to fp8 too, as in torchao's rows.
 PYEXT_OPTIONS = {"pyext_optimize": {}, "pyext_eager": {"compile": "off"}, "pyext_cudagraphs": {"compile": "cudagraphs"},
                  "pyext_fp8_dynamic": {"fp8": "denoiser", "fp8_gemm": "dynamic"},
                  "pyext_fp8_compile": {"fp8": "denoiser", "compile": "compile"},
-                 "pyext_fp8_linear_compile": {"fp8": "denoiser", "fp8_layers": "linear", "compile": "compile"}}
+                 "pyext_fp8_linear_compile": {"fp8": "denoiser", "fp8_layers": "linear", "compile": "compile"},
+                 "pyext_fp8_all_compile": {"fp8": "denoiser", "fp8_skip": (), "compile": "compile"}}
 
 # The torchao rows' configs: classes of torchao.quantization.
 TORCHAO_CONFIGS = {

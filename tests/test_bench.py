@@ -568,7 +568,7 @@ def test_arch_presets_plan_their_rows(arch):
         assert preset.arch == arch and preset.device == ("cuda" if name == "gpu" else "cpu")
         for row in ("traced_unet", "openvino"):
             assert "SD1.5's UNet call" in latency.unavailable(row, preset)
-        for row in ("original", "pyext_fp8", "pyext_optimize", "pyext_fp8_compile"):
+        for row in ("original", "pyext_fp8", "pyext_optimize", "pyext_fp8_compile", "pyext_fp8_all_compile"):
             assert latency.unavailable(row, preset) is None
         linear_only = latency.unavailable("pyext_fp8_linear_compile", preset)
         assert (linear_only is None) if arch == "sdxl" else ("no convolutions" in linear_only)
