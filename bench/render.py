@@ -60,6 +60,7 @@ def _renderers() -> dict[str, Callable[[dict], str]]:
             "latency_flux_cpu_avx2": render_latency,
             "latency_flux_fp8_cpu_avx2": render_latency,
             "latency_flux_cpu_amx": render_latency,
+            "latency_flux_fp8_skip_cpu_amx": render_latency,
             "latency_sdxl_cpu_avx2": render_latency,
             "latency_sdxl_cpu_amx": render_latency,
             "compiled_precision_cpu_amx": render_compiled_precision,
