@@ -2,7 +2,7 @@
 // compile it for their own targets. Each pass converts x to fp32 once, into a buffer (fp32 x is
 // read in place), and GCC auto-vectorises the fp32 loops: sums go to kLanes independent partial
 // sums (a reduction that vectorises without -ffast-math), SiLU uses the branch-free exp_f32. The
-// AVX-512 unit's channels-last apply pass is written in intrinsics instead
+// AVX-512 unit's channels-last passes are written in intrinsics instead, reading x as it lies
 // (group_norm_rows_avx512.h).
 // Units that target F16C define PYEXT_GN_F16C and convert fp16 with it. Internal linkage, so
 // that no unit's copy replaces another's at link time.
@@ -224,17 +224,19 @@ inline void add_column_deviations(float* __restrict s1, float* __restrict s2, co
   }
 }
 
-// The moments of a block of channels-last pixels, all groups at once, into parts[0..G): `runs`
-// runs of `width` pixels, run(i) the i-th as fp32 (C channels per pixel, contiguous), each value
-// plus its channel's sh[c]. Per-channel sums run along the runs (vectorised over channels), each
-// group adds up its channels for a pivot, then the sums of deviations from it. work: 4C + G floats.
-template <class Run>
-void block_moments(int64_t C, int64_t G, int64_t runs, int64_t width, const float* sh, Run run, float* work,
-                   Moments* parts) {
-  const int64_t cg = C / G, pixels = runs * width;
+// The moments of a block of `pixels` channels-last pixels, all groups at once, into parts[0..G),
+// each value plus its channel's sh[c]: sums(col) adds each channel's values to col[c] (as
+// add_columns), deviations(s1, s2, pivot) each channel's deviations from pivot[c] and their squares
+// (as add_column_deviations, with sh). Per-channel sums run along the pixels (vectorised over
+// channels), each group adds up its channels for a pivot, then the sums of deviations from it.
+// work: 4C + G floats.
+template <class Sums, class Deviations>
+void block_moments(int64_t C, int64_t G, int64_t pixels, const float* sh, Sums sums, Deviations deviations,
+                   float* work, Moments* parts) {
+  const int64_t cg = C / G;
   float *col = work, *pivot = col + C, *s1 = pivot + C, *s2 = s1 + C, *gm = s2 + C;
   for (int64_t c = 0; c < C; ++c) col[c] = s1[c] = s2[c] = 0.0f;
-  for (int64_t i = 0; i < runs; ++i) add_columns(col, run(i), C, width);
+  sums(col);
   const double count = static_cast<double>(pixels * cg);
   for (int64_t g = 0; g < G; ++g) {
     double s = 0;
@@ -242,7 +244,7 @@ void block_moments(int64_t C, int64_t G, int64_t runs, int64_t width, const floa
     gm[g] = static_cast<float>(s / count);
     for (int64_t c = g * cg; c < (g + 1) * cg; ++c) pivot[c] = gm[g];
   }
-  for (int64_t i = 0; i < runs; ++i) add_column_deviations(s1, s2, sh, pivot, run(i), C, width);
+  deviations(s1, s2, pivot);
   for (int64_t g = 0; g < G; ++g) {
     double t1 = 0, t2 = 0;
     for (int64_t c = g * cg; c < (g + 1) * cg; ++c) t1 += s1[c], t2 += s2[c];
@@ -250,21 +252,37 @@ void block_moments(int64_t C, int64_t G, int64_t runs, int64_t width, const floa
   }
 }
 
-// Channels-last: a block of rows of sample n (one contiguous run of pixels), with its shift.
+// Channels-last: a block of rows of sample n (one contiguous run of pixels), with its shift. The
+// AVX-512 unit reads the rows as they lie; the others through an fp32 copy of the block.
 template <PyextDtype D>
 void stats_cl(const GroupNormArgs& a, Moments* parts, int64_t begin, int64_t end) {
   const int64_t C = a.C;
-  Scratch scratch(5 * C + a.G + (D == PYEXT_F32 ? 0 : a.chunk * C));  // shift, block_moments' work, rows
-  float *sh = scratch.p, *work = sh + C, *rows_fp32 = work + 4 * C + a.G;
+#ifdef PYEXT_GN_AVX512
+  constexpr bool copy = false;
+#else
+  constexpr bool copy = D != PYEXT_F32;
+#endif
+  Scratch scratch(5 * C + a.G + (copy ? a.chunk * C : 0));  // shift, block_moments' work, rows
+  float *sh = scratch.p, *work = sh + C;
   for (int64_t item = begin; item < end; ++item) {
     const int64_t n = item / a.chunks, r0 = item % a.chunks * a.chunk, rows = std::min(a.chunk, a.S - r0);
     const Elem<D>* x = static_cast<const Elem<D>*>(a.x) + (n * a.S + r0) * C;
-    const float* v = rows_fp32;
-    if constexpr (D == PYEXT_F32) v = x;
-    else load_run<D>(x, rows_fp32, rows * C, 0.0f);
     const Elem<D>* shift = a.shift ? static_cast<const Elem<D>*>(a.shift) + n * C : nullptr;
     for (int64_t c = 0; c < C; ++c) sh[c] = shift ? Io<D>::load(shift[c]) : 0.0f;
-    block_moments(C, a.G, 1, rows, sh, [&](int64_t) { return v; }, work, parts + item * a.G);
+#ifdef PYEXT_GN_AVX512
+    block_moments(C, a.G, rows, sh, [&](float* col) { add_columns_avx512<D>(col, x, C, rows); },
+                  [&](float* s1, float* s2, const float* pivot) {
+                    add_column_deviations_avx512<D>(s1, s2, sh, pivot, x, C, rows);
+                  }, work, parts + item * a.G);
+#else
+    const float* v = work + 4 * C + a.G;  // the rows as fp32
+    if constexpr (D == PYEXT_F32) v = x;
+    else load_run<D>(x, work + 4 * C + a.G, rows * C, 0.0f);
+    block_moments(C, a.G, rows, sh, [&](float* col) { add_columns(col, v, C, rows); },
+                  [&](float* s1, float* s2, const float* pivot) {
+                    add_column_deviations(s1, s2, sh, pivot, v, C, rows);
+                  }, work, parts + item * a.G);
+#endif
   }
 }
 
@@ -286,7 +304,13 @@ void moments_cl(const MomentsArgs& a, Moments* parts, int64_t begin, int64_t end
       load_run<D>(x, row_fp32, width * C, 0.0f);
       return row_fp32;
     };
-    block_moments(C, a.G, h1 - h0, width, zero, row, work, parts + item * a.G);
+    block_moments(C, a.G, (h1 - h0) * width, zero,
+                  [&](float* col) {
+                    for (int64_t i = 0; i < h1 - h0; ++i) add_columns(col, row(i), C, width);
+                  },
+                  [&](float* s1, float* s2, const float* pivot) {
+                    for (int64_t i = 0; i < h1 - h0; ++i) add_column_deviations(s1, s2, zero, pivot, row(i), C, width);
+                  }, work, parts + item * a.G);
   }
 }
 
