@@ -33,6 +33,7 @@ def _renderers() -> dict[str, Callable[[dict], str]]:
     from bench.fp8 import render as render_fp8
     from bench.fp8_accuracy import render as render_fp8_accuracy
     from bench.gpu_check import render as render_gpu_check
+    from bench.group_norm import render as render_group_norm
     from bench.parallel import render as render_parallel
     from bench.plot import results_block as render_latency
     from bench.planner_peaks import render_result as render_planner_peaks
@@ -64,6 +65,7 @@ def _renderers() -> dict[str, Callable[[dict], str]]:
             "latency_sdxl_cpu_avx2": render_latency,
             "latency_sdxl_cpu_amx": render_latency,
             "compiled_precision_cpu_amx": render_compiled_precision,
+            "group_norm_cpu_amx": render_group_norm,
             "vae_memory_settings_cpu": lambda r: render_runs(r["rows"]),
             "planner_peaks_cpu": render_planner_peaks,
             "planner_peaks_cpu_avx2": render_planner_peaks,

@@ -9,6 +9,7 @@ import pytest
 import torch
 
 from bench import latency, plot
+from pyext._ext import has_kernel
 
 pytestmark = pytest.mark.slow  # make test runs it; make test-fast leaves it out
 
@@ -675,6 +676,18 @@ def test_the_fp16_row_runs_only_where_it_differs_from_the_original_row(monkeypat
     assert latency.unavailable("original", cpu) is None and latency.unavailable("channels_last", cpu) is None
     assert latency.unavailable("fp16", latency.preset_of("tiny", "sd15")) is None  # emulated bf16: a row of its own
     assert latency.unavailable("fp16", latency.preset_of("gpu", "sd15")) is None  # fp16 on a GPU
+
+
+@pytest.mark.skipif(not has_kernel("group_norm"), reason="pyext._C without group_norm")
+def test_group_norm_bench_times_both_and_renders():
+    """bench.group_norm on two small shapes, one round: each row times pyext and torch and renders."""
+    from bench import group_norm
+
+    rows = group_norm.measure((("a", (1, 64, 5, 7)), ("b", (2, 96, 3, 3))), torch.float32, repeats=1)
+    assert [r["where"] for r in rows] == ["a", "b"]
+    assert all(r["pyext_ms"] > 0 and r["torch_ms"] > 0 and r["pyext_vs_torch"]["min"] > 0 for r in rows)
+    text = group_norm.render({"rows": rows, "repeats": 1, "machine": {"kernel_paths": {"simd": "avx2"}}})
+    assert "| b | 2, 96, 3, 3 | float32 |" in text and "SIMD level: avx2" in text
 
 
 def test_compiled_precision_compares_each_variant_with_float64():
