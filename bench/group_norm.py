@@ -17,7 +17,7 @@ import statistics
 import torch
 import torch.nn.functional as F
 
-from bench.fp8 import rounds
+from bench.fp8 import _vs_plain, rounds
 
 # (where, (N, C, H, W)): each GroupNorm shape the two models run, 32 groups.
 SHAPES = (("unet 32x32", (2, 320, 32, 32)), ("unet 16x16", (2, 640, 16, 16)), ("unet 8x8", (2, 1280, 8, 8)),
@@ -37,15 +37,13 @@ def measure(shapes=SHAPES, dtype: torch.dtype = torch.bfloat16, repeats: int = 7
         weight, bias = (torch.randn(shape[1], generator=g).to(dtype) for _ in range(2))
         calls = max(1, int(4e6 // x.numel()))  # a round of about 4M elements: small shapes repeat
         fns = {"pyext": lambda: [group_norm(x, GROUPS, weight, bias, 1e-6, "silu", backend="cpp") for _ in range(calls)],
-               "torch": lambda: [F.silu(F.group_norm(x, GROUPS, weight, bias, 1e-6)) for _ in range(calls)]}
+               "plain": lambda: [F.silu(F.group_norm(x, GROUPS, weight, bias, 1e-6)) for _ in range(calls)]}
         with torch.no_grad():
             times = rounds(fns, repeats, 2)
-        ratios = sorted(p / t for p, t in zip(times["pyext"], times["torch"]))
         rows.append({"where": where, "shape": list(shape), "dtype": str(dtype).removeprefix("torch."),
                      "pyext_ms": statistics.median(times["pyext"]) / calls * 1e3,
-                     "torch_ms": statistics.median(times["torch"]) / calls * 1e3,
-                     "pyext_vs_torch": {"median": round(statistics.median(ratios), 3),
-                                        "min": round(ratios[0], 3), "max": round(ratios[-1], 3)}})
+                     "torch_ms": statistics.median(times["plain"]) / calls * 1e3,
+                     "pyext_vs_torch": _vs_plain(times, "pyext")})
     return rows
 
 
@@ -55,7 +53,7 @@ def render(result: dict) -> str:
     for r in result["rows"]:
         v = r["pyext_vs_torch"]
         lines.append(f"| {r['where']} | {', '.join(map(str, r['shape']))} | {r['dtype']} | {r['pyext_ms']:.3f} ms | "
-                     f"{r['torch_ms']:.3f} ms | {v['median']}x ({v['min']}-{v['max']}) |")
+                     f"{r['torch_ms']:.3f} ms | {v['median']}x ({v['range'][0]}-{v['range'][1]}) |")
     simd = result.get("machine", {}).get("kernel_paths", {}).get("simd", "unknown")
     lines += ["", f"pyext's SIMD level: {simd}; {result.get('repeats', '?')} interleaved rounds; "
                   f"`{result.get('command', 'python -m bench.group_norm')}`."]

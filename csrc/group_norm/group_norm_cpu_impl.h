@@ -258,12 +258,13 @@ template <PyextDtype D>
 void stats_cl(const GroupNormArgs& a, Moments* parts, int64_t begin, int64_t end) {
   const int64_t C = a.C;
 #ifdef PYEXT_GN_AVX512
-  constexpr bool copy = false;
+  constexpr int64_t copied = 0;
 #else
-  constexpr bool copy = D != PYEXT_F32;
+  const int64_t copied = D == PYEXT_F32 ? 0 : a.chunk * C;
 #endif
-  Scratch scratch(5 * C + a.G + (copy ? a.chunk * C : 0));  // shift, block_moments' work, rows
+  Scratch scratch(5 * C + a.G + copied);  // shift, block_moments' work, the rows as fp32
   float *sh = scratch.p, *work = sh + C;
+  [[maybe_unused]] float* rows_fp32 = work + 4 * C + a.G;  // (the AVX-512 unit reads the rows in place)
   for (int64_t item = begin; item < end; ++item) {
     const int64_t n = item / a.chunks, r0 = item % a.chunks * a.chunk, rows = std::min(a.chunk, a.S - r0);
     const Elem<D>* x = static_cast<const Elem<D>*>(a.x) + (n * a.S + r0) * C;
@@ -275,9 +276,9 @@ void stats_cl(const GroupNormArgs& a, Moments* parts, int64_t begin, int64_t end
                     add_column_deviations_avx512<D>(s1, s2, sh, pivot, x, C, rows);
                   }, work, parts + item * a.G);
 #else
-    const float* v = work + 4 * C + a.G;  // the rows as fp32
+    const float* v = rows_fp32;
     if constexpr (D == PYEXT_F32) v = x;
-    else load_run<D>(x, work + 4 * C + a.G, rows * C, 0.0f);
+    else load_run<D>(x, rows_fp32, rows * C, 0.0f);
     block_moments(C, a.G, rows, sh, [&](float* col) { add_columns(col, v, C, rows); },
                   [&](float* s1, float* s2, const float* pivot) {
                     add_column_deviations(s1, s2, sh, pivot, v, C, rows);
