@@ -19,11 +19,12 @@ pytestmark = pytest.mark.skipif(not has_kernel("fp8_linear_brgemm"), reason="pye
 
 # (rows, in features, out features): one row, a block of rows and its tail (32), one panel and its
 # tail (64), K from one VNNI pair to a width diffusion uses; up to 64 rows the GEMM multiplies
-# w x^T, above it x w^T, its panels decoded in groups of up to four (520 channels: 4 + 4 + 1).
+# w x^T, above it x w^T, its panels decoded in groups of up to four (520 channels: 4 + 4 + 1), all
+# of them at once where they fit in 1 MiB, else a group at a time (K 2560: groups of three).
 # K past 4096 codes: the small-M GEMM decodes rows a chunk at a time (two chunks and a tail);
 # K past 8192: the larger one decodes its groups a chunk of K at a time.
 SHAPES = [(1, 2, 1), (3, 40, 7), (31, 96, 64), (32, 130, 65), (33, 64, 130), (64, 66, 70), (65, 2, 64),
-          (70, 320, 200), (130, 64, 520), (5, 1280, 96), (7, 8200, 70), (66, 8258, 130)]
+          (70, 320, 200), (130, 64, 520), (100, 2560, 520), (5, 1280, 96), (7, 8200, 70), (66, 8258, 130)]
 # Chunks of K with more rows than their fp32 sums may hold at once: two runs of blocks per chunk.
 CHUNKED_RUNS = (530, 8258, 260)
 

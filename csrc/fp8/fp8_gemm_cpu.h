@@ -98,6 +98,7 @@ struct Fp8BrgemmSplit {
   int64_t panel_shares, row_shares;  // tasks = panel_shares x row_shares
   int64_t group;                     // panels decoded and multiplied together
   int64_t k_chunk;                   // columns of K decoded at a time: K, or less where K is large
+  bool resident = false;             // all the task's panels decoded at once (they fit where a group does)
 };
 Fp8BrgemmSplit fp8_brgemm_split(const Fp8GemmArgs& a, int64_t threads);
 // simd: the AVX-512 packer, row decoder and epilogue (fp8_brgemm_simd_supported(): AVX512_BF16 and

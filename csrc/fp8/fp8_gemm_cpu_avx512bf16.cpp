@@ -214,12 +214,29 @@ void fp8_pack_panel_avx512(const uint8_t* w, int64_t ld_w, int64_t N, int64_t K,
 
 void fp8_epilogue_avx512(const float* acc, int64_t ld_acc, int64_t rows, int64_t cols, const float* scale,
                          const float* bias, uint16_t* y, int64_t ld_y) {
-  for (int64_t c = 0; c < cols; c += 16) {
-    const __mmask16 m = cols - c >= 16 ? __mmask16(0xffff) : _bzhi_u32(0xffff, static_cast<unsigned>(cols - c));
-    const __m512 s = _mm512_maskz_loadu_ps(m, scale + c), b = _mm512_maskz_loadu_ps(m, bias + c);
-    for (int64_t r = 0; r < rows; ++r) {
-      const __m512 v = _mm512_fmadd_ps(_mm512_maskz_loadu_ps(m, acc + r * ld_acc + c), s, b);
-      _mm256_mask_storeu_epi16(y + r * ld_y + c, m, (__m256i)_mm512_cvtneps_pbh(v));
+  // A row at a time, so that y's lines are written whole and in order: 32 columns make one
+  // 64-byte store; the scales and biases are re-read from L1.
+  const int64_t whole = cols / 32 * 32;
+  const __mmask16 m = _bzhi_u32(0xffff, static_cast<unsigned>((cols - whole) % 16));
+  for (int64_t r = 0; r < rows; ++r) {
+    const float* a = acc + r * ld_acc;
+    uint16_t* out = y + r * ld_y;
+    for (int64_t c = 0; c < whole; c += 32) {
+      const __m512 lo = _mm512_fmadd_ps(_mm512_loadu_ps(a + c), _mm512_loadu_ps(scale + c), _mm512_loadu_ps(bias + c));
+      const __m512 hi = _mm512_fmadd_ps(_mm512_loadu_ps(a + c + 16), _mm512_loadu_ps(scale + c + 16),
+                                        _mm512_loadu_ps(bias + c + 16));
+      _mm512_storeu_si512(out + c, (__m512i)_mm512_cvtne2ps_pbh(hi, lo));
+    }
+    int64_t c = whole;
+    if (cols - c >= 16) {
+      const __m512 v = _mm512_fmadd_ps(_mm512_loadu_ps(a + c), _mm512_loadu_ps(scale + c), _mm512_loadu_ps(bias + c));
+      _mm256_storeu_si256(reinterpret_cast<__m256i*>(out + c), (__m256i)_mm512_cvtneps_pbh(v));
+      c += 16;
+    }
+    if (c < cols) {
+      const __m512 v = _mm512_fmadd_ps(_mm512_maskz_loadu_ps(m, a + c), _mm512_maskz_loadu_ps(m, scale + c),
+                                       _mm512_maskz_loadu_ps(m, bias + c));
+      _mm256_mask_storeu_epi16(out + c, m, (__m256i)_mm512_cvtneps_pbh(v));
     }
   }
 }

@@ -41,7 +41,7 @@ const std::array<uint16_t, 256>& bf16_of_code() {
 
 // A group's decoded panels, `ld` channels per pair row.
 struct Group {
-  const uint16_t* packed;
+  uint16_t* packed;
   int64_t n0, cols, ld;
 };
 
@@ -185,17 +185,26 @@ void gemm_small(const Fp8GemmArgs& a, const Fp8BrgemmSplit& split, int64_t task,
   if (mk == Microkernel::kOneDnn) brgemm_release_onednn();
 }
 
-// Decoded groups stay within kGroupBytes, at most kMaxGroup panels (256 channels per micro-kernel
-// call). A K too large for that is decoded kChunkBytes at a time, a chunk which every block of rows
+// Decoded groups stay within kGroupBytes, at most kMaxGroup panels (320 channels per micro-kernel
+// call: SD1.5's 320-channel layers in one call, where a call of 256 and one of 64 per block of rows
+// were slower; 512 channels, whose fp32 block outgrows L1, were slower too). A K too large for that is decoded kChunkBytes at a time, a chunk which every block of rows
 // multiplies while it is in L2 (a quarter of kGroupBytes was faster than the whole: the
 // micro-kernel reads less of both operands from L2 per block).
 constexpr size_t kGroupBytes = size_t{1} << 20;
 constexpr size_t kChunkBytes = size_t{256} << 10;
-constexpr int64_t kMaxGroup = 4;
+constexpr int64_t kMaxGroup = 5;
 // The small-M GEMM's chunk of each decoded row (8 KiB), which with x^T's chunk stays in L2.
 constexpr int64_t kSmallChunk = 4096;
 // The fp32 sums of the blocks one chunk of K is multiplied with, at most.
 constexpr size_t kChunkSumBytes = size_t{512} << 10;
+// Panels per group: at most `most`, in groups as even as they come (7 as 4 + 3, not 5 + 2), so that
+// the micro-kernel calls take one or two shapes of similar width.
+int64_t even_groups(int64_t panels, int64_t most) {
+  most = std::clamp<int64_t>(most, 1, panels);
+  const int64_t groups = (panels + most - 1) / most;
+  return (panels + groups - 1) / groups;
+}
+
 // A GEMM below this many multiply-adds runs as one task: waking a thread costs more.
 constexpr int64_t kMinTaskWork = int64_t{1} << 22;
 
@@ -249,13 +258,15 @@ Fp8BrgemmSplit fp8_brgemm_split(const Fp8GemmArgs& a, int64_t threads) {
   // A group of up to kMaxGroup panels whose whole K fits kGroupBytes; where even one panel's does
   // not, up to kMaxGroup panels whose one tap of a convolution fits it, decoded kChunkBytes at a time:
   // a convolution's chunk is a run of whole taps, a linear's a multiple of the packer's 64 codes.
+  // Where all the task's panels fit, they stay decoded together (resident).
   const int64_t fit = static_cast<int64_t>(kGroupBytes / (static_cast<size_t>(a.K) * kFp8Panel * sizeof(uint16_t)));
-  split.group = std::clamp<int64_t>(std::min(fit, kMaxGroup), 1, per_task);
+  split.group = even_groups(per_task, std::min(fit, kMaxGroup));
   split.k_chunk = a.K;
+  split.resident = fit >= per_task;
   if (fit == 0) {
     const int64_t unit = a.conv ? a.conv->C : 64;
     const int64_t tap_fit = static_cast<int64_t>(kGroupBytes / (static_cast<size_t>(unit) * kFp8Panel * sizeof(uint16_t)));
-    split.group = std::clamp<int64_t>(std::min(tap_fit, kMaxGroup), 1, per_task);
+    split.group = even_groups(per_task, std::min(tap_fit, kMaxGroup));
     const size_t row_bytes = static_cast<size_t>(split.group) * kFp8Panel * sizeof(uint16_t);
     split.k_chunk = std::min(a.K, std::max<int64_t>(1, static_cast<int64_t>(kChunkBytes / row_bytes) / unit) * unit);
   }
@@ -274,38 +285,60 @@ void fp8_gemm_brgemm(const Fp8GemmArgs& a, const Fp8BrgemmSplit& split, int64_t 
   const int64_t panels = (a.N + kFp8Panel - 1) / kFp8Panel, ld = split.group * kFp8Panel, kc = split.k_chunk;
   const auto [p0, p1] = share(panels, split.panel_shares, task / split.row_shares);
   const auto [b0, b1] = share(row_blocks(a), split.row_shares, task % split.row_shares);
+  const int64_t groups = (p1 - p0 + split.group - 1) / split.group, n_first = p0 * kFp8Panel;
+  const int64_t n_end = std::min(a.N, p1 * kFp8Panel);
   // Blocks whose sums are kept while K is decoded a chunk at a time: their fp32 blocks stay in L2
   // beside the chunk; one when the whole K is decoded at once.
   const int64_t run = kc == a.K ? 1 : std::max<int64_t>(1, kChunkSumBytes / (kFp8BrgemmRows * ld * sizeof(float)));
-  // Per-thread scratch, reused across calls and layers: the decoded group, the fp32 blocks, the
-  // group's scales and biases.
+  // Per-thread scratch, reused across calls and layers: the decoded groups (every one of the task's
+  // when resident, else one), the fp32 blocks, the task's scales and biases.
   thread_local ScratchPtr<uint16_t> group_buf;
   thread_local ScratchPtr<float> acc_buf, epi_buf;
   thread_local size_t group_cap = 0, acc_cap = 0, epi_cap = 0;
-  uint16_t* packed = grow(group_buf, group_cap, static_cast<size_t>(kc + 1) * ld * sizeof(uint16_t));
+  const size_t group_elems = static_cast<size_t>(kc + 1) * ld;
+  uint16_t* packed = grow(group_buf, group_cap, (split.resident ? groups : 1) * group_elems * sizeof(uint16_t));
   float* acc = grow(acc_buf, acc_cap, run * kFp8BrgemmRows * ld * sizeof(float));
-  float* scale = grow(epi_buf, epi_cap, 2 * ld * sizeof(float));
-  float* bias = scale + ld;
-  for (int64_t g0 = p0; g0 < p1; g0 += split.group) {
-    const int64_t g1 = std::min(p1, g0 + split.group), n0 = g0 * kFp8Panel;
-    const Group grp{packed, n0, std::min(a.N, g1 * kFp8Panel) - n0, ld};
-    for (int64_t c = 0; c < grp.cols; ++c) {
-      scale[c] = a.scale[a.per_tensor ? 0 : n0 + c];
-      bias[c] = a.bias ? bf16_to_float(a.bias[n0 + c]) : 0.0f;
-    }
+  float* scale = grow(epi_buf, epi_cap, 2 * (n_end - n_first) * sizeof(float));
+  float* bias = scale + (n_end - n_first);
+  for (int64_t n = n_first; n < n_end; ++n) {
+    scale[n - n_first] = a.scale[a.per_tensor ? 0 : n];
+    bias[n - n_first] = a.bias ? bf16_to_float(a.bias[n]) : 0.0f;
+  }
+  // Group i: panels [g0, g1) of the task, decoded into `buf` from column k0 of K to k1.
+  const auto group = [&](int64_t i, uint16_t* buf) {
+    const int64_t g0 = p0 + i * split.group, n0 = g0 * kFp8Panel;
+    return Group{buf, n0, std::min(a.N, std::min(p1, g0 + split.group) * kFp8Panel) - n0, ld};
+  };
+  const auto decode = [&](const Group& grp, int64_t k0, int64_t k1) {
+    for (int64_t c = 0; c < grp.cols; c += kFp8Panel)
+      (simd ? fp8_pack_panel_avx512 : fp8_pack_panel_scalar)(a.w + k0, a.K, a.N, k1 - k0, grp.n0 + c,
+                                                           grp.packed + c * 2, ld);
+  };
+  const auto store = [&](const Group& grp, const float* sums, int64_t block) {
+    store_block(simd, a, sums, ld, grp.cols, scale + grp.n0 - n_first, bias + grp.n0 - n_first, grp.n0, block);
+  };
+  if (split.resident) {
+    // Every group decoded once; then each block of rows goes through all of them, so that its rows
+    // of y are written whole, a block at a time, not a group's columns of every row at a time.
+    for (int64_t i = 0; i < groups; ++i) decode(group(i, packed + i * group_elems), 0, a.K);
+    for (int64_t block = b0; block < b1; ++block)
+      for (int64_t i = 0; i < groups; ++i) {
+        const Group grp = group(i, packed + i * group_elems);
+        accumulate(mk, a, grp, block, 0, a.K, acc);
+        store(grp, acc, block);
+      }
+  }
+  for (int64_t i = 0; i < groups && !split.resident; ++i) {
+    const Group grp = group(i, packed);
     for (int64_t r0 = b0; r0 < b1; r0 += run) {
       const int64_t r1 = std::min(b1, r0 + run);
       for (int64_t k0 = 0; k0 < a.K; k0 += kc) {
         const int64_t k1 = std::min(a.K, k0 + kc);
-        if (kc < a.K || r0 == b0)  // the whole K: decoded once for all the task's blocks
-          for (int64_t p = g0; p < g1; ++p)
-            (simd ? fp8_pack_panel_avx512 : fp8_pack_panel_scalar)(a.w + k0, a.K, a.N, k1 - k0, p * kFp8Panel,
-                                                                 packed + (p - g0) * kFp8Panel * 2, ld);
+        if (kc < a.K || r0 == b0) decode(grp, k0, k1);  // the whole K: decoded once for all the task's blocks
         for (int64_t block = r0; block < r1; ++block)
           accumulate(mk, a, grp, block, k0, k1, acc + (block - r0) * kFp8BrgemmRows * ld);
       }
-      for (int64_t block = r0; block < r1; ++block)
-        store_block(simd, a, acc + (block - r0) * kFp8BrgemmRows * ld, ld, grp.cols, scale, bias, n0, block);
+      for (int64_t block = r0; block < r1; ++block) store(grp, acc + (block - r0) * kFp8BrgemmRows * ld, block);
     }
   }
   if (mk == Microkernel::kOneDnn) brgemm_release_onednn();  // the thread's AMX tile state
