@@ -74,6 +74,9 @@ class OptimizeOptions:
         for oneDNN) | "on" (every component) | "off".
     fuse_norms: "auto" (on a CPU: GroupNorm + SiLU in one pass in the ResnetBlock2D blocks of
         denoisers, VAEs and controlnets) | "on" (every component, any device) | "off".
+    upsample_phases: "auto" (on a CPU: the VAEs' nearest 2x upsampling + 3x3 convolution as one 2x2
+        convolution of the small input, pyext.nn.upsample, where dispatch measures it faster per
+        shape) | "on" (every component) | "off".
     compile: "auto" (capture on CUDA without offload; eager otherwise) | "off" | "capture" (pyext
         captures the denoiser's eager forward in CUDA graphs, one per input signature, and replays
         them; no compiler; CUDA only) | "trace" | "compile" (torch.compile; on a CPU with inductor,
@@ -103,6 +106,7 @@ class OptimizeOptions:
     channels_last: Switch = "auto"
     prepack: Switch = "auto"
     fuse_norms: Switch = "auto"
+    upsample_phases: Switch = "auto"
     compile: CompileMode = "auto"
     compile_backend: str = "inductor"
     vae_tiling: Switch = "auto"
@@ -118,7 +122,7 @@ class OptimizeOptions:
 
     def __post_init__(self):
         for name, kind in (("fp8", FP8Mode), ("fp8_gemm", FP8Gemm), ("fp8_layers", FP8Layers), ("channels_last", Switch), ("prepack", Switch), ("fuse_norms", Switch),
-                           ("compile", CompileMode),
+                           ("upsample_phases", Switch), ("compile", CompileMode),
                            ("vae_tiling", Switch), ("vae_slicing", Switch), ("offload", OffloadMode)):
             value = getattr(self, name)
             if not isinstance(value, str) or value not in get_args(kind):

@@ -6,14 +6,14 @@ then compilation, which must capture the final modules.
 from pyext.techniques.base import Entry, Technique
 from pyext.techniques.compile import Compile
 from pyext.techniques.layout import ChannelsLast
-from pyext.techniques.norms import FuseNorms
+from pyext.techniques.norms import FuseNorms, UpsamplePhases
 from pyext.techniques.packing import Prepack
 from pyext.techniques.placement import Device, Offload
 from pyext.techniques.routing import Attention
 from pyext.techniques.vae_memory import VAESlicing, VAETiling
 from pyext.techniques.weights import FP8, DType
 
-TECHNIQUES: tuple[Technique, ...] = (DType(), FP8(), ChannelsLast(), FuseNorms(), Prepack(), Attention(), VAETiling(),
-                                     VAESlicing(), Device(), Offload(), Compile())
+TECHNIQUES: tuple[Technique, ...] = (DType(), FP8(), ChannelsLast(), FuseNorms(), UpsamplePhases(), Prepack(), Attention(),
+                                     VAETiling(), VAESlicing(), Device(), Offload(), Compile())
 
 __all__ = ["Entry", "Technique", "TECHNIQUES"]

@@ -1,9 +1,11 @@
-"""GroupNorm + SiLU fused into one pass in diffusers' ResnetBlock2D blocks (pyext.nn.fused_norm)."""
+"""GroupNorm + SiLU fused into one pass in diffusers' ResnetBlock2D blocks (pyext.nn.fused_norm), and
+the upsampling convolutions of Upsample2D blocks run as phases (pyext.nn.upsample)."""
 from __future__ import annotations
 
 import functools
 
 from pyext.nn.fused_norm import fuse_norms, is_fused, unfuse_norms
+from pyext.nn.upsample import is_phased, phase_upsamplers, unphase_upsamplers
 from pyext.techniques.base import Entry, PerComponent
 from pyext.techniques.packing import AUTO_ROLES  # the conv models, built of ResnetBlock2D
 
@@ -40,3 +42,34 @@ class FuseNorms(PerComponent):
     @staticmethod
     def _undo(module) -> str:
         return f"{len(unfuse_norms(module))} ResnetBlock2D blocks plain again"
+
+
+class UpsamplePhases(PerComponent):
+    """upsample_phases="auto": the VAEs of a CPU pipeline, whose decoders upsample the largest
+    images (a denoiser's upsamplers run at a fraction of its time, and their phase weights would add
+    16/9 of those weights); "on": every component; "off". Each shape then takes the phases only
+    where dispatch measured them faster on this machine."""
+
+    name = "upsample_phases"
+
+    def change(self, pipe, name: str, d) -> Entry:
+        module = d.components.modules[name]
+        if any(is_phased(m) for m in module.modules()):
+            return self.already(name, "upsampling convolutions phased before")
+        phased = phase_upsamplers(module)
+        if not phased:
+            return self.skipped(name, "no Upsample2D with a 3x3 convolution after nearest 2x upsampling")
+        return self.applied(name, f"{len(phased)} upsampling convolutions as phases where measured faster",
+                            functools.partial(self._undo, module))
+
+    def why_not(self, name: str, module, d) -> str | None:
+        reason = self.switch_reason(name, d, ("vae",))
+        if reason:
+            return reason
+        if d.options.upsample_phases == "auto" and d.device.type != "cpu":
+            return f"auto: on {d.device.type} the phases are not measured yet; upsample_phases='on' uses them"
+        return None
+
+    @staticmethod
+    def _undo(module) -> str:
+        return f"{len(unphase_upsamplers(module))} Upsample2D blocks plain again"
