@@ -82,7 +82,9 @@ void fp8_epilogue_scalar(const float* acc, int64_t ld_acc, int64_t rows, int64_t
 // panels (and, where there are fewer panels than threads, of the blocks of kFp8BrgemmRows rows; a
 // convolution's blocks lie within one output row). A task decodes its panels a group at a time
 // (Fp8BrgemmSplit::group of them, one buffer that stays in L2) and multiplies each group with every
-// block of its rows, so x is read once per group rather than once per panel. Where even one panel
+// block of its rows, so x is read once per group rather than once per panel; where all its groups
+// fit that buffer's budget they are decoded at once (Fp8BrgemmSplit::resident) and each block of
+// rows goes through every group, writing its output rows whole. Where even one panel
 // of the whole K would not stay in L2, the group is decoded a chunk of K at a time
 // (Fp8BrgemmSplit::k_chunk; a convolution's chunks are whole taps), each chunk multiplied with a run
 // of the task's blocks whose fp32 sums stay in L2 beside it.

@@ -2,7 +2,8 @@
 // tiles of CPUs where torch packs bf16 for it (see fp8_gemm_cpu.h).
 //
 // A task decodes its 64-channel panels a group at a time into the VNNI pair layout brgemm takes
-// (one buffer kept in L2, reused by every block of the task's rows), has brgemm multiply a block
+// (one buffer kept in L2, reused by every block of the task's rows; all the task's groups at once
+// where they fit, each block of rows then going through every group), has brgemm multiply a block
 // of rows with the whole group in fp32, and then applies the per-channel scale and the bias and
 // rounds to bf16 (the epilogue). The stand-in micro-kernel is a plain loop over the same layout:
 // the oracle the tests check the decode, blocking and epilogue with on every machine.
@@ -187,8 +188,9 @@ void gemm_small(const Fp8GemmArgs& a, const Fp8BrgemmSplit& split, int64_t task,
 
 // Decoded groups stay within kGroupBytes, at most kMaxGroup panels (320 channels per micro-kernel
 // call: SD1.5's 320-channel layers in one call, where a call of 256 and one of 64 per block of rows
-// were slower; 512 channels, whose fp32 block outgrows L1, were slower too). A K too large for that is decoded kChunkBytes at a time, a chunk which every block of rows
-// multiplies while it is in L2 (a quarter of kGroupBytes was faster than the whole: the
+// were slower; 512 channels, whose fp32 block outgrows L1, were slower too). A K too large for
+// that is decoded kChunkBytes at a time, a chunk which every block of rows multiplies while it is
+// in L2 (a quarter of kGroupBytes was faster than the whole: the
 // micro-kernel reads less of both operands from L2 per block).
 constexpr size_t kGroupBytes = size_t{1} << 20;
 constexpr size_t kChunkBytes = size_t{256} << 10;
@@ -304,7 +306,7 @@ void fp8_gemm_brgemm(const Fp8GemmArgs& a, const Fp8BrgemmSplit& split, int64_t 
     scale[n - n_first] = a.scale[a.per_tensor ? 0 : n];
     bias[n - n_first] = a.bias ? bf16_to_float(a.bias[n]) : 0.0f;
   }
-  // Group i: panels [g0, g1) of the task, decoded into `buf` from column k0 of K to k1.
+  // The task's group i, its decoded panels in `buf`.
   const auto group = [&](int64_t i, uint16_t* buf) {
     const int64_t g0 = p0 + i * split.group, n0 = g0 * kFp8Panel;
     return Group{buf, n0, std::min(a.N, std::min(p1, g0 + split.group) * kFp8Panel) - n0, ld};
@@ -327,18 +329,19 @@ void fp8_gemm_brgemm(const Fp8GemmArgs& a, const Fp8BrgemmSplit& split, int64_t 
         accumulate(mk, a, grp, block, 0, a.K, acc);
         store(grp, acc, block);
       }
-  }
-  for (int64_t i = 0; i < groups && !split.resident; ++i) {
-    const Group grp = group(i, packed);
-    for (int64_t r0 = b0; r0 < b1; r0 += run) {
-      const int64_t r1 = std::min(b1, r0 + run);
-      for (int64_t k0 = 0; k0 < a.K; k0 += kc) {
-        const int64_t k1 = std::min(a.K, k0 + kc);
-        if (kc < a.K || r0 == b0) decode(grp, k0, k1);  // the whole K: decoded once for all the task's blocks
-        for (int64_t block = r0; block < r1; ++block)
-          accumulate(mk, a, grp, block, k0, k1, acc + (block - r0) * kFp8BrgemmRows * ld);
+  } else {
+    for (int64_t i = 0; i < groups; ++i) {  // a group at a time over all the task's blocks
+      const Group grp = group(i, packed);
+      for (int64_t r0 = b0; r0 < b1; r0 += run) {
+        const int64_t r1 = std::min(b1, r0 + run);
+        for (int64_t k0 = 0; k0 < a.K; k0 += kc) {
+          const int64_t k1 = std::min(a.K, k0 + kc);
+          if (kc < a.K || r0 == b0) decode(grp, k0, k1);  // the whole K: decoded once for all the task's blocks
+          for (int64_t block = r0; block < r1; ++block)
+            accumulate(mk, a, grp, block, k0, k1, acc + (block - r0) * kFp8BrgemmRows * ld);
+        }
+        for (int64_t block = r0; block < r1; ++block) store(grp, acc + (block - r0) * kFp8BrgemmRows * ld, block);
       }
-      for (int64_t block = r0; block < r1; ++block) store(grp, acc + (block - r0) * kFp8BrgemmRows * ld, block);
     }
   }
   if (mk == Microkernel::kOneDnn) brgemm_release_onednn();  // the thread's AMX tile state

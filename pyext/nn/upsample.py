@@ -9,11 +9,11 @@ and j + b: two per axis, under the weight's rows and columns summed pairwise (0 
 (a, b) is the window [a, a + H) x [b, b + W) of its (H + 1) x (W + 1) result. Interleaving the
 phases gives the upsampled output: 4/9 of the multiplies, and no upsampled copy of the input.
 
-The phase weights are sums of up to four weights, taken in fp32 (fp64 for fp64) and rounded to the weight's dtype:
-in bf16 one more rounding than the plain path makes (tests bound the difference). Whether the
-phases are faster depends on the shape, the dtype and the machine (a tiny image, fp32's Winograd
-path): `pyext.dispatch` times both on the first call of each shape on this machine, checks that
-they agree, and keeps the faster.
+The phase weights are sums of up to four weights, taken in fp32 (fp64 for fp64) and rounded to
+the weight's dtype: in bf16 one more rounding than the plain path makes (tests bound the
+difference). Whether the phases are faster depends on the shape, the dtype and the machine (a
+tiny image, fp32's Winograd path): `pyext.dispatch` times both on the first call of each shape on
+this machine, checks that they agree, and keeps the faster.
 
 `phase_upsamplers(module)` gives each plain Upsample2D of the module the forward of
 `PhasedUpsample2D` (by __class__ swap: the same module, parameters, state_dict and hooks). It
