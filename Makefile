@@ -33,9 +33,11 @@ test: build
 	$(PY) -m pytest -q -n $(TEST_WORKERS) --dist loadgroup --durations=15 tests
 
 # What to run on every change, in about two minutes on 2 cores: options, dispatch (every backend on
-# its declared cases, bad inputs, host reads), checkpoints, the fp8 layers, fused norms, the CPU
-# kernels' own tests but attention's and fp8's larger sweeps; none of the tests marked slow.
+# its declared cases, bad inputs, host reads), checkpoints, the fp8 layers, fused norms, upsampling
+# phases, the CPU kernels' own tests but attention's and fp8's larger sweeps; none of the tests
+# marked slow.
 FAST_TESTS := options plan dispatch dispatch_poisoning host_reads checkpoint fp8_modules fp8_conv fused_norm \
+              upsample_phases \
               group_moments winograd block_pool gpu_check repository_words
 test-fast: build
 	$(PY) -m pytest -q -x -m "not slow" $(FAST_TESTS:%=tests/test_%.py)
