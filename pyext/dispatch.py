@@ -571,6 +571,13 @@ def _cpu_timings(runs: dict[str, Callable[[], Any]], first_s: dict[str, float], 
     return timings | {label: sorted(ts)[len(ts) // 2] for label, ts in times.items()}
 
 
+def known_choice(what: str, key: str, device: torch.device) -> dict | None:
+    """The decision measured_choice keeps for (what, key) on `device`; None before it is measured
+    (a caller whose candidates have one-time costs, a first packing, pays them before measuring)."""
+    with _LOCK:
+        return _cache(device).decisions.get(f"{what}|{key}")
+
+
 def measured_choice(what: str, key: str, device: torch.device, runs: dict[str, Callable[[], Any]],
                     close: Callable | None = None, check: Callable | None = None) -> dict:
     """The decision {op, key, backend, timings, time[, rejected]} for the fastest of `runs` on

@@ -131,6 +131,28 @@ def test_the_choice_is_measured_per_shape_and_kept():
     assert all(set(d["timings"]) <= {"plain", "phases"} for d in dispatch.decisions() if d["op"] == "upsample_conv")
 
 
+def test_each_path_runs_once_before_a_shape_is_measured_and_not_once_it_is_known(monkeypatch):
+    """A packed conv packs for a new input shape on its first call, the phases make their weight:
+    neither may land in the timing that decides between them."""
+    from pyext.nn import upsample
+
+    calls = []
+    monkeypatch.setattr(upsample, "phased", lambda block, x: calls.append("phases") or torch.zeros(1))
+    monkeypatch.setattr(dispatch, "measured_choice",
+                        lambda what, key, device, runs, **k: calls.append("measure") or {"backend": "phases"})
+    monkeypatch.setattr(dispatch, "known_choice", lambda *a: None)
+    block = upsampler(8)
+    phase_upsamplers(block)
+    x = torch.randn(1, 8, 4, 4)
+    with torch.no_grad():
+        block(x)
+        assert calls == ["phases", "measure", "phases"]
+        calls.clear()
+        monkeypatch.setattr(dispatch, "known_choice", lambda *a: {"backend": "phases"})
+        block(x)
+    assert calls == ["measure", "phases"]
+
+
 def test_where_the_phases_could_be_seen_the_block_runs_plainly(monkeypatch):
     """A hook on the conv sees the upsampled input; gradients reach the weight; an output size is
     honoured: each time through Upsample2D's own forward."""
