@@ -270,12 +270,16 @@ def uncompile_in_place(module) -> None:
     setattr(module, COMPILED_CALL, None)
 
 
-def inductor_freezing():
+def inductor_freezing(autotune: bool = False):
     """A context in which inductor compiles with weight freezing: the weights become constants of
     the graph, packed for oneDNN once (torch._inductor.config; torch.compile's `options` do not
-    reach the freezing passes)."""
+    reach the freezing passes). With `autotune`, inductor also times its C++ GEMM template (on the
+    CPU's AMX or AVX-512 micro-kernels) against ATen's oneDNN GEMM for each GEMM shape of the graph
+    on this machine, and keeps the faster (max_autotune)."""
     import torch._inductor.config as inductor_config
 
+    if autotune:
+        return inductor_config.patch(freezing=True, max_autotune=True, max_autotune_gemm_backends="CPP,ATEN")
     return inductor_config.patch(freezing=True)
 
 

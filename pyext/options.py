@@ -83,6 +83,10 @@ class OptimizeOptions:
         the denoiser's weights frozen and packed for oneDNN) | "cudagraphs" (torch.compile with
         CUDA graphs, one per input shape; CUDA only).
     compile_backend: the torch.compile backend for compile="compile".
+    compile_autotune: with compile="compile" and inductor, each GEMM shape of the compiled graph is
+        timed on this machine, inductor's generated GEMM against ATen's, and the faster kept
+        (inductor's max_autotune; longer first compiles): "auto" (on a CPU) | "on" (on a GPU too,
+        mode "max-autotune-no-cudagraphs") | "off".
     vae_tiling: "auto" (only when the full decode would not fit the budget) | "on" | "off".
     vae_slicing: "auto" (with tiling or offload) | "on" | "off".
     offload: "auto" (the planner's) | "off" | "model" | "group" | "sequential".
@@ -109,6 +113,7 @@ class OptimizeOptions:
     upsample_phases: Switch = "auto"
     compile: CompileMode = "auto"
     compile_backend: str = "inductor"
+    compile_autotune: Switch = "auto"
     vae_tiling: Switch = "auto"
     vae_slicing: Switch = "auto"
     offload: OffloadMode = "auto"
@@ -122,7 +127,7 @@ class OptimizeOptions:
 
     def __post_init__(self):
         for name, kind in (("fp8", FP8Mode), ("fp8_gemm", FP8Gemm), ("fp8_layers", FP8Layers), ("channels_last", Switch), ("prepack", Switch), ("fuse_norms", Switch),
-                           ("upsample_phases", Switch), ("compile", CompileMode),
+                           ("upsample_phases", Switch), ("compile", CompileMode), ("compile_autotune", Switch),
                            ("vae_tiling", Switch), ("vae_slicing", Switch), ("offload", OffloadMode)):
             value = getattr(self, name)
             if not isinstance(value, str) or value not in get_args(kind):

@@ -392,6 +392,45 @@ def test_compile_on_cpu_freezes_the_denoisers_forward_and_restore_gives_the_eage
     assert calls == [("in place", {"backend": "aot_eager"})]
 
 
+@pytest.mark.parametrize("setting,autotune", [("auto", True), ("on", True), ("off", False)])
+def test_compile_autotune_on_cpu_reaches_inductors_config(monkeypatch, setting, autotune):
+    """compile_autotune: "auto" and "on" compile a CPU denoiser with inductor's GEMM autotuning, "off"
+    without (the setting inductor reads when the frozen forward compiles)."""
+    import contextlib
+
+    from pyext.techniques import compile as technique
+
+    seen = []
+    monkeypatch.setattr(technique.torch, "compile", lambda fn, **kw: fn)
+    monkeypatch.setattr(_compat, "inductor_freezing", lambda tune=False: seen.append(tune) or contextlib.nullcontext())
+    pipe = pyext.optimize(build_pipeline("sd15", "tiny"), dtype="keep", compile="compile", compile_autotune=setting)
+    entry = next(e for e in pyext.report(pipe).entries if e.technique == "compile")
+    assert ("timed on this machine" in entry.detail) == autotune
+    generate(pipe)
+    assert seen and set(seen) == {autotune}
+    with pytest.raises(PyextError, match="compile_autotune"):
+        pyext.optimize(build_pipeline("sd15", "tiny"), compile="compile", compile_autotune=True)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_frozen_forward_with_gemm_autotuning_computes_as_eager(dtype):
+    """Whichever GEMM inductor's timing keeps for each linear (its C++ template or oneDNN's), the
+    compiled forward gives the eager one's values."""
+    from pyext import _state
+    from pyext.techniques.compile import FROZEN, frozen_forward
+
+    torch.manual_seed(0)
+    net = nn.Sequential(nn.Linear(64, 96), nn.GELU(), nn.Linear(96, 48)).to(dtype).eval()
+    x = torch.randn(40, 64).to(dtype)
+    with torch.no_grad():
+        expected = net(x)
+        frozen_forward(net, autotune=True)
+        out = net(x)
+    tol = 1e-4 if dtype == torch.float32 else 2e-2
+    torch.testing.assert_close(out, expected, rtol=tol, atol=tol)
+    _state.restore_attributes(net, FROZEN)
+
+
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_frozen_forward_packs_the_weights_for_onednn_and_computes_as_eager(dtype):
     """Inductor freezes the weights of a compiled forward (not of a module compiled in place, nor

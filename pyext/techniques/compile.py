@@ -58,22 +58,29 @@ class Compile(Technique):
         module = d.components.denoisers[name]
         mode = d.options.compile
         if mode == "compile":
-            return self._compile(name, module, d.options.compile_backend, d.device)
+            autotune = d.options.compile_autotune == "on" or (d.options.compile_autotune == "auto"
+                                                               and d.device.type == "cpu")
+            return self._compile(name, module, d.options.compile_backend, d.device, autotune)
         if mode == "cudagraphs":
             return self._cudagraphs(name, module)
         if mode in ("capture", "auto"):
             return self._capture(name, module)
         return self._trace(pipe, name, module)
 
-    def _compile(self, name, module, backend, device) -> Entry:
+    def _compile(self, name, module, backend, device, autotune: bool) -> Entry:
         if _compat.is_compiled_in_place(module) or _state.get(module, FROZEN):
             return self.already(name, "torch.compile")
         if backend == "inductor" and device.type == "cpu":
-            frozen_forward(module)
+            frozen_forward(module, autotune)
+            tuned = "; each GEMM shape timed on this machine, inductor's C++ template or oneDNN" if autotune else ""
             return self.applied(name, "torch.compile with inductor's freezing: the weights are constants of the "
-                                "graph, packed for oneDNN once; after changing them (fuse_lora, load_state_dict) "
-                                "run pyext.restore and optimize again",
+                                f"graph, packed for oneDNN once{tuned}; after changing them (fuse_lora, "
+                                "load_state_dict) run pyext.restore and optimize again",
                                 undo_by(_state.restore_attributes, module, FROZEN, says="eager again"))
+        if backend == "inductor" and autotune:
+            module.compile(backend=backend, mode="max-autotune-no-cudagraphs")
+            return self.applied(name, "torch.compile(mode='max-autotune-no-cudagraphs')",
+                                undo_by(_compat.uncompile_in_place, module, says="eager again"))
         module.compile(backend=backend)  # in place: hooks and attribute access keep working
         return self.applied(name, f"torch.compile(backend={backend!r})",
                             undo_by(_compat.uncompile_in_place, module, says="eager again"))
@@ -105,15 +112,17 @@ class Compile(Technique):
 FROZEN = "frozen_forward"  # pyext._state key: the forward frozen_forward replaced
 
 
-def frozen_forward(module) -> None:
+def frozen_forward(module, autotune: bool = False) -> None:
     """The module's forward (its hooks' wrapper included) compiled by inductor with weight freezing,
     on the instance. Freezing folds the weights into the graph and packs them for oneDNN once,
     which is what makes inductor fast on CPUs; it applies when inductor compiles a forward, not a
-    module's call (torch.compile in place), and under no_grad (with grad it compiles unfrozen)."""
+    module's call (torch.compile in place), and under no_grad (with grad it compiles unfrozen).
+    `autotune`: each GEMM shape takes inductor's C++ template or oneDNN, as timed here when the
+    forward compiles (_compat.inductor_freezing)."""
     compiled = torch.compile(module.forward, backend="inductor")
 
     def forward(*args, **kwargs):
-        with _compat.inductor_freezing():  # (read when a call compiles or recompiles)
+        with _compat.inductor_freezing(autotune):  # (read when a call compiles or recompiles)
             return compiled(*args, **kwargs)
 
     _state.replace_attributes(module, FROZEN, {"forward": forward})
