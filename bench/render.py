@@ -48,6 +48,7 @@ def _renderers() -> dict[str, Callable[[dict], str]]:
             "cpu_runtimes_avx2": render_cpu_runtimes,
             "cpu_runtimes_avx512bf16": render_cpu_runtimes,
             "cpu_runtimes_amx": render_cpu_runtimes,
+            "cpu_runtimes_unet_amx": render_cpu_runtimes,
             "dispatch_overhead_cpu": render_dispatch,
             "fp8_accuracy_cpu": lambda r: render_fp8_accuracy(r["rows"]),
             "latency_peers_cpu": render_latency,
