@@ -173,6 +173,19 @@ def test_where_the_phases_could_be_seen_the_block_runs_plainly(monkeypatch):
         assert block(x, output_size=(12, 12)).shape[-2:] == (12, 12)
 
 
+def test_weights_made_in_inference_mode_run_the_plain_block(monkeypatch):
+    """Inference tensors keep no version counter, so a change to them could not be seen: plain."""
+    monkeypatch.setattr(dispatch, "measured_choice", lambda *a, **k: {"backend": "phases"})
+    with torch.inference_mode():
+        block, plain = upsampler(8), upsampler(8)
+    packed.pack(block)
+    phase_upsamplers(block)
+    x = torch.randn(1, 8, 4, 4)
+    with torch.no_grad():
+        torch.testing.assert_close(block(x), plain(x), rtol=1e-5, atol=1e-5)
+    assert not [k for k in block.__dict__ if "phases" in k]  # no phase weights were made
+
+
 def test_a_changed_weight_makes_new_phases(monkeypatch):
     monkeypatch.setattr(dispatch, "measured_choice", lambda *a, **k: {"backend": "phases"})
     block, other = upsampler(8), upsampler(8)

@@ -142,13 +142,17 @@ def phasable(block: nn.Module) -> bool:
 
 def unseen(block: nn.Module, x: torch.Tensor) -> bool:
     """Whether the phases are invisible on this call: a plain, unhooked conv (or pyext's packed
-    one); a 4-D CPU input; no TorchFunctionMode; no gradient asked for."""
+    one) whose parameters track their changes (not inference tensors); a 4-D CPU input; no
+    TorchFunctionMode; no gradient asked for."""
     conv = _conv(block)
     if type(conv) not in (nn.Conv2d, PackedConv2d) or "forward" in conv.__dict__ or _compat.torch_hooks(conv):
         return False
     if x.dim() != 4 or x.device.type != "cpu" or x.dtype != conv.weight.dtype or _compat.torch_function_mode_active():
         return False
-    if torch.is_grad_enabled() and any(t is not None and t.requires_grad for t in (x, conv.weight, conv.bias)):
+    params = [t for t in (conv.weight, conv.bias) if t is not None]
+    if any(t.is_inference() for t in params):  # made under inference_mode: no version to see changes by
+        return False
+    if torch.is_grad_enabled() and any(t.requires_grad for t in [x, *params]):
         return False
     return True
 
@@ -173,7 +177,10 @@ def phased_upsample_2d() -> type:
             runs = {"plain": lambda: base.forward(self, x), "phases": lambda: phased(self, x)}
             if dispatch.known_choice("upsample_conv", key, x.device) is None:
                 for run in runs.values():  # each path's one-time work (packing for this shape) outside the timing
-                    run()
+                    try:
+                        run()
+                    except Exception:  # noqa: BLE001 - the measurement runs it again and records why it failed
+                        pass
             decision = dispatch.measured_choice("upsample_conv", key, x.device, runs,
                                                 close=functools.partial(relative_close, rel=AGREE.get(x.dtype, 3e-2)))
             return runs[decision["backend"]]()
