@@ -17,6 +17,13 @@ from pyext.offline import build_pipeline
 CL = torch.channels_last
 
 
+@pytest.fixture(autouse=True)
+def measured_dispatch(monkeypatch):
+    """The suite dispatches statically (tests/conftest.py), where the blocks stay plain: these tests
+    are of the measured choice."""
+    monkeypatch.setenv("PYEXT_DISPATCH", "measured")
+
+
 def upsampler(channels=8, out_channels=None, bias=True, name="conv", dtype=torch.float32):
     from diffusers.models.upsampling import Upsample2D
 
@@ -173,24 +180,43 @@ def test_where_the_phases_could_be_seen_the_block_runs_plainly(monkeypatch):
         assert block(x, output_size=(12, 12)).shape[-2:] == (12, 12)
 
 
-def test_weights_made_in_inference_mode_run_the_plain_block(monkeypatch):
-    """Inference tensors keep no version counter, so a change to them could not be seen: plain."""
+def test_weights_made_in_inference_mode_run_the_plain_block_or_phases_from_their_store(monkeypatch):
+    """Plain inference tensors keep no version counter, so a change to them could not be seen: the
+    plain block. Packed ones (prepack's wrapper versions the writes) give the phases their values
+    from the store, under inference_mode too."""
     monkeypatch.setattr(dispatch, "measured_choice", lambda *a, **k: {"backend": "phases"})
     with torch.inference_mode():
-        block, plain = upsampler(8), upsampler(8)
+        block, plain, bare = upsampler(8, bias=False), upsampler(8, bias=False), upsampler(8, bias=False)
+    phase_upsamplers(bare)
     packed.pack(block)
     phase_upsamplers(block)
     x = torch.randn(1, 8, 4, 4)
     with torch.no_grad():
+        torch.testing.assert_close(bare(x), plain(x), rtol=0, atol=0)
+    assert not [k for k in bare.__dict__ if "phases" in k]  # no phase weights were made
+    with torch.inference_mode():
         torch.testing.assert_close(block(x), plain(x), rtol=1e-5, atol=1e-5)
-    assert not [k for k in block.__dict__ if "phases" in k]  # no phase weights were made
+    assert [k for k in block.__dict__ if "phases" in k]
 
 
-def test_a_changed_weight_makes_new_phases(monkeypatch):
+def test_without_measurement_the_block_runs_plainly(monkeypatch):
+    monkeypatch.setenv("PYEXT_DISPATCH", "static")
+    monkeypatch.setattr(dispatch, "measured_choice", lambda *a, **k: pytest.fail("measured in static dispatch"))
+    block, plain = upsampler(8), upsampler(8)
+    phase_upsamplers(block)
+    x = torch.randn(1, 8, 4, 4)
+    with torch.no_grad():
+        assert torch.equal(block(x), plain(x))
+
+
+@pytest.mark.parametrize("pack", [False, True])
+def test_a_changed_weight_makes_new_phases(monkeypatch, pack):
     monkeypatch.setattr(dispatch, "measured_choice", lambda *a, **k: {"backend": "phases"})
     block, other = upsampler(8), upsampler(8)
     with torch.no_grad():
         other.conv.weight.mul_(-0.5)
+    if pack:
+        packed.pack(block)
     phase_upsamplers(block)
     x = torch.randn(1, 8, 4, 4)
     with torch.no_grad():

@@ -14,7 +14,8 @@ the weight's dtype: in bf16 one more rounding than the plain path makes (tests b
 difference). Whether the phases are faster depends on the shape, the dtype and the machine (a
 tiny image, fp32's Winograd path): `pyext.dispatch` times both on the first call of each shape on
 this machine (after a call of each, so that neither pays its packing in the timing), checks that
-they agree, and keeps the faster.
+they agree, and keeps the faster; where nothing is timed (PYEXT_DISPATCH=static, tracing) the block
+runs its plain path.
 
 `phase_upsamplers(module)` gives each plain Upsample2D of the module the forward of
 `PhasedUpsample2D` (by __class__ swap: the same module, parameters, state_dict and hooks). It
@@ -33,6 +34,7 @@ import torch.nn.functional as F
 from pyext import _compat, _state, dispatch
 from pyext.kernels import relative_close
 from pyext.nn.packed import PackedConv2d, weight_reason
+from pyext.nn.stored import StoredWeight
 
 STATE = "upsample_phases"  # pyext._state key: a block's _Phases
 
@@ -92,6 +94,12 @@ def _source(conv: nn.Conv2d) -> tuple:
     return (id(w), w._version, w.dtype, w.device, id(b), None if b is None else b._version)
 
 
+def _values(weight: torch.Tensor) -> torch.Tensor:
+    """The weight's plain values: a packed one's from its store (which may hold tensors made under
+    inference_mode, which a detach of the wrapper cannot alias)."""
+    return weight.values() if isinstance(weight, StoredWeight) else weight.detach()
+
+
 def _phases(block: nn.Module) -> _Phases:
     conv = _conv(block)
     source = _source(conv)
@@ -99,7 +107,7 @@ def _phases(block: nn.Module) -> _Phases:
     if phases is None or phases.source != source:
         with torch.no_grad():
             bias = None if conv.bias is None else conv.bias.detach().repeat(4)
-            phases = _Phases(source, phase_weight(conv.weight.detach()), bias)
+            phases = _Phases(source, phase_weight(_values(conv.weight)), bias)
         _state.put(block, STATE, phases)  # not a parameter: no state_dict entry, no second copy saved
     return phases
 
@@ -169,8 +177,8 @@ def phased_upsample_2d() -> type:
             if output_size is not None or args or kwargs or not unseen(self, hidden_states):
                 return base.forward(self, hidden_states, output_size, *args, **kwargs)
             x = hidden_states
-            if not dispatch.can_measure(x.device):
-                return base.forward(self, x)
+            if dispatch.mode(x.device) != "measured" or not dispatch.can_measure(x.device):
+                return base.forward(self, x)  # nothing timed: the plain path
             conv = _conv(self)
             key = str((str(x.dtype).removeprefix("torch."), tuple(x.shape), conv.out_channels,
                        x.is_contiguous(memory_format=torch.channels_last)))
