@@ -31,6 +31,12 @@ def upsampler(channels=8, out_channels=None, bias=True, name="conv", dtype=torch
     return Upsample2D(channels, use_conv=True, out_channels=out_channels, bias=bias, name=name).to(dtype).eval()
 
 
+def choose(monkeypatch, backend):
+    """Every shape's decision, known or measured, is `backend`."""
+    monkeypatch.setattr(dispatch, "known_choice", lambda *a: {"backend": backend})
+    monkeypatch.setattr(dispatch, "measured_choice", lambda *a, **k: {"backend": backend})
+
+
 def exact(block, x):
     """The plain block in fp64: nearest 2x upsampling, then the conv."""
     conv = block.conv if block.name == "conv" else block.Conv2d_0
@@ -100,7 +106,7 @@ def phased_blocks(model):
 @pytest.mark.parametrize("choice", ["plain", "phases"])
 def test_a_phased_block_gives_the_plain_output_on_either_choice(monkeypatch, choice):
     """Whichever the measurement keeps, the block's output is the plain one's (within fp32 rounding)."""
-    monkeypatch.setattr(dispatch, "measured_choice", lambda *a, **k: {"backend": choice})
+    choose(monkeypatch, choice)
     block, plain = upsampler(8, name="Conv2d_0"), upsampler(8, name="Conv2d_0")
     assert phase_upsamplers(nn.Sequential(block)) == ["0"] and is_phased(block)
     x = torch.randn(2, 8, 5, 6)
@@ -115,7 +121,7 @@ def test_a_copy_of_a_packed_phased_block_makes_its_own_phases(monkeypatch):
     """The cache holds oneDNN's layout, which has no storage: a copy carries no cache."""
     import copy
 
-    monkeypatch.setattr(dispatch, "measured_choice", lambda *a, **k: {"backend": "phases"})
+    choose(monkeypatch, "phases")
     block = upsampler(8)
     packed.pack(block)
     phase_upsamplers(block)
@@ -157,13 +163,13 @@ def test_each_path_runs_once_before_a_shape_is_measured_and_not_once_it_is_known
         calls.clear()
         monkeypatch.setattr(dispatch, "known_choice", lambda *a: {"backend": "phases"})
         block(x)
-    assert calls == ["measure", "phases"]
+    assert calls == ["phases"]  # known: neither a warm-up nor a measurement
 
 
 def test_where_the_phases_could_be_seen_the_block_runs_plainly(monkeypatch):
     """A hook on the conv sees the upsampled input; gradients reach the weight; an output size is
     honoured: each time through Upsample2D's own forward."""
-    monkeypatch.setattr(dispatch, "measured_choice", lambda *a, **k: {"backend": "phases"})
+    choose(monkeypatch, "phases")
     block, plain = upsampler(8), upsampler(8)
     phase_upsamplers(block)
     x = torch.randn(1, 8, 4, 4)
@@ -184,7 +190,7 @@ def test_weights_made_in_inference_mode_run_the_plain_block_or_phases_from_their
     """Plain inference tensors keep no version counter, so a change to them could not be seen: the
     plain block. Packed ones (prepack's wrapper versions the writes) give the phases their values
     from the store, under inference_mode too."""
-    monkeypatch.setattr(dispatch, "measured_choice", lambda *a, **k: {"backend": "phases"})
+    choose(monkeypatch, "phases")
     with torch.inference_mode():
         block, plain, bare = upsampler(8, bias=False), upsampler(8, bias=False), upsampler(8, bias=False)
     phase_upsamplers(bare)
@@ -211,7 +217,7 @@ def test_without_measurement_the_block_runs_plainly(monkeypatch):
 
 @pytest.mark.parametrize("pack", [False, True])
 def test_a_changed_weight_makes_new_phases(monkeypatch, pack):
-    monkeypatch.setattr(dispatch, "measured_choice", lambda *a, **k: {"backend": "phases"})
+    choose(monkeypatch, "phases")
     block, other = upsampler(8), upsampler(8)
     with torch.no_grad():
         other.conv.weight.mul_(-0.5)

@@ -25,7 +25,7 @@ forward on its conv, a TorchFunctionMode, autograd, an output size, a norm, not 
 from __future__ import annotations
 
 import functools
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
 import torch
 import torch.nn as nn
@@ -73,13 +73,15 @@ def interleave(z: torch.Tensor, memory_format: torch.memory_format) -> torch.Ten
 @dataclass
 class _Phases:
     """A conv's phase weight and bias, for the weight's version, dtype and device they were made
-    from, and the oneDNN-packed weight for the last input shape. A cache: a copy or a pickle of the
-    module carries none (oneDNN's layout has no storage to copy), and its first call makes its own."""
+    from, and the weight packed for oneDNN for the input shape `packed_for`. A cache: a copy or a
+    pickle of the module carries none (oneDNN's layout has no storage to copy), and its first call
+    makes its own."""
 
     source: tuple
     weight: torch.Tensor
     bias: torch.Tensor | None
-    packed: dict = field(default_factory=dict)
+    packed: torch.Tensor | None = None
+    packed_for: tuple | None = None
 
     def __reduce__(self):
         return _no_phases, ()
@@ -116,10 +118,10 @@ def phased(block: nn.Module, x: torch.Tensor) -> torch.Tensor:
     """The block's upsample + conv by the phases."""
     p = _phases(block)
     if type(_conv(block)) is PackedConv2d and weight_reason(p.weight) is None:  # packed as prepack packed the conv
-        shape = tuple(x.shape)
-        if shape not in p.packed:
-            p.packed = {shape: _compat.mkldnn_reorder_conv_weight(p.weight, (1, 1), (1, 1), (1, 1), 1, shape)}
-        z = _compat.mkldnn_conv(x, p.packed[shape], p.bias, (1, 1), (1, 1), (1, 1), 1)
+        if p.packed_for != tuple(x.shape):
+            p.packed = _compat.mkldnn_reorder_conv_weight(p.weight, (1, 1), (1, 1), (1, 1), 1, tuple(x.shape))
+            p.packed_for = tuple(x.shape)
+        z = _compat.mkldnn_conv(x, p.packed, p.bias, (1, 1), (1, 1), (1, 1), 1)
     else:
         z = F.conv2d(x, p.weight, p.bias, padding=1)
     fmt = torch.channels_last if x.is_contiguous(memory_format=torch.channels_last) and x.shape[1] > 1 \
@@ -183,14 +185,16 @@ def phased_upsample_2d() -> type:
             key = str((str(x.dtype).removeprefix("torch."), tuple(x.shape), conv.out_channels,
                        x.is_contiguous(memory_format=torch.channels_last)))
             runs = {"plain": lambda: base.forward(self, x), "phases": lambda: phased(self, x)}
-            if dispatch.known_choice("upsample_conv", key, x.device) is None:
+            decision = dispatch.known_choice("upsample_conv", key, x.device)
+            if decision is None or decision["backend"] not in runs:
                 for run in runs.values():  # each path's one-time work (packing for this shape) outside the timing
                     try:
                         run()
                     except Exception:  # noqa: BLE001 - the measurement runs it again and records why it failed
                         pass
-            decision = dispatch.measured_choice("upsample_conv", key, x.device, runs,
-                                                close=functools.partial(relative_close, rel=AGREE.get(x.dtype, 3e-2)))
+                decision = dispatch.measured_choice(
+                    "upsample_conv", key, x.device, runs,
+                    close=functools.partial(relative_close, rel=AGREE.get(x.dtype, 3e-2)))
             return runs[decision["backend"]]()
 
     return PhasedUpsample2D

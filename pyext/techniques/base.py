@@ -102,13 +102,16 @@ class PerComponent(Technique):
     def why_not(self, name: str, module, d) -> str | None:
         raise NotImplementedError
 
-    def switch_reason(self, name: str, d, auto_roles: tuple[str, ...]) -> str | None:
+    def switch_reason(self, name: str, d, auto_roles: tuple[str, ...], auto_cpu_only: bool = False) -> str | None:
         """The reason an "auto"/"on"/"off" option named after the technique gives: "off", or "auto"
-        on a component whose role is not in auto_roles."""
+        on a component whose role is not in auto_roles, or (auto_cpu_only: what it does was measured
+        on CPUs only) on another device."""
         setting = getattr(d.options, self.name)
         if setting == "off":
             return f"{self.name}='off'"
         role = d.components.roles[name]
         if setting == "auto" and role not in auto_roles:
             return f"auto: a {role}; {self.name}='on' includes it"
+        if setting == "auto" and auto_cpu_only and d.device.type != "cpu":
+            return f"auto: on {d.device.type} it is not measured yet; {self.name}='on' uses it"
         return None

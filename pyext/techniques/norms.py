@@ -30,11 +30,9 @@ class FuseNorms(PerComponent):
                             + (" (" + "; ".join(reasons[:2]) + ")" if reasons else ""))
 
     def why_not(self, name: str, module, d) -> str | None:
-        reason = self.switch_reason(name, d, AUTO_ROLES)
+        reason = self.switch_reason(name, d, AUTO_ROLES, auto_cpu_only=True)
         if reason:
             return reason
-        if d.options.fuse_norms == "auto" and d.device.type != "cpu":
-            return f"auto: on {d.device.type} the fused kernel is not measured yet; fuse_norms='on' uses it"
         if d.options.compile in ("trace", "compile", "cudagraphs") and name in d.components.denoisers:
             return f"compile={d.options.compile!r}: the compiler fuses norms itself"
         return None
@@ -63,12 +61,7 @@ class UpsamplePhases(PerComponent):
                             functools.partial(self._undo, module))
 
     def why_not(self, name: str, module, d) -> str | None:
-        reason = self.switch_reason(name, d, ("vae",))
-        if reason:
-            return reason
-        if d.options.upsample_phases == "auto" and d.device.type != "cpu":
-            return f"auto: on {d.device.type} the phases are not measured yet; upsample_phases='on' uses them"
-        return None
+        return self.switch_reason(name, d, ("vae",), auto_cpu_only=True)
 
     @staticmethod
     def _undo(module) -> str:
