@@ -36,7 +36,7 @@ test: build
 # its declared cases, bad inputs, host reads), checkpoints, the fp8 layers, fused norms, upsampling
 # phases, the CPU kernels' own tests but attention's and fp8's larger sweeps; none of the tests
 # marked slow.
-FAST_TESTS := options plan dispatch dispatch_poisoning host_reads checkpoint fp8_modules fp8_conv fused_norm \
+FAST_TESTS := options plan dispatch dispatch_poisoning host_reads checkpoint fp8_modules fp8_conv fused_norm geglu \
               upsample_phases \
               group_moments winograd block_pool gpu_check repository_words
 test-fast: build

@@ -99,18 +99,21 @@ def profile_openvino(component: str, calls: int, size: str = "full") -> dict:
 def main(argv=None) -> None:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--component", choices=["unet", "vae"], default="unet")
-    from bench.cpu_runtimes import PYEXT_OPTIONS
+    from bench.cpu_runtimes import PYEXT_OPTIONS, pyext_options
 
-    p.add_argument("--runtime", choices=[*PYEXT_OPTIONS, "eager", "openvino"], default="pyext")
+    p.add_argument("--runtime", default="pyext", help=f"{', '.join(PYEXT_OPTIONS)} (each with any `:option=value` "
+                                                      "pairs, as in bench.cpu_runtimes), eager or openvino")
     p.add_argument("--calls", type=int, default=3)
     p.add_argument("--top", type=int, default=20)
     p.add_argument("--size", default="full", help="pyext.offline size of sd15 (tiny for a smoke run)")
     args = p.parse_args(argv)
+    if args.runtime not in ("eager", "openvino") and pyext_options(args.runtime) is None:
+        p.error(f"unknown runtime {args.runtime!r}")
     warnings.filterwarnings("ignore")
     if args.runtime == "openvino":
         per = profile_openvino(args.component, args.calls, args.size)
     else:
-        per = profile_torch(args.component, args.calls, args.size, optimize=PYEXT_OPTIONS.get(args.runtime))
+        per = profile_torch(args.component, args.calls, args.size, optimize=pyext_options(args.runtime))
     print(f"{args.runtime}, sd15 {args.component}, 256x256, ms per call:")
     for name, ms in sorted(per.items(), key=lambda kv: -kv[1])[:args.top]:
         print(f"  {ms:9.2f}  {name}")

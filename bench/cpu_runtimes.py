@@ -13,6 +13,8 @@ Runtimes, all on the same random weights (pyext.offline, seed 0) and inputs:
 - openvino: `openvino.convert_model` of the same modules, compiled for the CPU in that dtype
   ("n/a" with the reason when openvino is not installed);
 - inductor_freezing: `torch.compile` with `torch._inductor.config.freezing = True`.
+A pyext runtime followed by `:option=value` pairs runs with those options too: `pyext:fuse_geglu=off`
+beside `pyext` shows what one technique is worth.
 Each runtime lives in its own process (OpenVINO's thread pool keeps spinning after a call) and
 keeps its set-up. The parent then runs rounds: in each round every runtime runs each component
 once, in an order that rotates from round to round, so each round gives paired ratios. The table
@@ -34,6 +36,16 @@ import torch
 
 RUNTIMES = ("eager", "pyext", "pyext_fp8", "pyext_compile", "openvino", "inductor_freezing")
 PYEXT_OPTIONS = {"pyext": {}, "pyext_fp8": {"fp8": "denoiser"}, "pyext_compile": {"compile": "compile"}}
+
+
+def pyext_options(runtime: str) -> dict | None:
+    """The optimize options of a pyext runtime (a name of PYEXT_OPTIONS, then any `:option=value`
+    pairs), or None for another runtime."""
+    base, *pairs = runtime.split(":")
+    if base not in PYEXT_OPTIONS or not all("=" in pair for pair in pairs):
+        return None
+    return {**PYEXT_OPTIONS[base], **dict(pair.split("=", 1) for pair in pairs)}
+
 COMPONENTS = ("unet", "vae")
 SETTLE_S = 0.5  # pause between runtimes: OpenVINO's pool spins a little after each call
 
@@ -117,11 +129,11 @@ def _setup(runtime: str, pipe, x, dtype, threads: int):
         unet, decode = openvino_calls(pipe, *x, threads=threads)
         del pipe.unet, pipe.vae  # OpenVINO holds its own copy of the weights
         return {"unet": lambda: unet(*x[0])[0], "vae": lambda: decode(*x[1])}
-    if runtime in PYEXT_OPTIONS:
+    if pyext_options(runtime) is not None:
         import pyext
 
         h, w = (n * pipe.vae_scale_factor for n in x[0][0].shape[-2:])
-        pyext.optimize(pipe, height=h, width=w, **PYEXT_OPTIONS[runtime])
+        pyext.optimize(pipe, height=h, width=w, **pyext_options(runtime))
         dtype = pipe.unet.dtype
     else:
         pipe.to(dtype)
@@ -288,7 +300,7 @@ def main(argv=None):
     spec = {"size": a.size, "height": a.height, "width": a.width, "rounds": a.rounds, "threads": a.threads,
             "runtimes": a.runtimes.split(","), "components": a.components.split(",")}
     for name, known in (("runtimes", RUNTIMES), ("components", COMPONENTS)):
-        bad = [v for v in spec[name] if v not in known]
+        bad = [v for v in spec[name] if v not in known and (name == "components" or pyext_options(v) is None)]
         if bad:
             raise SystemExit(f"bench.cpu_runtimes: unknown {name} {bad}; known: {', '.join(known)}")
     report = run(spec)

@@ -32,6 +32,7 @@ def _renderers() -> dict[str, Callable[[dict], str]]:
     from bench.dispatch import render_results as render_dispatch
     from bench.fp8 import render as render_fp8
     from bench.fp8_accuracy import render as render_fp8_accuracy
+    from bench.geglu import render as render_geglu
     from bench.gpu_check import render as render_gpu_check
     from bench.group_norm import render as render_group_norm
     from bench.parallel import render as render_parallel
@@ -67,6 +68,7 @@ def _renderers() -> dict[str, Callable[[dict], str]]:
             "latency_sdxl_cpu_amx": render_latency,
             "compiled_precision_cpu_amx": render_compiled_precision,
             "group_norm_cpu_amx": render_group_norm,
+            "geglu_cpu_amx": render_geglu,
             "vae_memory_settings_cpu": lambda r: render_runs(r["rows"]),
             "planner_peaks_cpu": render_planner_peaks,
             "planner_peaks_cpu_avx2": render_planner_peaks,

@@ -77,6 +77,9 @@ class OptimizeOptions:
     upsample_phases: "auto" (on a CPU: the VAEs' nearest 2x upsampling + 3x3 convolution as one 2x2
         convolution of the small input, pyext.nn.upsample, where dispatch measures it faster per
         shape) | "on" (every component) | "off".
+    fuse_geglu: "auto" (on a CPU: the GEGLU activations of denoisers and controlnets, the
+        feed-forward's chunk, GELU and product, in one pass of pyext.ops.geglu) | "on" (every
+        component, any device) | "off".
     compile: "auto" (capture on CUDA without offload; eager otherwise) | "off" | "capture" (pyext
         captures the denoiser's eager forward in CUDA graphs, one per input signature, and replays
         them; no compiler; CUDA only) | "trace" | "compile" (torch.compile; on a CPU with inductor,
@@ -111,6 +114,7 @@ class OptimizeOptions:
     prepack: Switch = "auto"
     fuse_norms: Switch = "auto"
     upsample_phases: Switch = "auto"
+    fuse_geglu: Switch = "auto"
     compile: CompileMode = "auto"
     compile_backend: str = "inductor"
     compile_autotune: Switch = "auto"
@@ -126,8 +130,9 @@ class OptimizeOptions:
     batch: int = 2
 
     def __post_init__(self):
-        for name, kind in (("fp8", FP8Mode), ("fp8_gemm", FP8Gemm), ("fp8_layers", FP8Layers), ("channels_last", Switch), ("prepack", Switch), ("fuse_norms", Switch),
-                           ("upsample_phases", Switch), ("compile", CompileMode), ("compile_autotune", Switch),
+        for name, kind in (("fp8", FP8Mode), ("fp8_gemm", FP8Gemm), ("fp8_layers", FP8Layers), ("channels_last", Switch),
+                           ("prepack", Switch), ("fuse_norms", Switch), ("upsample_phases", Switch), ("fuse_geglu", Switch),
+                           ("compile", CompileMode), ("compile_autotune", Switch),
                            ("vae_tiling", Switch), ("vae_slicing", Switch), ("offload", OffloadMode)):
             value = getattr(self, name)
             if not isinstance(value, str) or value not in get_args(kind):

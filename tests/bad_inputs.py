@@ -115,6 +115,12 @@ def raw_cases() -> dict[str, list[tuple[str, Callable]]]:
             ("shift shape", lambda: P.group_norm(gx, 2, None, None, torch.ones(2, 6, 1), 1e-5, True, None)),
             ("1-D x", lambda: P.group_norm(torch.randn(6), 2, None, None, None, 1e-5, False, None)),
         ],
+        "geglu": [
+            ("odd last dim", lambda: P.geglu(torch.randn(3, 5), None)),
+            ("0-D x", lambda: P.geglu(torch.tensor(1.0), None)),
+            ("integer x", lambda: P.geglu(torch.ones(3, 4, dtype=torch.int32), None)),
+            ("float64 x", lambda: P.geglu(torch.randn(3, 4, dtype=torch.float64), None)),
+        ],
         "group_moments": [
             ("groups not dividing", lambda: P.group_moments(gx, 4, None)),
             ("3-D x", lambda: P.group_moments(gx[0], 2, None)),

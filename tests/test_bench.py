@@ -393,6 +393,18 @@ def test_cpu_runtimes_pairs_rounds_and_checks_outputs(tmp_path):
     assert "| openvino | n/a: openvino not installed |" in cpu_runtimes.markdown(fake)
 
 
+def test_cpu_runtimes_pyext_runtimes_take_options():
+    from bench import cpu_runtimes
+
+    assert cpu_runtimes.pyext_options("pyext") == {}
+    assert cpu_runtimes.pyext_options("pyext_compile:fuse_geglu=off:prepack=off") == {
+        "compile": "compile", "fuse_geglu": "off", "prepack": "off"}
+    assert cpu_runtimes.pyext_options("openvino") is None
+    assert cpu_runtimes.pyext_options("pyext:fuse_geglu") is None
+    with pytest.raises(SystemExit, match="unknown runtimes"):
+        cpu_runtimes.main(["--runtimes", "pyext,openvino:x=y"])
+
+
 @pytest.mark.parametrize("channels_last, prepack", [(True, True)])  # the default run is this one without both
 def test_vae_bench_rows_compare_each_tiled_run_with_the_untiled_one(channels_last, prepack):
     """bench.vae on the small VAE at 512x256 (2 x 1 tiles): a row per method and per pyext option
@@ -688,6 +700,19 @@ def test_group_norm_bench_times_both_and_renders():
     assert all(r["pyext_ms"] > 0 and r["torch_ms"] > 0 and r["pyext_vs_torch"]["range"][0] > 0 for r in rows)
     text = group_norm.render({"rows": rows, "repeats": 1, "machine": {"kernel_paths": {"simd": "avx2"}}})
     assert "| b | 2, 96, 3, 3 | float32 |" in text and "SIMD level: avx2" in text
+
+
+@pytest.mark.skipif(not has_kernel("geglu"), reason="pyext._C without geglu")
+def test_geglu_bench_times_pyext_eager_and_inductor_and_renders():
+    """bench.geglu on two small shapes, one round: each row times the three and renders."""
+    from bench import geglu
+
+    rows = geglu.measure((("a", (1, 5, 14)), ("b", (2, 3, 40))), torch.float32, repeats=1)
+    assert [r["where"] for r in rows] == ["a", "b"]
+    assert all(r[f"{name}_ms"] > 0 for r in rows for name in ("pyext", "eager", "inductor"))
+    assert all(r["pyext_vs_eager"]["range"][0] > 0 and r["pyext_vs_inductor"]["range"][0] > 0 for r in rows)
+    text = geglu.render({"rows": rows, "repeats": 1, "machine": {"kernel_paths": {"simd": "avx2"}}})
+    assert "| b | 2, 3, 40 | float32 |" in text and "SIMD level: avx2" in text
 
 
 def test_compiled_precision_compares_each_variant_with_float64():

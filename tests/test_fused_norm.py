@@ -36,14 +36,14 @@ def test_fused_blocks_give_the_plain_outputs_and_unfuse():
         before = {k: v.clone() for k, v in pipe.vae.state_dict().items()}
         report = fuse_norms(pipe.vae)
         fused = pipe.vae.decode(latents).sample
-    assert report.fused and not report.skipped
+    assert report.swapped and not report.skipped
     # every block: the encoder's "default" ones and the decoder's "group" ones
-    assert len(fused_blocks(pipe.vae)) == len(report.fused) == sum(
+    assert len(fused_blocks(pipe.vae)) == len(report.swapped) == sum(
         type(m).__name__ == "ResnetBlock2D" for m in build_pipeline("sd15", "tiny").vae.modules())
     assert all(type(b.norm1) is nn.GroupNorm and type(b.nonlinearity) is nn.SiLU for b in fused_blocks(pipe.vae))
     assert (fused - plain).abs().max() <= 1e-4 * plain.abs().max()
     assert pipe.vae.state_dict().keys() == before.keys()
-    assert len(unfuse_norms(pipe.vae)) == len(report.fused)
+    assert len(unfuse_norms(pipe.vae)) == len(report.swapped)
     assert not fused_blocks(pipe.vae)
     with torch.no_grad():
         assert torch.equal(pipe.vae.decode(latents).sample, plain)
@@ -133,7 +133,7 @@ def test_the_probe_leaves_a_block_plain_where_the_fused_output_differs(monkeypat
     monkeypatch.setattr(fused_norm, "group_norm", lambda x, *a, **k: torch.zeros_like(x))
     block = resnet()
     report = fuse_norms(nn.Sequential(block))
-    assert not report.fused and "differs" in report.skipped["0"] and not is_fused(block)
+    assert not report.swapped and "differs" in report.skipped["0"] and not is_fused(block)
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
@@ -167,7 +167,7 @@ def test_the_probe_runs_every_convolution_by_im2col_and_gives_the_forwards_back(
     real = _compat.im2col_conv2d
     monkeypatch.setattr(_compat, "im2col_conv2d", lambda x, w, *a: calls.append(w) or real(x, w, *a))
     report = fuse_norms(nn.Sequential(block))
-    assert report.fused == ["0"] and is_fused(block)
+    assert report.swapped == ["0"] and is_fused(block)
     assert sorted(map(id, calls)) == sorted(2 * [id(c.weight) for c in convs])
     assert not any("forward" in c.__dict__ for c in convs)
     unfuse_norms(block)
@@ -192,7 +192,7 @@ def test_blocks_with_their_own_forward_or_other_parts_are_not_fused():
     other_act = resnet(non_linearity="mish")
     scale_shift = resnet(16, time_embedding_norm="scale_shift")
     report = fuse_norms(nn.Sequential(own, other_act, scale_shift))
-    assert not report.fused and not fused_blocks(nn.Sequential(own, other_act, scale_shift))
+    assert not report.swapped and not fused_blocks(nn.Sequential(own, other_act, scale_shift))
 
 
 def test_a_group_norm_block_without_a_time_embedding_fuses_and_gives_the_plain_output():
@@ -200,7 +200,7 @@ def test_a_group_norm_block_without_a_time_embedding_fuses_and_gives_the_plain_o
     conv1 as in a "default" block."""
     plain, block = resnet(time_embedding_norm="group"), resnet(time_embedding_norm="group")
     x = torch.randn(2, 8, 6, 5)
-    assert fuse_norms(block).fused == [""] and is_fused(block)
+    assert fuse_norms(block).swapped == [""] and is_fused(block)
     with torch.no_grad():
         assert (block(x, None) - plain(x, None)).abs().max() <= 1e-5 * plain(x, None).abs().max()
 

@@ -31,7 +31,7 @@ def test_every_config_compiles_for_both_archs_without_spilling_defaults(entries)
     specs = compile_check.triton_specs()
     assert len(triton_keys) == len(specs)
     assert {s.function for s in specs} == {"_attention_fwd", "_fp8_linear_kernel", "_gn_stats", "_gn_merge", "_gn_apply",
-                                           "_quantize_rows_kernel"}
+                                           "_quantize_rows_kernel", "_geglu_kernel"}
     # each variant has exactly one default, and it is the first candidate
     for variant in {(s.function, s.variant) for s in specs}:
         assert [s.default for s in specs if (s.function, s.variant) == variant][0]

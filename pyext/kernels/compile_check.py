@@ -61,8 +61,9 @@ def triton_specs(everything: bool = False) -> list[Spec]:
     plain at the widest head dims; bf16 compiles to the same registers as fp16. GroupNorm:
     the stats and apply kernels' fp16 and fp32 defaults in both layouts and every fp16
     channels-last config (the more index math), the merge once (it reads float32 moments only). The
-    fp8 row quantization: every config, for bfloat16, the one dtype its op takes."""
-    from pyext.kernels import attention, fp8_linear, fp8_quantize_rows, group_norm
+    fp8 row quantization: every config, for bfloat16, the one dtype its op takes. GEGLU: every fp16
+    config and each other dtype's default."""
+    from pyext.kernels import attention, fp8_linear, fp8_quantize_rows, geglu, group_norm
 
     def spec(module, function, variant, cfg, default, sig_const):
         return Spec(module.__name__, function, variant, cfg, default, *sig_const)
@@ -109,6 +110,9 @@ def triton_specs(everything: bool = False) -> list[Spec]:
     merge = group_norm.MERGE_CONFIG
     specs.append(spec(group_norm, "_gn_merge", "fp64", merge, True,
                       group_norm.signature("_gn_merge", torch.float32, merge, False)))
+    for dtype, short in DTYPES.items():
+        for i, cfg in enumerate(geglu.configs() if everything or dtype == torch.float16 else geglu.configs()[:1]):
+            specs.append(spec(geglu, "_geglu_kernel", short, cfg, i == 0, geglu.signature(dtype, cfg)))
     for i, cfg in enumerate(fp8_quantize_rows.configs()):  # its op takes bfloat16 activations only
         specs.append(spec(fp8_quantize_rows, "_quantize_rows_kernel", "bf16", cfg, i == 0,
                           fp8_quantize_rows.signature(torch.bfloat16, cfg)))

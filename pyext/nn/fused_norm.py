@@ -14,11 +14,11 @@ those modules (or a global module hook), a TorchFunctionMode watching torch's ca
 swapped for others, inputs that need autograd (the op has no backward), arguments it does not
 know.
 
-Each block is probed when fused: on a small random input, the fused block must give the plain
-block's output, else it stays plain and the report says by how much it differed. A block with
-hooks already on it stays plain: they would see the probe's calls. The probe's convolutions run
-torch's im2col kernel: both forwards call the same convolutions on the same inputs, so the
-kernel does not change the comparison, and torch's default CPU path would reorder every weight
+Each block is probed when fused (pyext.nn.swap): on a small random input, the fused block must
+give the plain block's output, else it stays plain and the report says by how much it differed. A
+block with hooks already on it stays plain: they would see the probe's calls. The probe's
+convolutions run torch's im2col kernel: both forwards call the same convolutions on the same
+inputs, so the kernel does not change the comparison, and torch's default CPU path would reorder every weight
 into oneDNN's layout on every call, most of a probe's time at a UNet's widths. So the probe
 checks the norms' fusion, not conv2's add (prepack packs conv2 after fuse_norms anyway): that is
 oneDNN's post-op, which the tests check against the two calls.
@@ -27,7 +27,6 @@ from __future__ import annotations
 
 import contextlib
 import functools
-from dataclasses import dataclass, field
 
 import torch
 import torch.nn as nn
@@ -35,6 +34,7 @@ import torch.nn.functional as F
 
 from pyext import _compat
 from pyext.nn.packed import PackedConv2d, conv_add
+from pyext.nn.swap import SwapReport, probe, swap_all, swap_back
 from pyext.ops.group_norm import DTYPES, group_norm
 
 # Below this many elements the op's per-call cost (custom op and dispatch) outweighs the pass it
@@ -162,57 +162,22 @@ def _im2col_forward(conv: nn.Conv2d, x: torch.Tensor) -> torch.Tensor:
 
 
 def _probe(block: nn.Module) -> str | None:
-    """None when the fused block gives the plain block's output on a small input, else why not
-    (and the block is plain again)."""
-    if any(p.device.type == "meta" for p in block.parameters()):
-        return "parameters on the meta device (offloaded): nothing to probe with"
-    if any("forward" in m.__dict__ or _compat.torch_hooks(m) for m in block.modules()):
-        return "hooks on it would see the probe's calls"
-    try:
-        x, temb = _probe_args(block)
-        with torch.no_grad(), _im2col_convs(block):
-            plain = block(x, temb)
-            block.__class__ = fused_resnet_block_2d()
-            fused = block(x, temb)
-        tolerance = 1e-4 if x.dtype == torch.float32 else 3e-2
-        err = (fused.float() - plain.float()).abs().max().item()
-        reason = None
-        if not err <= tolerance * max(1.0, plain.float().abs().max().item()):
-            reason = f"the fused block's output differs from the plain one's by {err:.3g}"
-    except Exception as err:  # a block that wants other arguments or inputs
-        reason = f"the probe could not run ({type(err).__name__}: {str(err)[:120]})"
-    if reason:
-        block.__class__ = _resnet_block_2d()
-    return reason
+    """None when the fused block gives the plain block's output on a small input (and is fused),
+    else why not."""
+    p = next(block.parameters())
+    return probe(block, fused_resnet_block_2d(), lambda: _probe_args(block), 1e-4 if p.dtype == torch.float32 else 3e-2,
+                 context=lambda: _im2col_convs(block))
 
 
-@dataclass
-class FuseReport:
-    fused: list[str] = field(default_factory=list)
-    skipped: dict[str, str] = field(default_factory=dict)
-
-    def __str__(self) -> str:
-        return f"{2 * len(self.fused)} GroupNorm+SiLU pairs fused in {len(self.fused)} ResnetBlock2D blocks"
-
-
-def fuse_norms(model: nn.Module) -> FuseReport:
+def fuse_norms(model: nn.Module) -> SwapReport:
     """Fuse the GroupNorm -> SiLU pairs of every probed-safe ResnetBlock2D of the model."""
-    report = FuseReport()
-    for name, block in model.named_modules():
-        if fusable(block):
-            reason = _probe(block)
-            if reason:
-                report.skipped[name] = reason
-            else:
-                report.fused.append(name)
-    return report
+    return swap_all(model, fusable, _probe)
+
+
+def describe(report: SwapReport) -> str:
+    return f"{2 * len(report.swapped)} GroupNorm+SiLU pairs fused in {len(report.swapped)} ResnetBlock2D blocks"
 
 
 def unfuse_norms(model: nn.Module) -> list[str]:
     """Plain ResnetBlock2D forwards again (nothing else was changed)."""
-    done = []
-    for name, module in model.named_modules():
-        if is_fused(module):
-            module.__class__ = _resnet_block_2d()
-            done.append(name)
-    return done
+    return swap_back(model, fused_resnet_block_2d(), _resnet_block_2d())

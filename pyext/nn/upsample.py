@@ -35,6 +35,7 @@ from pyext import _compat, _state, dispatch
 from pyext.kernels import relative_close
 from pyext.nn.packed import PackedConv2d, weight_reason
 from pyext.nn.stored import StoredWeight
+from pyext.nn.swap import swap_all, swap_back
 
 STATE = "upsample_phases"  # pyext._state key: a block's _Phases
 
@@ -206,20 +207,13 @@ def is_phased(block: nn.Module) -> bool:
 
 def phase_upsamplers(module: nn.Module) -> list[str]:
     """Give each phasable Upsample2D in the module the phased forward; their names."""
-    names = []
-    for name, block in module.named_modules():
-        if phasable(block):
-            block.__class__ = phased_upsample_2d()
-            names.append(name)
-    return names
+    return swap_all(module, phasable, _phase).swapped
+
+
+def _phase(block: nn.Module) -> None:
+    block.__class__ = phased_upsample_2d()
 
 
 def unphase_upsamplers(module: nn.Module) -> list[str]:
     """Undo phase_upsamplers: the blocks' own class again, their phase weights dropped."""
-    names = []
-    for name, block in module.named_modules():
-        if is_phased(block):
-            block.__class__ = _upsample_2d()
-            _state.pop(block, STATE)
-            names.append(name)
-    return names
+    return swap_back(module, phased_upsample_2d(), _upsample_2d(), lambda block: _state.pop(block, STATE))

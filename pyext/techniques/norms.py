@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import functools
 
-from pyext.nn.fused_norm import fuse_norms, is_fused, unfuse_norms
+from pyext.nn.fused_norm import describe, fuse_norms, is_fused, unfuse_norms
 from pyext.nn.upsample import is_phased, phase_upsamplers, unphase_upsamplers
 from pyext.techniques.base import Entry, PerComponent
 from pyext.techniques.packing import AUTO_ROLES  # the conv models, built of ResnetBlock2D
@@ -22,8 +22,8 @@ class FuseNorms(PerComponent):
         if any(is_fused(m) for m in module.modules()):
             return self.already(name, "GroupNorm+SiLU fused before")
         report = fuse_norms(module)
-        if report.fused:
-            detail = str(report) + (f" ({len(report.skipped)} blocks left plain)" if report.skipped else "")
+        if report.swapped:
+            detail = describe(report) + (f" ({len(report.skipped)} blocks left plain)" if report.skipped else "")
             return self.applied(name, detail, functools.partial(self._undo, module))
         reasons = sorted(set(report.skipped.values()))
         return self.skipped(name, "no ResnetBlock2D whose GroupNorms feed its SiLU"

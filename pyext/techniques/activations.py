@@ -1,0 +1,34 @@
+"""diffusers' GEGLU feed-forward activation in one pass (pyext.nn.geglu)."""
+from __future__ import annotations
+
+import functools
+
+from pyext.nn.geglu import describe, fuse_geglu, is_fused, unfuse_geglu
+from pyext.techniques.base import Entry, PerComponent
+
+
+class FuseGEGLU(PerComponent):
+    """fuse_geglu="auto": the denoisers and controlnets of a CPU pipeline, where the C++ kernel was
+    measured (the GEGLU modules are theirs); "on": every component, any device the op runs on;
+    "off". With compile="compile" too: inductor fuses the GELU and the product, and the kernel is
+    still the faster."""
+
+    name = "fuse_geglu"
+
+    def change(self, pipe, name: str, d) -> Entry:
+        module = d.components.modules[name]
+        if any(is_fused(m) for m in module.modules()):
+            return self.already(name, "GEGLU fused before")
+        report = fuse_geglu(module)
+        if report.swapped:
+            detail = describe(report) + (f" ({len(report.skipped)} left plain)" if report.skipped else "")
+            return self.applied(name, detail, functools.partial(self._undo, module))
+        reasons = sorted(set(report.skipped.values()))
+        return self.skipped(name, "no GEGLU activation" + (" (" + "; ".join(reasons[:2]) + ")" if reasons else ""))
+
+    def why_not(self, name: str, module, d) -> str | None:
+        return self.switch_reason(name, d, ("denoiser", "controlnet"), auto_cpu_only=True)
+
+    @staticmethod
+    def _undo(module) -> str:
+        return f"{len(unfuse_geglu(module))} GEGLU activations plain again"
