@@ -78,8 +78,9 @@ class OptimizeOptions:
         convolution of the small input, pyext.nn.upsample, where dispatch measures it faster per
         shape) | "on" (every component) | "off".
     fuse_geglu: "auto" (on a CPU: the GEGLU activations of denoisers and controlnets, the
-        feed-forward's chunk, GELU and product, in one pass of pyext.ops.geglu) | "on" (every
-        component, any device) | "off".
+        feed-forward's chunk, GELU and product, in one pass of pyext.ops.geglu; not on a denoiser
+        with compile="compile"/"cudagraphs", whose compiler fuses them) | "on" (every component,
+        any device) | "off".
     compile: "auto" (capture on CUDA without offload; eager otherwise) | "off" | "capture" (pyext
         captures the denoiser's eager forward in CUDA graphs, one per input signature, and replays
         them; no compiler; CUDA only) | "trace" | "compile" (torch.compile; on a CPU with inductor,

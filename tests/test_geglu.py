@@ -276,6 +276,14 @@ def test_optimize_fuses_the_denoisers_geglu_reports_and_undoes():
     assert not any(is_fused(m) for m in pipe.unet.modules())
 
 
+def test_fuse_geglu_leaves_a_compiled_denoiser_to_the_compiler():
+    pipe = build_pipeline("sd15", "tiny")
+    steps = {(s.component, s.technique): s for s in pyext.plan(pipe, compile="compile").steps}
+    assert steps["unet", "fuse_geglu"].action == "skip" and "compiler fuses" in steps["unet", "fuse_geglu"].why
+    steps = {(s.component, s.technique): s for s in pyext.plan(pipe, compile="trace").steps}
+    assert steps["unet", "fuse_geglu"].action == "apply"
+
+
 def test_fuse_geglu_option():
     pipe = build_pipeline("sd15", "tiny")
     pyext.optimize(pipe, dtype=torch.float32, fuse_geglu="off")

@@ -10,8 +10,8 @@ from pyext.techniques.base import Entry, PerComponent
 class FuseGEGLU(PerComponent):
     """fuse_geglu="auto": the denoisers and controlnets of a CPU pipeline, where the C++ kernel was
     measured (the GEGLU modules are theirs); "on": every component, any device the op runs on;
-    "off". With compile="compile" too: inductor fuses the GELU and the product, and the kernel is
-    still the faster."""
+    "off". Not with compile="compile"/"cudagraphs" on a denoiser: inductor fuses the GELU and the
+    product itself, and a compiled step measured no faster with the op."""
 
     name = "fuse_geglu"
 
@@ -27,7 +27,12 @@ class FuseGEGLU(PerComponent):
         return self.skipped(name, "no GEGLU activation" + (" (" + "; ".join(reasons[:2]) + ")" if reasons else ""))
 
     def why_not(self, name: str, module, d) -> str | None:
-        return self.switch_reason(name, d, ("denoiser", "controlnet"), auto_cpu_only=True)
+        reason = self.switch_reason(name, d, ("denoiser", "controlnet"), auto_cpu_only=True)
+        if reason:
+            return reason
+        if d.options.compile in ("compile", "cudagraphs") and name in d.components.denoisers:
+            return f"compile={d.options.compile!r}: the compiler fuses the GELU and the product itself"
+        return None
 
     @staticmethod
     def _undo(module) -> str:
