@@ -9,8 +9,8 @@ one pyext.optimize computes in here (bf16 where the CPU has it natively, else fp
 is bf16. The linears run on the GPU when there is one. Rounds interleave the variants after a
 warm-up; a row gives median times and the median and range of the per-round ratio of pyext's
 time to the plain layer's. A linear of a few rows runs from memory, as in a model: each variant
-over copies of the layer whose weights exceed the last-level caches (`copies_for`). Weights are
-random.
+over copies of the layer whose weights exceed the last-level caches (`copies_for`); a linear of
+more rows is called several times per round (`calls_for`). Weights are random.
 """
 from __future__ import annotations
 
@@ -151,6 +151,17 @@ def last_level_cache_bytes() -> int:
     return sum(caches.values()) or 32 << 20
 
 
+# Beyond FEW_ROWS a linear computes: each variant then calls its layer enough times per round for
+# about ROUND_FLOP of work, so that the one cold call after the variant before it (whose buffers
+# swept the caches) weighs little, as in a model whose layers each run over many rows.
+ROUND_FLOP = 4e9
+
+
+def calls_for(m: int, k: int, n: int) -> int:
+    """How many calls of a layer each variant makes per round (1 for FEW_ROWS or fewer)."""
+    return 1 if m <= FEW_ROWS else max(1, round(ROUND_FLOP / (2 * m * k * n)))
+
+
 def copies_for(m: int, k: int, n: int, device: str) -> int:
     """How many copies of a layer each variant runs over per round (see FEW_ROWS)."""
     if device != "cpu" or m > FEW_ROWS:
@@ -166,19 +177,20 @@ def bench_linear(shapes=LINEAR_SHAPES, dtype: torch.dtype = torch.bfloat16, repe
     device = "cuda" if torch.cuda.is_available() else "cpu"
     out = []
     for name, m, k, n in shapes:
-        copies = copies_for(m, k, n, device)
+        copies, calls = copies_for(m, k, n, device), calls_for(m, k, n)
         plain = [nn.Linear(k, n).to(device, dtype) for _ in range(copies)]
         x = torch.randn(m, k, dtype=dtype, device=device)
         layers = {"plain": plain, "fp8": [FP8Linear.from_linear(lin) for lin in plain]}
         if dtype == torch.bfloat16:  # the dynamic GEMM quantizes bf16 activations
             layers["dynamic"] = [FP8Linear.from_linear(lin, gemm="dynamic") for lin in plain]
         layers["diff"] = [_layerwise_cast(copy.deepcopy(lin), dtype) for lin in plain]
-        variants = {key: (lambda group=group: [layer(x) for layer in group]) for key, group in layers.items()}
+        variants = {key: (lambda group=group: [layer(x) for _ in range(calls) for layer in group])
+                    for key, group in layers.items()}
         per_round = rounds({key: _synced(fn, device) for key, fn in variants.items()}, repeats, 2)
-        per_round = {key: [t / copies for t in ts] for key, ts in per_round.items()}
+        per_round = {key: [t / (copies * calls) for t in ts] for key, ts in per_round.items()}
         t = {key: statistics.median(ts) for key, ts in per_round.items()}
         row = dict(bench="fp8_linear", shape=name, device=device, dtype=str(dtype).removeprefix("torch."), M=m, K=k,
-                   N=n, copies=copies, plain_ms=t["plain"] * 1e3, pyext_fp8_ms=t["fp8"] * 1e3,
+                   N=n, copies=copies, calls=calls, plain_ms=t["plain"] * 1e3, pyext_fp8_ms=t["fp8"] * 1e3,
                    diffusers_fp8_ms=t["diff"] * 1e3, pyext_vs_plain=_vs_plain(per_round, "fp8"),
                    diffusers_vs_plain=_vs_plain(per_round, "diff"))
         if "dynamic" in t:
@@ -360,6 +372,11 @@ def render(result: dict) -> str:
                        if beyond else f"at most {MAX_COPIES}, which at the smallest layers stay within its caches")
                     + ", as a model's layers read theirs from memory; the times are per layer. OpenVINO's "
                     "column is one layer, warm, in its process."]
+        repeated = sorted({r["calls"] for r in linears if r.get("calls", 1) > 1})
+        if repeated:
+            out += [f"\nLarger rows: each variant calls its layer {'-'.join(map(str, (repeated[0], repeated[-1])))} "
+                    f"times per round (about {ROUND_FLOP / 1e9:g} GFLOP), so that its one cold call after the "
+                    "variant before it weighs little; the times are per call."]
         notes = {r["openvino"]["note"] for r in linears if "note" in r.get("openvino", {})}
         out += [f"\nOpenVINO's column: {note}, its time over F.linear's from that process's rounds." for note in notes]
     convs = [r for r in result["rows"] if r["bench"] == "fp8_conv3x3_channels_last"]

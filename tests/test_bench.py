@@ -352,6 +352,9 @@ def test_few_rows_linears_run_over_copies_beyond_the_cache(monkeypatch):
     copies = fp8.copies_for(4, 3072, 3072, "cpu")  # fp8 bytes over twice the caches, not one more
     assert copies * 3072 * 3072 >= 2 * (32 << 20) > (copies - 1) * 3072 * 3072
     assert fp8.copies_for(1, 64, 64, "cpu") == fp8.MAX_COPIES
+    # more rows: computing, called about ROUND_FLOP's worth per round, at least once
+    assert fp8.calls_for(fp8.FEW_ROWS, 3072, 3072) == 1 and fp8.calls_for(8192, 3072, 3072) == 1
+    assert fp8.calls_for(2048, 320, 320) == round(fp8.ROUND_FLOP / (2 * 2048 * 320 * 320)) > 1
 
 
 def test_winograd_bench_pairs_rounds_and_reports_the_rule():
