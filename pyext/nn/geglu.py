@@ -72,7 +72,10 @@ def _probe(module: nn.Module) -> str | None:
     else why not. The plain path rounds gelu(gate) before the product: a rounding of the output."""
     w = module.proj.weight
     tolerance = 1e-5 if w.dtype == torch.float32 else 2 * torch.finfo(w.dtype).eps
-    args = lambda: (torch.randn(2, module.proj.in_features, generator=torch.Generator().manual_seed(0)).to(w),)  # noqa: E731
+
+    def args() -> tuple:
+        return (torch.randn(2, module.proj.in_features, generator=torch.Generator().manual_seed(0)).to(w),)
+
     return probe(module, fused_geglu(), args, tolerance)
 
 
