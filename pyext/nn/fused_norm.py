@@ -18,10 +18,10 @@ Each block is probed when fused (pyext.nn.swap): on a small random input, the fu
 give the plain block's output, else it stays plain and the report says by how much it differed. A
 block with hooks already on it stays plain: they would see the probe's calls. The probe's
 convolutions run torch's im2col kernel: both forwards call the same convolutions on the same
-inputs, so the kernel does not change the comparison, and torch's default CPU path would reorder every weight
-into oneDNN's layout on every call, most of a probe's time at a UNet's widths. So the probe
-checks the norms' fusion, not conv2's add (prepack packs conv2 after fuse_norms anyway): that is
-oneDNN's post-op, which the tests check against the two calls.
+inputs, so the kernel does not change the comparison, and torch's default CPU path would reorder
+every weight into oneDNN's layout on every call, most of a probe's time at a UNet's widths. So the
+probe checks the norms' fusion, not conv2's add (prepack packs conv2 after fuse_norms anyway): that
+is oneDNN's post-op, which the tests check against the two calls.
 """
 from __future__ import annotations
 
