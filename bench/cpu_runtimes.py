@@ -129,11 +129,12 @@ def _setup(runtime: str, pipe, x, dtype, threads: int):
         unet, decode = openvino_calls(pipe, *x, threads=threads)
         del pipe.unet, pipe.vae  # OpenVINO holds its own copy of the weights
         return {"unet": lambda: unet(*x[0])[0], "vae": lambda: decode(*x[1])}
-    if pyext_options(runtime) is not None:
+    options = pyext_options(runtime)
+    if options is not None:
         import pyext
 
         h, w = (n * pipe.vae_scale_factor for n in x[0][0].shape[-2:])
-        pyext.optimize(pipe, height=h, width=w, **pyext_options(runtime))
+        pyext.optimize(pipe, height=h, width=w, **options)
         dtype = pipe.unet.dtype
     else:
         pipe.to(dtype)

@@ -20,11 +20,8 @@ class FuseGEGLU(PerComponent):
         if any(is_fused(m) for m in module.modules()):
             return self.already(name, "GEGLU fused before")
         report = fuse_geglu(module)
-        if report.swapped:
-            detail = describe(report) + (f" ({len(report.skipped)} left plain)" if report.skipped else "")
-            return self.applied(name, detail, functools.partial(self._undo, module))
-        reasons = sorted(set(report.skipped.values()))
-        return self.skipped(name, "no GEGLU activation" + (" (" + "; ".join(reasons[:2]) + ")" if reasons else ""))
+        return self.swap_entry(name, report, describe(report), functools.partial(self._undo, module),
+                               "no GEGLU activation")
 
     def why_not(self, name: str, module, d) -> str | None:
         reason = self.switch_reason(name, d, ("denoiser", "controlnet"), auto_cpu_only=True)

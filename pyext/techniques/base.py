@@ -102,6 +102,15 @@ class PerComponent(Technique):
     def why_not(self, name: str, module, d) -> str | None:
         raise NotImplementedError
 
+    def swap_entry(self, name: str, report, detail: str, undo: Callable[[], str], none_found: str) -> Entry:
+        """The entry of a class-swap fusion (pyext.nn.swap's SwapReport): applied, with `detail` and
+        how many modules the probe left plain; or skipped, saying `none_found` and the probe's first
+        reasons."""
+        if report.swapped:
+            return self.applied(name, detail + (f" ({len(report.skipped)} left plain)" if report.skipped else ""), undo)
+        reasons = sorted(set(report.skipped.values()))
+        return self.skipped(name, none_found + (" (" + "; ".join(reasons[:2]) + ")" if reasons else ""))
+
     def switch_reason(self, name: str, d, auto_roles: tuple[str, ...], auto_cpu_only: bool = False) -> str | None:
         """The reason an "auto"/"on"/"off" option named after the technique gives: "off", or "auto"
         on a component whose role is not in auto_roles, or (auto_cpu_only: what it does was measured

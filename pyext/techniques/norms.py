@@ -22,12 +22,8 @@ class FuseNorms(PerComponent):
         if any(is_fused(m) for m in module.modules()):
             return self.already(name, "GroupNorm+SiLU fused before")
         report = fuse_norms(module)
-        if report.swapped:
-            detail = describe(report) + (f" ({len(report.skipped)} blocks left plain)" if report.skipped else "")
-            return self.applied(name, detail, functools.partial(self._undo, module))
-        reasons = sorted(set(report.skipped.values()))
-        return self.skipped(name, "no ResnetBlock2D whose GroupNorms feed its SiLU"
-                            + (" (" + "; ".join(reasons[:2]) + ")" if reasons else ""))
+        return self.swap_entry(name, report, describe(report), functools.partial(self._undo, module),
+                               "no ResnetBlock2D whose GroupNorms feed its SiLU")
 
     def why_not(self, name: str, module, d) -> str | None:
         reason = self.switch_reason(name, d, AUTO_ROLES, auto_cpu_only=True)
